@@ -1,0 +1,108 @@
+"""The Python API: tensors <-> bytes, files <-> files.  The CLI is a thin layer on this.
+
+    >>> import torch, cachegen_cli as cg
+    >>> blob = cg.encode(kv)                  # kv: [layers, 2, tokens, heads, head_dim]
+    >>> tensors = cg.decode(blob)             # {"kv": tensor of the same shape and dtype}
+    >>> cg.encode_file("kv.safetensors", "kv.cgen")
+    >>> cg.decode_file("kv.cgen", "kv.decoded.safetensors")
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from . import codec, kvio
+from .config import DEFAULT_CHUNK_TOKENS, QuantizationConfig, resolve_quantization
+from .errors import InputNotFoundError
+from .fileio import atomic_output, check_output
+
+__all__ = ["encode", "decode", "encode_file", "decode_file", "default_encoded_path", "default_decoded_path"]
+
+
+def encode(
+    kv: torch.Tensor | Mapping[str, torch.Tensor],
+    *,
+    preset: str | None = None,
+    bins: str | int | None = None,
+    quantization: QuantizationConfig | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    layout: str = "auto",
+    metadata: Mapping[str, str] | None = None,
+    device: str = "cpu",
+) -> bytes:
+    """Compress a KV cache to the bytes of a .cgen file.
+
+    ``kv`` is one tensor [layers, 2, tokens, kv_heads, head_dim] or a mapping of
+    names to tensors in either layout (see ``kvio``).  The quantization table is
+    a preset name, a ``--bins`` string, or a QuantizationConfig (default: LMCache's).
+    """
+    cache = kvio.from_tensors(kv, layout, metadata)
+    quant = resolve_quantization(cache.num_layers, quantization=quantization, preset_name=preset, bins=bins)
+    buf = io.BytesIO()
+    codec.encode_to_stream(cache, buf, quant, chunk_tokens, device=device)
+    return buf.getvalue()
+
+
+def decode(data: bytes | bytearray | memoryview, *, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Decompress .cgen bytes to the original tensor names, shapes and dtype."""
+    header, tensor = codec.decode_from_stream(io.BytesIO(bytes(data)), device=device)
+    return kvio.to_tensors(tensor, header.descriptor)
+
+
+def default_encoded_path(src: Path) -> Path:
+    return src.with_suffix(".cgen")
+
+
+def default_decoded_path(src: Path) -> Path:
+    return src.with_name(src.stem + ".decoded.safetensors")
+
+
+def encode_file(
+    src: str | Path,
+    dst: str | Path | None = None,
+    *,
+    force: bool = False,
+    preset: str | None = None,
+    bins: str | int | None = None,
+    quantization: QuantizationConfig | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    layout: str = "auto",
+    device: str = "cpu",
+    progress: codec.ProgressFn | None = None,
+) -> codec.EncodeSummary:
+    """Compress a safetensors KV file to a .cgen file (atomically; never over the input)."""
+    src = Path(src)
+    dst = Path(dst) if dst is not None else default_encoded_path(src)
+    if not src.is_file():
+        raise InputNotFoundError(f"no such file: {src}")
+    check_output(dst, [src], force)
+    cache = kvio.read_safetensors(src, layout)
+    quant = resolve_quantization(cache.num_layers, quantization=quantization, preset_name=preset, bins=bins)
+    with atomic_output(dst) as tmp, open(tmp, "wb") as out:
+        summary = codec.encode_to_stream(cache, out, quant, chunk_tokens, progress, device)
+    return summary
+
+
+def decode_file(
+    src: str | Path,
+    dst: str | Path | None = None,
+    *,
+    force: bool = False,
+    device: str = "cpu",
+    progress: codec.ProgressFn | None = None,
+) -> Path:
+    """Decompress a .cgen file to safetensors in the original layout (atomically)."""
+    src = Path(src)
+    dst = Path(dst) if dst is not None else default_decoded_path(src)
+    if not src.is_file():
+        raise InputNotFoundError(f"no such file: {src}")
+    check_output(dst, [src], force)
+    with open(src, "rb") as f:
+        header, tensor = codec.decode_from_stream(f, progress, device)
+    tensors = kvio.to_tensors(tensor, header.descriptor)
+    kvio.write_safetensors_atomic(tensors, header.descriptor.get("metadata", {}), dst)
+    return dst

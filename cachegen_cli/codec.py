@@ -1,0 +1,236 @@
+"""Codec orchestration: KV tensors <-> .cgen chunks, through the kernels.
+
+Encoding walks the cache in slabs of whole chunks (bounded memory; the kernels
+get enough streams to run in parallel), and for each slab runs
+quantize -> histogram -> CDF -> range-code -> pack, then writes one
+self-contained record per chunk.  Decoding reads chunk records, batches them
+into slabs again and runs CDF-from-codes -> range-decode -> dequantize.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import numpy as np
+import torch
+
+from . import container
+from .config import QuantizationConfig, validate_chunk_tokens
+from .container import Chunk, FileHeader
+from .errors import ConfigError, FormatError
+from .kernels import cpu as cpu_kernels
+from .kernels.coding_params import MAX_ALPHABET, max_stream_bytes
+from .kvio import DTYPE_BY_NAME, KVCache
+
+ProgressFn = Callable[[int, int], None]
+
+#: Target size of one slab's float32 copy: big enough to keep every core busy,
+#: small enough that a multi-GB cache never needs a full float32 copy.
+SLAB_BYTES = 256 << 20
+
+
+def get_kernels(device: str = "cpu"):
+    """The kernel module for a device.  Only the CPU exists in this version."""
+    if device in ("cpu", "auto"):
+        return cpu_kernels
+    raise ConfigError(f"device {device!r} is not available; use cpu")
+
+
+@dataclass
+class Slab:
+    first_chunk: int
+    num_chunks: int
+    t0: int
+    t1: int
+
+
+def iter_slabs(h: FileHeader, slab_bytes: int = SLAB_BYTES) -> Iterator[Slab]:
+    per_chunk = h.chunk_tokens * h.num_layers * 2 * h.num_channels * 4
+    step = max(1, slab_bytes // max(per_chunk, 1))
+    for first in range(0, h.num_chunks, step):
+        n = min(step, h.num_chunks - first)
+        t0 = first * h.chunk_tokens
+        yield Slab(first, n, t0, min(h.num_tokens, (first + n) * h.chunk_tokens))
+
+
+def make_header(cache: KVCache, quant: QuantizationConfig, chunk_tokens: int) -> FileHeader:
+    chunk_tokens = validate_chunk_tokens(chunk_tokens)
+    bins = quant.bins_table(cache.num_layers)
+    if bins.max() > MAX_ALPHABET:
+        raise ConfigError(f"bins above {MAX_ALPHABET} are not supported")
+    return FileHeader(
+        num_tokens=cache.num_tokens,
+        num_layers=cache.num_layers,
+        num_channels=cache.num_channels,
+        chunk_tokens=chunk_tokens,
+        num_chunks=-(-cache.num_tokens // chunk_tokens),
+        group=container.choose_group(chunk_tokens, cache.num_channels),
+        dtype=cache.dtype_name,
+        layout=cache.layout,
+        bins=bins,
+        descriptor=cache.descriptor(),
+    )
+
+
+def _code_width(h: FileHeader) -> int:
+    return int(h.alphabets.max())
+
+
+def encode_slab(h: FileHeader, x: np.ndarray, first_chunk: int, kernels=cpu_kernels) -> list[Chunk]:
+    """Encode float32 x [L, 2, T_slab, C] holding whole chunks from ``first_chunk`` on."""
+    L, _, T, C = x.shape
+    ct = h.chunk_tokens
+    K = -(-T // ct)
+    S = _code_width(h)
+    maxq = h.maxq
+    scales = np.empty((L, 2, T), np.uint16)
+    symbols = np.empty((L, 2, T, C), np.uint8)
+    kernels.quantize(x, maxq, scales, symbols)
+    counts = np.empty((K, L, 2, C, S), np.int32)
+    kernels.histogram(symbols, ct, counts)
+    codes = np.empty((K, L, 2, C, S), np.uint8)
+    cum = np.empty((K, L, 2, C, S + 1), np.int32)
+    kernels.build_cdf(counts, maxq, codes, cum)
+    per_chunk = h.streams_per_chunk
+    slots = np.empty((K * per_chunk, max_stream_bytes(ct * h.group)), np.uint8)
+    lengths = np.empty(K * per_chunk, np.int32)
+    kernels.encode_streams(symbols, cum, ct, h.group, slots, lengths)
+    offsets = np.zeros(K * per_chunk + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    payload = np.empty(int(offsets[-1]), np.uint8)
+    kernels.pack_streams(slots, lengths, offsets, payload)
+    chunks = []
+    for k in range(K):
+        a, b = k * per_chunk, (k + 1) * per_chunk
+        t0, t1 = k * ct, min(T, (k + 1) * ct)
+        chunks.append(
+            Chunk(
+                index=first_chunk + k,
+                first_token=(first_chunk + k) * ct,
+                token_count=t1 - t0,
+                scales=scales[:, :, t0:t1],
+                codes=codes[k],
+                lengths=lengths[a:b].reshape(L, 2, h.groups),
+                payload=payload[offsets[a] : offsets[b]],
+            )
+        )
+    return chunks
+
+
+def decode_slab(h: FileHeader, chunks: list[Chunk], kernels=cpu_kernels) -> np.ndarray:
+    """Decode consecutive chunks into float32 [L, 2, T_slab, C]."""
+    L, C = h.num_layers, h.num_channels
+    K = len(chunks)
+    T = sum(c.token_count for c in chunks)
+    maxq = h.maxq
+    S = _code_width(h)
+    codes = np.stack([c.codes for c in chunks])
+    cum = np.empty((K, L, 2, C, S + 1), np.int32)
+    kernels.cum_from_codes(codes, maxq, cum)
+    lengths = np.concatenate([c.lengths.reshape(-1) for c in chunks]).astype(np.int32)
+    offsets = np.zeros(lengths.size + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    payload = np.concatenate([c.payload for c in chunks]) if K else np.empty(0, np.uint8)
+    symbols = np.empty((L, 2, T, C), np.uint8)
+    kernels.decode_streams(payload, offsets, lengths, cum, maxq, h.chunk_tokens, h.group, symbols)
+    scales = np.concatenate([c.scales for c in chunks], axis=2)
+    out = np.empty((L, 2, T, C), np.float32)
+    kernels.dequantize(symbols, np.ascontiguousarray(scales), maxq, out)
+    return out
+
+
+@dataclass
+class EncodeSummary:
+    header: FileHeader
+    file_bytes: int
+    payload_bytes: int
+    side_bytes: int
+
+
+def encode_to_stream(
+    cache: KVCache,
+    out: BinaryIO,
+    quant: QuantizationConfig,
+    chunk_tokens: int,
+    progress: ProgressFn | None = None,
+    device: str = "cpu",
+) -> EncodeSummary:
+    """Write a whole .cgen file for ``cache`` to ``out``."""
+    kernels = get_kernels(device)
+    h = make_header(cache, quant, chunk_tokens)
+    head = container.pack_file_header(h)
+    out.write(head)
+    pos = len(head)
+    offsets: list[int] = []
+    payload_bytes = 0
+    for slab in iter_slabs(h):
+        x = cache.data[:, :, slab.t0 : slab.t1, :].to(torch.float32).contiguous().numpy()
+        for chunk in encode_slab(h, x, slab.first_chunk, kernels):
+            record = container.pack_chunk(h, chunk)
+            offsets.append(pos)
+            out.write(record)
+            pos += len(record)
+            payload_bytes += int(chunk.payload.size)
+            if progress:
+                progress(chunk.index + 1, h.num_chunks)
+    index = container.pack_index(offsets)
+    out.write(index)
+    out.write(container.pack_trailer(pos))
+    pos += len(index) + container.TRAILER.size
+    return EncodeSummary(h, pos, payload_bytes, pos - payload_bytes)
+
+
+def _stream_size(f: BinaryIO) -> int | None:
+    try:
+        here = f.tell()
+        end = f.seek(0, os.SEEK_END)
+        f.seek(here)
+        return end - here
+    except (OSError, io.UnsupportedOperation, AttributeError):
+        return None
+
+
+def read_header_and_index(f: BinaryIO) -> tuple[FileHeader, int, list[int], int]:
+    """Header, header size, chunk offsets and file size of a seekable .cgen stream at offset 0."""
+    size = _stream_size(f)
+    if size is None:
+        raise FormatError("the .cgen input must be seekable")
+    h, header_end = container.read_file_header(f, size)
+    offsets = container.read_index(f, h, header_end, size)
+    f.seek(header_end)
+    return h, header_end, offsets, size
+
+
+def iter_chunks(f: BinaryIO, h: FileHeader, offsets: list[int], size: int) -> Iterator[Chunk]:
+    """Read every chunk in order, checking each sits where the index says."""
+    width = _code_width(h)
+    index_offset = size - container.TRAILER.size - (12 + 8 * h.num_chunks)
+    for i in range(h.num_chunks):
+        pos = f.tell()
+        if pos != offsets[i]:
+            raise container.SizeError(f"chunk {i} is at byte {pos}, the index says {offsets[i]}")
+        chunk, _ = container.read_chunk(f, h, i, index_offset - pos, width)
+        yield chunk
+    if f.tell() != index_offset:
+        raise container.SizeError("bytes between the last chunk and the index")
+
+
+def decode_from_stream(f: BinaryIO, progress: ProgressFn | None = None, device: str = "cpu") -> tuple[FileHeader, torch.Tensor]:
+    """Decode a whole .cgen stream; returns its header and the [L, 2, T, C] tensor in the source dtype."""
+    kernels = get_kernels(device)
+    h, _, offsets, size = read_header_and_index(f)
+    data = torch.empty((h.num_layers, 2, h.num_tokens, h.num_channels), dtype=DTYPE_BY_NAME[h.dtype])
+    chunks = iter_chunks(f, h, offsets, size)
+    for slab in iter_slabs(h):
+        batch = [next(chunks) for _ in range(slab.num_chunks)]
+        x = decode_slab(h, batch, kernels)
+        data[:, :, slab.t0 : slab.t1, :] = torch.from_numpy(x).to(data.dtype)
+        if progress:
+            progress(slab.first_chunk + slab.num_chunks, h.num_chunks)
+    for _ in chunks:  # drains the generator: runs its final consistency check
+        pass
+    return h, data

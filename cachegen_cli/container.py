@@ -1,0 +1,362 @@
+"""The .cgen container, byte for byte as docs/format.md specifies it.
+
+    FileHeader (64 B) | bins table (2 x num_layers B) | descriptor (JSON)
+    Chunk 0 | Chunk 1 | ... | Index | Trailer (16 B)
+
+All integers are little-endian.  This module only packs and parses bytes; it
+knows nothing of quantization or coding beyond the sizes the sections must
+have.  The reader trusts no length it reads: each is range-checked against
+the header, the format's caps and the bytes actually left in the file before
+anything is allocated or read.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import numpy as np
+
+from .errors import BadMagicError, ChecksumError, SizeError, TruncatedError, UnsupportedVersionError
+from .kernels.coding_params import MAX_ALPHABET, MAX_STREAM_SYMBOLS, PROB_BITS, alphabet_size, max_stream_bytes
+
+MAGIC = b"\x89CGEN\r\n\x1a"
+FORMAT_VERSION = 1
+CHUNK_MAGIC = b"CGCK"
+INDEX_MAGIC = b"CGIX"
+TRAILER_MAGIC = b"CGENDIDX"
+
+FILE_HEADER = struct.Struct("<8sHHIQIIIIHBBBBB13sI")
+CHUNK_HEADER = struct.Struct("<4sIIIIIIIII")
+TRAILER = struct.Struct("<Q8s")
+assert FILE_HEADER.size == 64 and CHUNK_HEADER.size == 40 and TRAILER.size == 16
+
+DTYPE_CODES = {"float16": 1, "bfloat16": 2, "float32": 3}
+LAYOUT_CODES = {"stacked": 1, "per-layer": 2}
+METHOD_ABSMAX_PER_TOKEN = 1
+CDF_CODING_NIBBLES = 1
+
+# Caps: a reader refuses anything beyond these before allocating.
+MAX_DESCRIPTOR_BYTES = 16 << 20
+MAX_LAYERS = 4096
+MAX_CHANNELS = 1 << 16
+MAX_TOKENS = (1 << 32) - 1
+MAX_CHUNKS = 1 << 24
+
+
+@dataclass
+class FileHeader:
+    num_tokens: int
+    num_layers: int
+    num_channels: int
+    chunk_tokens: int
+    num_chunks: int
+    group: int  # channels per stream
+    dtype: str
+    layout: str
+    bins: np.ndarray  # uint8/int [num_layers, 2]
+    descriptor: dict
+    method: int = METHOD_ABSMAX_PER_TOKEN
+    prob_bits: int = PROB_BITS
+    cdf_coding: int = CDF_CODING_NIBBLES
+
+    @property
+    def maxq(self) -> np.ndarray:
+        """int32 [L, 2]: largest quantization level per (layer, K/V)."""
+        return ((self.bins.astype(np.int32) - 1) // 2).astype(np.int32)
+
+    @property
+    def alphabets(self) -> np.ndarray:
+        return 2 * self.maxq + 1
+
+    @property
+    def groups(self) -> int:
+        """Streams per (layer, K/V) plane in a chunk."""
+        return -(-self.num_channels // self.group)
+
+    @property
+    def streams_per_chunk(self) -> int:
+        return self.num_layers * 2 * self.groups
+
+    def chunk_tokens_at(self, index: int) -> int:
+        first = index * self.chunk_tokens
+        return min(self.chunk_tokens, self.num_tokens - first)
+
+    def section_sizes(self, token_count: int) -> tuple[int, int, int]:
+        """Sizes of the scales, CDF-codes and lengths sections of a chunk."""
+        scales = self.num_layers * 2 * token_count * 2
+        cdf = self.num_channels * int(((self.alphabets + 1) // 2).sum())
+        lengths = self.streams_per_chunk * 2
+        return scales, cdf, lengths
+
+    def max_payload(self, token_count: int) -> int:
+        full = max_stream_bytes(token_count * self.group)
+        return self.streams_per_chunk * full
+
+
+def choose_group(chunk_tokens: int, num_channels: int) -> int:
+    """Channels per stream: enough that a stream holds ~1024 symbols, which keeps the
+    range coder's ~1-byte flush and the 2-byte length small next to the payload."""
+    return max(1, min(num_channels, 1024 // chunk_tokens, MAX_STREAM_SYMBOLS // chunk_tokens))
+
+
+def _crc(*parts: bytes) -> int:
+    crc = 0
+    for p in parts:
+        crc = zlib.crc32(p, crc)
+    return crc & 0xFFFFFFFF
+
+
+# ---------------------------------------------------------------- file header
+
+
+def pack_file_header(h: FileHeader) -> bytes:
+    bins = np.ascontiguousarray(h.bins, dtype=np.uint8).tobytes()  # layer-major: K, V, K, V, ...
+    desc = json.dumps(h.descriptor, separators=(",", ":"), ensure_ascii=False, sort_keys=True).encode("utf-8")
+    fields = (
+        MAGIC, FORMAT_VERSION, FILE_HEADER.size, len(desc), h.num_tokens, h.num_layers, h.num_channels,
+        h.chunk_tokens, h.num_chunks, h.group, DTYPE_CODES[h.dtype], LAYOUT_CODES[h.layout],
+        h.method, h.prob_bits, h.cdf_coding, bytes(13),
+    )
+    head = FILE_HEADER.pack(*fields, 0)[:-4]
+    return head + struct.pack("<I", _crc(head, bins, desc)) + bins + desc
+
+
+def read_exact(f: BinaryIO, n: int, what: str) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise TruncatedError(f"file ends inside the {what} ({len(data)} of {n} bytes)")
+    return data
+
+
+def read_file_header(f: BinaryIO, file_size: int | None = None) -> tuple[FileHeader, int]:
+    """Parse the header at the current position; returns it and its total size in bytes."""
+    raw = f.read(FILE_HEADER.size)
+    if len(raw) < len(MAGIC) or raw[: len(MAGIC)] != MAGIC:
+        if len(raw) < len(MAGIC) and MAGIC.startswith(raw) and raw:
+            raise TruncatedError("file ends inside the .cgen magic")
+        raise BadMagicError("not a .cgen file (bad magic)")
+    if len(raw) < FILE_HEADER.size:
+        raise TruncatedError(f"file ends inside the file header ({len(raw)} of {FILE_HEADER.size} bytes)")
+    (_, version, header_size, desc_size, num_tokens, num_layers, num_channels, chunk_tokens, num_chunks,
+     group, dtype_code, layout_code, method, prob_bits, cdf_coding, reserved, crc) = FILE_HEADER.unpack(raw)
+    if version != FORMAT_VERSION:
+        raise UnsupportedVersionError(f"format version {version} is not supported (this reader knows version {FORMAT_VERSION})")
+    if header_size != FILE_HEADER.size:
+        raise SizeError(f"file header size {header_size}, expected {FILE_HEADER.size}")
+    if not 1 <= num_layers <= MAX_LAYERS:
+        raise SizeError(f"layer count {num_layers} out of range 1..{MAX_LAYERS}")
+    if not 1 <= num_channels <= MAX_CHANNELS:
+        raise SizeError(f"channel count {num_channels} out of range 1..{MAX_CHANNELS}")
+    if not 1 <= chunk_tokens <= MAX_STREAM_SYMBOLS:
+        raise SizeError(f"chunk size {chunk_tokens} tokens out of range 1..{MAX_STREAM_SYMBOLS}")
+    if num_tokens > MAX_TOKENS:
+        raise SizeError(f"token count {num_tokens} out of range")
+    if num_chunks != -(-num_tokens // chunk_tokens) or num_chunks > MAX_CHUNKS:
+        raise SizeError(f"chunk count {num_chunks} does not match {num_tokens} tokens in chunks of {chunk_tokens}")
+    if not 1 <= group <= num_channels or group * chunk_tokens > MAX_STREAM_SYMBOLS:
+        raise SizeError(f"channels per stream {group} out of range")
+    if not 0 < desc_size <= MAX_DESCRIPTOR_BYTES:
+        raise SizeError(f"descriptor size {desc_size} out of range 1..{MAX_DESCRIPTOR_BYTES}")
+    rest = 2 * num_layers + desc_size
+    if file_size is not None and FILE_HEADER.size + rest > file_size:
+        raise TruncatedError("file ends inside the header's bins table or descriptor")
+    dtype = {v: k for k, v in DTYPE_CODES.items()}.get(dtype_code)
+    layout = {v: k for k, v in LAYOUT_CODES.items()}.get(layout_code)
+    if dtype is None:
+        raise UnsupportedVersionError(f"unknown dtype code {dtype_code}")
+    if layout is None:
+        raise UnsupportedVersionError(f"unknown layout code {layout_code}")
+    if method != METHOD_ABSMAX_PER_TOKEN:
+        raise UnsupportedVersionError(f"unknown quantization method {method}")
+    if prob_bits != PROB_BITS:
+        raise UnsupportedVersionError(f"probability precision {prob_bits} bits is not supported")
+    if cdf_coding != CDF_CODING_NIBBLES:
+        raise UnsupportedVersionError(f"unknown CDF coding {cdf_coding}")
+    bins_raw = read_exact(f, 2 * num_layers, "bins table")
+    desc_raw = read_exact(f, desc_size, "descriptor")
+    if _crc(raw[:-4], bins_raw, desc_raw) != crc:
+        raise ChecksumError("file header CRC mismatch: the file is corrupted")
+    if any(reserved):
+        raise UnsupportedVersionError("reserved header bytes are set (written by a newer cachegen?)")
+    bins = np.frombuffer(bins_raw, dtype=np.uint8).reshape(num_layers, 2).astype(np.int32)
+    if bins.min() < 3 or bins.max() > MAX_ALPHABET:
+        raise SizeError(f"bins out of range 3..{MAX_ALPHABET}")
+    try:
+        descriptor = json.loads(desc_raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise SizeError("descriptor is not valid UTF-8 JSON") from None
+    from .kvio import validate_descriptor
+
+    try:
+        validate_descriptor(descriptor, num_layers, num_tokens, num_channels)
+    except ValueError as exc:
+        raise SizeError(f"descriptor does not match the header: {exc}") from None
+    header = FileHeader(num_tokens, num_layers, num_channels, chunk_tokens, num_chunks, group, dtype, layout,
+                        bins, descriptor, method, prob_bits, cdf_coding)
+    return header, FILE_HEADER.size + rest
+
+
+# ---------------------------------------------------------------- chunks
+
+
+@dataclass
+class Chunk:
+    """One chunk's sections, as arrays.
+
+    scales  uint16 [L, 2, token_count]  bfloat16 bits
+    codes   uint8  [L, 2, C, S]         4-bit CDF codes (S >= alphabet); packed on write
+    lengths uint16 [L, 2, groups]       coded bytes of each stream
+    payload uint8  [sum(lengths)]       the streams, in (layer, K/V, group) order
+    """
+
+    index: int
+    first_token: int
+    token_count: int
+    scales: np.ndarray
+    codes: np.ndarray
+    lengths: np.ndarray
+    payload: np.ndarray
+
+
+def pack_codes(codes: np.ndarray, alphabets: np.ndarray) -> bytes:
+    """[L, 2, C, S] codes -> per (layer, K/V, channel) ceil(A/2) bytes, low nibble first."""
+    L, _, C, _ = codes.shape
+    parts = []
+    for l in range(L):
+        for kv in range(2):
+            a = int(alphabets[l, kv])
+            plane = codes[l, kv, :, :a]
+            if a % 2:
+                plane = np.concatenate([plane, np.zeros((C, 1), np.uint8)], axis=1)
+            parts.append((plane[:, 0::2] | (plane[:, 1::2] << 4)).astype(np.uint8).tobytes())
+    return b"".join(parts)
+
+
+def unpack_codes(raw: bytes, alphabets: np.ndarray, num_channels: int, width: int) -> np.ndarray:
+    """Inverse of pack_codes into a zero-padded [L, 2, C, width] array."""
+    L = alphabets.shape[0]
+    out = np.zeros((L, 2, num_channels, width), np.uint8)
+    buf = np.frombuffer(raw, np.uint8)
+    pos = 0
+    for l in range(L):
+        for kv in range(2):
+            a = int(alphabets[l, kv])
+            nb = (a + 1) // 2
+            packed = buf[pos : pos + num_channels * nb].reshape(num_channels, nb)
+            pos += num_channels * nb
+            both = np.empty((num_channels, 2 * nb), np.uint8)
+            both[:, 0::2] = packed & 0x0F
+            both[:, 1::2] = packed >> 4
+            if a % 2 and both[:, a].any():
+                raise SizeError("padding nibble of a CDF code row is not zero")
+            out[l, kv, :, :a] = both[:, :a]
+    return out
+
+
+def pack_chunk(h: FileHeader, chunk: Chunk) -> bytes:
+    scales = np.ascontiguousarray(chunk.scales, dtype="<u2").tobytes()
+    codes = pack_codes(chunk.codes, h.alphabets)
+    lengths = np.ascontiguousarray(chunk.lengths, dtype="<u2").tobytes()
+    payload = np.ascontiguousarray(chunk.payload, dtype=np.uint8).tobytes()
+    head = CHUNK_HEADER.pack(CHUNK_MAGIC, chunk.index, chunk.first_token, chunk.token_count, len(scales),
+                             len(codes), len(lengths), len(payload), 0, 0)[:-4]
+    crc = _crc(head, scales, codes, lengths, payload)
+    return head + struct.pack("<I", crc) + scales + codes + lengths + payload
+
+
+def read_chunk(f: BinaryIO, h: FileHeader, index: int, remaining: int | None, code_width: int) -> tuple[Chunk, int]:
+    """Parse chunk ``index`` at the current position; returns it and its size in bytes.
+
+    ``remaining``: bytes left in the file from here (None when unknown); every
+    section size is checked against it and against what the header implies.
+    """
+    raw = f.read(CHUNK_HEADER.size)
+    if len(raw) < CHUNK_HEADER.size:
+        raise TruncatedError(f"file ends inside the header of chunk {index}")
+    (magic, chunk_index, first_token, token_count, scales_size, cdf_size, lengths_size, payload_size,
+     reserved, crc) = CHUNK_HEADER.unpack(raw)
+    if magic != CHUNK_MAGIC:
+        raise SizeError(f"chunk {index} does not start with the chunk magic (corrupted or misplaced)")
+    if chunk_index != index:
+        raise SizeError(f"chunk {index} says it is chunk {chunk_index}")
+    if first_token != index * h.chunk_tokens or token_count != h.chunk_tokens_at(index):
+        raise SizeError(f"chunk {index} covers tokens [{first_token}, +{token_count}), not what the header implies")
+    want = h.section_sizes(token_count)
+    if (scales_size, cdf_size, lengths_size) != want:
+        raise SizeError(f"chunk {index} section sizes {(scales_size, cdf_size, lengths_size)} differ from {want}")
+    if payload_size > h.max_payload(token_count):
+        raise SizeError(f"chunk {index} payload of {payload_size} bytes exceeds its bound")
+    body = scales_size + cdf_size + lengths_size + payload_size
+    if remaining is not None and CHUNK_HEADER.size + body > remaining:
+        raise TruncatedError(f"file ends inside chunk {index} ({remaining} bytes left, {CHUNK_HEADER.size + body} needed)")
+    data = read_exact(f, body, f"chunk {index}")
+    if _crc(raw[:-4], data) != crc:
+        raise ChecksumError(f"chunk {index} CRC mismatch: the file is corrupted")
+    if reserved:
+        raise UnsupportedVersionError(f"chunk {index} has reserved bits set")
+    L = h.num_layers
+    o = 0
+    scales = np.frombuffer(data, "<u2", scales_size // 2, o).reshape(L, 2, token_count).astype(np.uint16)
+    o += scales_size
+    codes = unpack_codes(data[o : o + cdf_size], h.alphabets, h.num_channels, code_width)
+    o += cdf_size
+    lengths = np.frombuffer(data, "<u2", lengths_size // 2, o).reshape(L, 2, h.groups).astype(np.int32)
+    o += lengths_size
+    if int(lengths.sum()) != payload_size:
+        raise SizeError(f"chunk {index} stream lengths add up to {int(lengths.sum())}, not {payload_size}")
+    if int(lengths.max(initial=0)) > max_stream_bytes(token_count * h.group):
+        raise SizeError(f"chunk {index} has a stream longer than its bound")
+    if (scales & 0x8000).any() or ((scales & 0x7F80) == 0x7F80).any():
+        raise SizeError(f"chunk {index} has a negative or non-finite scale")
+    payload = np.frombuffer(data, np.uint8, payload_size, o)
+    return Chunk(index, first_token, token_count, scales, codes, lengths, payload), CHUNK_HEADER.size + body
+
+
+# ---------------------------------------------------------------- index and trailer
+
+
+def pack_index(offsets: list[int]) -> bytes:
+    body = INDEX_MAGIC + struct.pack("<I", len(offsets)) + np.asarray(offsets, dtype="<u8").tobytes()
+    return body + struct.pack("<I", _crc(body))
+
+
+def pack_trailer(index_offset: int) -> bytes:
+    return TRAILER.pack(index_offset, TRAILER_MAGIC)
+
+
+def read_index(f: BinaryIO, h: FileHeader, header_end: int, file_size: int) -> list[int]:
+    """Read the chunk index through the trailer; validates every offset."""
+    if file_size < header_end + TRAILER.size:
+        raise TruncatedError("file ends before the chunk index")
+    f.seek(file_size - TRAILER.size)
+    index_offset, magic = TRAILER.unpack(read_exact(f, TRAILER.size, "trailer"))
+    if magic != TRAILER_MAGIC:
+        raise TruncatedError("no trailer at the end of the file: truncated or not completely written")
+    size = 12 + 8 * h.num_chunks
+    if index_offset < header_end or index_offset + size + TRAILER.size != file_size:
+        raise SizeError("index offset in the trailer is out of range")
+    f.seek(index_offset)
+    raw = read_exact(f, size, "chunk index")
+    if raw[:4] != INDEX_MAGIC:
+        raise SizeError("chunk index does not start with its magic")
+    (count,) = struct.unpack_from("<I", raw, 4)
+    (crc,) = struct.unpack_from("<I", raw, size - 4)
+    if _crc(raw[:-4]) != crc:
+        raise ChecksumError("chunk index CRC mismatch: the file is corrupted")
+    if count != h.num_chunks:
+        raise SizeError(f"index lists {count} chunks, header says {h.num_chunks}")
+    offsets = [int(x) for x in np.frombuffer(raw, "<u8", count, 8)]
+    previous = header_end - 1
+    for i, off in enumerate(offsets):
+        if off <= previous or off + CHUNK_HEADER.size > index_offset:
+            raise SizeError(f"index offset of chunk {i} is out of range")
+        previous = off
+    if offsets and offsets[0] != header_end:
+        raise SizeError("first chunk offset does not follow the header")
+    if not offsets and index_offset != header_end:
+        raise SizeError("index offset does not follow the header")
+    return offsets

@@ -1,0 +1,81 @@
+"""Quantization device functions: per-token abs-max scaling, CacheGen style.
+
+Each (layer, K/V, token) row of channels is scaled by its largest magnitude m
+and rounded to the integer levels -maxq..maxq, stored as symbols 0..2*maxq.
+The scale is kept as bfloat16 bits, rounded *up*, so that |x| / m_stored <= 1
+and no value leaves the alphabet.
+
+Why the arithmetic looks the way it does: the CPU (@njit) and the GPU
+(numba-cuda) must produce the same symbols bit for bit.  Every value is
+therefore computed in a way that cannot round differently on the two devices:
+the reciprocal comes from a float64 division (correctly rounded on both) cast
+to float32; the product x * inv of two float32 values is exact in float64, so
+a fused multiply-add, which CUDA compilers like to form, changes nothing; and
+rounding is done by comparing the exact fractional part with 0.5.
+
+All functions here are ``register_jitable``: plain Python functions that
+compile into whichever target calls them (CPU kernels in ``cpu.py``, CUDA
+kernels in ``cuda.py``).
+"""
+
+import numpy as np
+from numba.extending import register_jitable
+
+BF16_MAX_BITS = 0x7F7F  # largest finite bfloat16
+
+
+@register_jitable
+def bf16_bits_round_up(absmax):
+    """bfloat16 bits of the smallest bfloat16 >= absmax (absmax finite, >= 0)."""
+    bits = np.int64(np.float32(absmax).view(np.uint32))
+    high = bits >> 16
+    if (bits & 0xFFFF) != 0:
+        high += 1
+    if high > BF16_MAX_BITS:  # rounding up overflowed to infinity: keep the largest finite
+        high = BF16_MAX_BITS
+    return high
+
+
+@register_jitable
+def bf16_bits_to_float64(bits):
+    """Value of bfloat16 ``bits`` (non-negative, finite) as float64."""
+    return np.float64(np.uint32(np.int64(bits) << 16).view(np.float32))
+
+
+@register_jitable
+def quant_inverse_step(scale_bits, maxq):
+    """float32 factor that maps a value to level units: maxq / scale (0 when scale is 0)."""
+    scale = bf16_bits_to_float64(scale_bits)
+    if scale == 0.0:
+        return np.float32(0.0)
+    return np.float32(np.float64(maxq) / scale)
+
+
+@register_jitable
+def dequant_step(scale_bits, maxq):
+    """float32 size of one level: scale / maxq."""
+    scale = bf16_bits_to_float64(scale_bits)
+    return np.float32(scale / np.float64(maxq))
+
+
+@register_jitable
+def quantize_value(value, inv, maxq):
+    """Symbol (0..2*maxq) of one float32 value, rounding half away from zero."""
+    level = np.float64(np.float32(value)) * np.float64(inv)  # exact: 24 x 24 bits < 53
+    q = np.int64(level)  # truncates toward zero
+    frac = level - np.float64(q)  # exact
+    if frac >= 0.5:
+        q += 1
+    elif frac <= -0.5:
+        q -= 1
+    if q > maxq:
+        q = maxq
+    elif q < -maxq:
+        q = -maxq
+    return q + maxq
+
+
+@register_jitable
+def dequantize_value(symbol, step, maxq):
+    """float32 value of one symbol."""
+    return np.float32(np.float32(np.int64(symbol) - maxq) * step)
