@@ -45,6 +45,11 @@ def atomic_output(path: Path) -> Iterator[Path]:
         raise OutputError(f"cannot write to {path.parent}: {exc.strerror or exc}") from None
     os.close(fd)
     tmp = Path(tmp_name)
+    # mkstemp creates 0600; give the output the permissions a plain open() would.
+    umask = os.umask(0)
+    os.umask(umask)
+    with contextlib.suppress(OSError):
+        os.chmod(tmp, 0o666 & ~umask)
     try:
         yield tmp
         with open(tmp, "rb+") as f:

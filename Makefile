@@ -1,0 +1,33 @@
+# The two commands a fresh machine needs: `make demo` and `make test`.
+# Both create the virtualenv and install the package first.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# torch 2.13.0 is the CPU build; override for a CUDA machine, e.g. TORCH_SPEC=torch
+TORCH_SPEC ?= torch==2.13.0
+SAMPLE ?= sample_data/smollm2_pydoc_520.safetensors
+DEMO_DIR ?= build/demo
+
+.PHONY: setup demo test test-gpu bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+demo: setup
+	mkdir -p $(DEMO_DIR)
+	$(VENV)/bin/cachegen encode $(SAMPLE) -o $(DEMO_DIR)/sample.cgen --force
+	$(VENV)/bin/cachegen decode $(DEMO_DIR)/sample.cgen -o $(DEMO_DIR)/sample.decoded.safetensors --force
+	$(VENV)/bin/cachegen stats $(DEMO_DIR)/sample.cgen --reference $(SAMPLE)
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf build .pytest_cache

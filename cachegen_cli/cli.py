@@ -1,0 +1,301 @@
+"""The ``cachegen`` command: a thin Typer + Rich layer over the library.
+
+Every failure the library reports (a CacheGenError) becomes one line on stderr
+and a non-zero exit; so does any unexpected error (set CACHEGEN_DEBUG=1 for its
+traceback).  Outputs are written atomically by the library.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich import box
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+
+from . import __version__
+from .errors import CacheGenError
+
+app = typer.Typer(
+    name="cachegen",
+    help="Compress the KV caches of large language models (CacheGen-style quantization + range coding).",
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode="rich",
+    pretty_exceptions_enable=False,
+)
+# Wider than Rich's 80-column default when piped, so the per-layer table stays whole.
+out = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
+err = Console(stderr=True, highlight=False)
+
+#: Files of at least this many chunks get a progress bar.
+PROGRESS_MIN_CHUNKS = 8
+
+
+class Layout(str, Enum):
+    auto = "auto"
+    stacked = "stacked"
+    per_layer = "per-layer"
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+
+
+def _fail(message: str, code: int = 1) -> None:
+    err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+@contextlib.contextmanager
+def _errors() -> Iterator[None]:
+    """Turn every error into one line on stderr and an exit code."""
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except CacheGenError as exc:
+        _fail(_escape(str(exc)), exc.exit_code)
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+    except MemoryError:
+        _fail("out of memory", 1)
+    except OSError as exc:
+        where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
+        _fail(_escape(f"{exc.strerror or exc}{where}"), 1)
+    except Exception as exc:  # noqa: BLE001 - the CLI promises no tracebacks
+        if os.environ.get("CACHEGEN_DEBUG"):
+            raise
+        _fail(_escape(f"internal error ({type(exc).__name__}: {exc}); rerun with CACHEGEN_DEBUG=1 for details"), 70)
+
+
+def _escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(" ".join(str(text).split()))
+
+
+@contextlib.contextmanager
+def _progress(label: str, enabled: bool) -> Iterator:
+    """A callback(done, total) that drives a Rich progress bar once the file has many chunks."""
+    if not enabled:
+        yield None
+        return
+    bar = Progress(
+        TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("chunks"), TimeRemainingColumn(),
+        console=err, transient=True,
+    )
+    task = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal task
+        if total < PROGRESS_MIN_CHUNKS:
+            return
+        if task is None:
+            bar.start()
+            task = bar.add_task(label, total=total)
+        bar.update(task, completed=done)
+
+    try:
+        yield update
+    finally:
+        bar.stop()
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+@app.command()
+def encode(
+    input: Path = typer.Argument(..., help="KV cache as .safetensors (stacked or per-layer layout)."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output .cgen path \\[default: INPUT with .cgen]."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="Bins table: lmcache (default), mistral-7b, llama-3.1-8b, qwen-7b, longchat-7b, glm-4-9b."),
+    bins: Optional[str] = typer.Option(None, "--bins", help="Custom bins: '32' for all layers, or 'k:0-10=32,10-=16;v:0-2=32,2-=16'."),
+    config: Optional[Path] = typer.Option(None, "--config", help="TOML or JSON file with key/value bins ranges (see docs/config.md)."),
+    chunk_tokens: Optional[int] = typer.Option(None, "--chunk-tokens", help="Tokens per chunk \\[default: 256]."),
+    layout: Layout = typer.Option(Layout.auto, "--layout", help="Input layout."),
+    device: Device = typer.Option(Device.auto, "--device", help="Where the kernels run."),
+    force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success."),
+) -> None:
+    """Compress a KV cache (.safetensors) to a .cgen file.
+
+    Example: [bold]cachegen encode kv.safetensors -o kv.cgen --preset llama-3.1-8b[/]
+    """
+    from .api import default_encoded_path, encode_file
+    from .config import DEFAULT_CHUNK_TOKENS, load_config_file
+
+    with _errors():
+        quantization = None
+        if config is not None:
+            if preset is not None or bins is not None:
+                raise_config("give only one of --config, --preset and --bins")
+            settings = load_config_file(config)
+            quantization, preset = settings.quantization, settings.preset
+            if chunk_tokens is None:
+                chunk_tokens = settings.chunk_tokens
+        elif preset is not None and bins is not None:
+            raise_config("give only one of --preset and --bins")
+        dst = output or default_encoded_path(input)
+        with _progress("encoding", not quiet) as progress:
+            summary = encode_file(
+                input, dst, force=force, preset=preset, bins=bins, quantization=quantization,
+                chunk_tokens=chunk_tokens or DEFAULT_CHUNK_TOKENS, layout=layout.value,
+                device=device.value, progress=progress,
+            )
+        if not quiet:
+            h = summary.header
+            values = h.num_layers * 2 * h.num_tokens * h.num_channels
+            original = values * {"float16": 2, "bfloat16": 2, "float32": 4}[h.dtype]
+            ratio = original / summary.file_bytes
+            out.print(
+                f"{_escape(str(input))} -> {_escape(str(dst))}: {_human(original)} -> {_human(summary.file_bytes)} "
+                f"({ratio:.2f}x, {8 * summary.file_bytes / max(values, 1):.3f} bits/value, "
+                f"{h.num_chunks} chunks of {h.chunk_tokens} tokens)"
+            )
+
+
+def raise_config(message: str) -> None:
+    from .errors import ConfigError
+
+    raise ConfigError(message)
+
+
+@app.command()
+def decode(
+    input: Path = typer.Argument(..., help="A .cgen file."),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output .safetensors \\[default: INPUT.decoded.safetensors]."),
+    device: Device = typer.Option(Device.auto, "--device", help="Where the kernels run."),
+    force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success."),
+) -> None:
+    """Decompress a .cgen file to .safetensors, in the original layout, names and dtype.
+
+    Example: [bold]cachegen decode kv.cgen -o kv.safetensors[/]
+    """
+    from .api import decode_file, default_decoded_path
+
+    with _errors():
+        dst = output or default_decoded_path(input)
+        with _progress("decoding", not quiet) as progress:
+            decode_file(input, dst, force=force, device=device.value, progress=progress)
+        if not quiet:
+            out.print(f"{_escape(str(input))} -> {_escape(str(dst))}")
+
+
+@app.command()
+def stats(
+    input: Path = typer.Argument(..., help="A .cgen file."),
+    reference: Optional[Path] = typer.Option(None, "--reference", "-r", help="The original .safetensors: also report reconstruction error."),
+    as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+) -> None:
+    """Sizes, ratio, bits per value, side information and a per-layer table of a .cgen file.
+
+    Example: [bold]cachegen stats kv.cgen --reference kv.safetensors[/]
+    """
+    from .stats import file_stats
+
+    with _errors():
+        s = file_stats(input, reference)
+        if as_json:
+            sys.stdout.write(json.dumps(s, indent=2) + "\n")
+            return
+        _print_stats(s)
+
+
+def _print_stats(s: dict) -> None:
+    out.print(f"[bold]{_escape(s['file'])}[/]  cgen v{s['format_version']}, {s['layout']} layout, {s['dtype']}")
+    out.print(
+        f"{s['num_layers']} layers x {s['num_kv_heads']} KV heads x {s['head_dim']} dims, {s['num_tokens']} tokens "
+        f"in {s['num_chunks']} chunks of {s['chunk_tokens']}"
+    )
+    out.print(
+        f"original {_human(s['original_bytes'])} ({s['original_bytes']:,} B)  ->  compressed {_human(s['compressed_bytes'])} "
+        f"({s['compressed_bytes']:,} B)"
+    )
+    out.print(
+        f"ratio [bold]{s['ratio']:.2f}x[/], [bold]{s['bits_per_value']:.3f}[/] bits/value, side information "
+        f"{_human(s['side_bytes'])} = [bold]{100 * s['side_fraction']:.1f}%[/] of the file"
+    )
+    error = s.get("error")
+    table = Table(
+        title="per layer (KB and bits/value include each layer's side information)",
+        box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False, padding=(0, 1),
+    )
+    for col in ("layer", "K bins", "K KB", "K bits", "V bins", "V KB", "V bits"):
+        table.add_column(col, justify="right", no_wrap=True)
+    if error:
+        for col in ("K rMSE", "V rMSE", "max|err|"):
+            table.add_column(col, justify="right", no_wrap=True)
+    for i, row in enumerate(s["layers"]):
+        cells = [
+            str(row["layer"]),
+            str(row["key_bins"]), f"{(row['key_payload_bytes'] + row['key_side_bytes']) / 1000:.1f}", f"{row['key_bits_per_value']:.2f}",
+            str(row["value_bins"]), f"{(row['value_payload_bytes'] + row['value_side_bytes']) / 1000:.1f}", f"{row['value_bits_per_value']:.2f}",
+        ]
+        if error:
+            e = error["layers"][i]
+            cells += [f"{e['key_rel_mse']:.1e}", f"{e['value_rel_mse']:.1e}", f"{max(e['key_max_abs'], e['value_max_abs']):.3g}"]
+        table.add_row(*cells)
+    out.print(table)
+    if error:
+        out.print(
+            f"reconstruction vs {_escape(s['reference'])}: relative MSE {error['rel_mse']:.3e} "
+            f"(K {error['key_rel_mse']:.3e}, V {error['value_rel_mse']:.3e}), max |error| {error['max_abs']:.4g}"
+        )
+
+
+@app.command()
+def presets() -> None:
+    """List the quantization presets.
+
+    Example: [bold]cachegen presets[/]
+    """
+    from .config import PRESETS, preset
+
+    table = Table(show_edge=False, header_style="bold")
+    for col in ("preset", "layers", "K bins", "V bins"):
+        table.add_column(col)
+    for name, layers in PRESETS.items():
+        n = layers or 32
+        q = preset(name, n)
+        fmt = lambda specs: ", ".join(f"[{s.start_layer},{'end' if s.end_layer is None else s.end_layer})={s.bins}" for s in specs)
+        table.add_row(name, str(layers or "any"), _escape(fmt(q.key)), _escape(fmt(q.value)))
+    out.print(table)
+    out.print("Models of fewer than 10 layers get 32 bins everywhere.")
+
+
+def _version(value: bool) -> None:
+    if value:
+        out.print(f"cachegen {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Show the version and exit."),
+) -> None:
+    """Compress the KV caches of large language models."""
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

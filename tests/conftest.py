@@ -1,0 +1,63 @@
+"""Shared fixtures: realistic synthetic KV caches and the committed real sample.
+
+Synthetic caches are never plain i.i.d. noise: they have token locality (an
+AR(1) process along tokens), a few outlier key channels with large offsets, and
+an attention-sink first token with large values, as real caches do.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE_STACKED = ROOT / "sample_data" / "smollm2_pydoc_520.safetensors"
+SAMPLE_PER_LAYER = ROOT / "sample_data" / "smollm2_code_96.safetensors"
+
+
+def realistic_kv(layers=3, tokens=40, heads=2, head_dim=8, dtype=torch.bfloat16, seed=0) -> torch.Tensor:
+    """[layers, 2, tokens, heads, head_dim] with locality, outlier channels and a sink token."""
+    g = torch.Generator().manual_seed(seed)
+    C = heads * head_dim
+    noise = torch.randn(layers, 2, tokens, C, generator=g)
+    x = torch.empty_like(noise)
+    x[:, :, 0] = noise[:, :, 0]
+    for t in range(1, tokens):
+        x[:, :, t] = 0.85 * x[:, :, t - 1] + 0.5 * noise[:, :, t]
+    outliers = torch.randperm(C, generator=g)[: max(1, C // 16)]
+    x[:, 0, :, outliers] += 8.0 * torch.sign(torch.randn(len(outliers), generator=g))
+    x[:, :, 0] *= 6.0  # attention sink
+    return x.reshape(layers, 2, tokens, heads, head_dim).to(dtype)
+
+
+def per_layer(kv: torch.Tensor, batch: bool = True) -> dict[str, torch.Tensor]:
+    """Stacked [L, 2, T, H, D] -> {layers.i.key/value: [1, H, T, D] or [H, T, D]}."""
+    out = {}
+    for i in range(kv.shape[0]):
+        for kv_i, name in enumerate(("key", "value")):
+            t = kv[i, kv_i].permute(1, 0, 2).contiguous()
+            out[f"layers.{i}.{name}"] = t.unsqueeze(0) if batch else t
+    return out
+
+
+@pytest.fixture
+def kv_small() -> torch.Tensor:
+    return realistic_kv()
+
+
+def _need(path: Path) -> Path:
+    if not path.exists():
+        pytest.fail(f"sample file {path} is missing (it is committed; see sample_data/README.md)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def sample_stacked() -> Path:
+    return _need(SAMPLE_STACKED)
+
+
+@pytest.fixture(scope="session")
+def sample_per_layer() -> Path:
+    return _need(SAMPLE_PER_LAYER)
