@@ -155,7 +155,7 @@ def encode(
         with _progress("encoding", not quiet) as progress:
             summary = encode_file(
                 input, dst, force=force, preset=preset, bins=bins, quantization=quantization,
-                chunk_tokens=chunk_tokens or DEFAULT_CHUNK_TOKENS, layout=layout.value,
+                chunk_tokens=DEFAULT_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens, layout=layout.value,
                 device=device.value, progress=progress,
             )
         if not quiet:

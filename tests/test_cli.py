@@ -1,0 +1,187 @@
+"""The command line through Typer's CliRunner: exit codes, one-line errors, no files left behind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from cachegen_cli.cli import app
+
+from conftest import per_layer, realistic_kv
+
+runner = CliRunner()
+
+
+def run(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def one_line_error(result, needle: str) -> None:
+    assert result.exit_code != 0
+    err = result.stderr.strip()
+    assert "Traceback" not in result.output
+    assert err.count("\n") == 0, err
+    assert err.startswith("error:") and needle in err, err
+
+
+def listing(folder: Path) -> set[str]:
+    return {p.name for p in folder.iterdir()}
+
+
+@pytest.fixture
+def kv_file(tmp_path) -> Path:
+    path = tmp_path / "kv.safetensors"
+    save_file({"kv": realistic_kv(layers=3, tokens=30)}, path, metadata={"model": "synthetic"})
+    return path
+
+
+def test_encode_decode_stats(kv_file, tmp_path):
+    r = run("encode", kv_file, "--chunk-tokens", "8")
+    assert r.exit_code == 0, r.output
+    assert "kv.cgen" in r.stdout and "bits/value" in r.stdout
+    cgen = tmp_path / "kv.cgen"
+    assert cgen.exists()
+    r = run("decode", cgen)
+    assert r.exit_code == 0, r.output
+    out = tmp_path / "kv.decoded.safetensors"
+    original, decoded = load_file(kv_file), load_file(out)
+    assert decoded.keys() == original.keys() and decoded["kv"].shape == original["kv"].shape
+    assert decoded["kv"].dtype == original["kv"].dtype
+    from safetensors import safe_open
+
+    with safe_open(str(out), "pt") as f:
+        assert f.metadata() == {"model": "synthetic"}
+    r = run("stats", cgen, "--reference", kv_file)
+    assert r.exit_code == 0, r.output
+    assert "ratio" in r.stdout and "relative MSE" in r.stdout and "side information" in r.stdout
+    r = run("stats", cgen, "--json", "--reference", kv_file)
+    s = json.loads(r.stdout)
+    assert s["num_layers"] == 3 and len(s["layers"]) == 3 and s["num_chunks"] == 4
+    assert s["compressed_bytes"] == cgen.stat().st_size and 0 < s["side_fraction"] < 1
+    assert 0 < s["error"]["rel_mse"] < 0.05 and len(s["error"]["layers"]) == 3
+
+
+def test_per_layer_file_roundtrip_keeps_names(tmp_path):
+    src = tmp_path / "cache.safetensors"
+    tensors = per_layer(realistic_kv(layers=2, tokens=10))
+    save_file(tensors, src)
+    assert run("encode", src, "-o", tmp_path / "c.cgen").exit_code == 0
+    assert run("decode", tmp_path / "c.cgen", "-o", tmp_path / "back.safetensors").exit_code == 0
+    back = load_file(tmp_path / "back.safetensors")
+    assert {k: v.shape for k, v in back.items()} == {k: v.shape for k, v in tensors.items()}
+
+
+def test_refuses_to_overwrite(kv_file, tmp_path):
+    target = tmp_path / "kv.cgen"
+    target.write_bytes(b"precious")
+    r = run("encode", kv_file)
+    one_line_error(r, "already exists")
+    assert target.read_bytes() == b"precious"
+    assert run("encode", kv_file, "--force").exit_code == 0
+    assert target.read_bytes() != b"precious"
+
+
+def test_never_overwrites_the_input(kv_file):
+    before = kv_file.read_bytes()
+    r = run("encode", kv_file, "-o", kv_file, "--force")
+    one_line_error(r, "input")
+    assert kv_file.read_bytes() == before
+
+
+@pytest.mark.parametrize("cut", [10, 100, -20, -1])
+def test_truncated_cgen(kv_file, tmp_path, cut):
+    assert run("encode", kv_file).exit_code == 0
+    blob = (tmp_path / "kv.cgen").read_bytes()
+    bad = tmp_path / "bad.cgen"
+    bad.write_bytes(blob[:cut])
+    before = listing(tmp_path)
+    r = run("decode", bad)
+    assert r.exit_code == 1
+    one_line_error(r, "")
+    assert listing(tmp_path) == before  # no output, no temporary file
+
+
+def test_corrupted_and_foreign_cgen(kv_file, tmp_path):
+    assert run("encode", kv_file).exit_code == 0
+    blob = bytearray((tmp_path / "kv.cgen").read_bytes())
+    blob[len(blob) // 2] ^= 0x40
+    (tmp_path / "corrupt.cgen").write_bytes(blob)
+    before = listing(tmp_path)
+    one_line_error(run("decode", tmp_path / "corrupt.cgen"), "CRC")
+    one_line_error(run("decode", kv_file, "-o", tmp_path / "x.safetensors"), "not a .cgen file")
+    one_line_error(run("stats", kv_file), "not a .cgen file")
+    assert listing(tmp_path) == before
+
+
+def test_bad_inputs_leave_nothing(tmp_path):
+    nan = tmp_path / "nan.safetensors"
+    kv = realistic_kv(layers=2)
+    kv[1, 0, 3, 0, 0] = float("nan")
+    save_file({"kv": kv}, nan)
+    ints = tmp_path / "ints.safetensors"
+    save_file({"kv": torch.zeros(2, 2, 4, 1, 4, dtype=torch.int16)}, ints)
+    odd = tmp_path / "odd.safetensors"
+    save_file({"w": torch.zeros(3, 3), "b": torch.zeros(3)}, odd)
+    text = tmp_path / "text.safetensors"
+    text.write_text("hello")
+    before = listing(tmp_path)
+    one_line_error(run("encode", nan), "NaN")
+    one_line_error(run("encode", ints), "dtype int16")
+    one_line_error(run("encode", odd), "layout")
+    one_line_error(run("encode", text), "not a readable safetensors file")
+    one_line_error(run("encode", tmp_path / "missing.safetensors"), "no such file")
+    one_line_error(run("decode", tmp_path / "missing.cgen"), "no such file")
+    assert listing(tmp_path) == before
+
+
+def test_bad_options(kv_file):
+    r = run("encode", kv_file, "--preset", "gpt-9")
+    assert r.exit_code == 2
+    one_line_error(r, "unknown preset")
+    one_line_error(run("encode", kv_file, "--chunk-tokens", "0"), "chunk_tokens")
+    one_line_error(run("encode", kv_file, "--bins", "k:0-=16"), "--bins")
+    one_line_error(run("encode", kv_file, "--preset", "lmcache", "--bins", "16"), "only one")
+
+
+def test_config_files(kv_file, tmp_path):
+    toml = tmp_path / "q.toml"
+    toml.write_text(
+        "chunk_tokens = 16\n"
+        "[[key]]\nstart_layer = 0\nend_layer = 1\nbins = 64\n"
+        "[[key]]\nstart_layer = 1\nbins = 8\n"
+        "[[value]]\nstart_layer = 0\nbins = 12\n"
+    )
+    assert run("encode", kv_file, "--config", toml, "-o", tmp_path / "t.cgen").exit_code == 0
+    s = json.loads(run("stats", tmp_path / "t.cgen", "--json").stdout)
+    assert s["chunk_tokens"] == 16
+    assert [r["key_bins"] for r in s["layers"]] == [64, 8, 8] and {r["value_bins"] for r in s["layers"]} == {12}
+    js = tmp_path / "q.json"
+    js.write_text(json.dumps({"preset": "llama-3.1-8b"}))
+    assert run("encode", kv_file, "--config", js, "-o", tmp_path / "j.cgen").exit_code == 0
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[key]]\nbins = 'many'\n[[value]]\nbins = 4\n")
+    one_line_error(run("encode", kv_file, "--config", bad, "-o", tmp_path / "b.cgen"), "config")
+    bad.write_text("this is = = not toml")
+    one_line_error(run("encode", kv_file, "--config", bad, "-o", tmp_path / "b.cgen"), "not valid TOML")
+    assert not (tmp_path / "b.cgen").exists()
+
+
+def test_help_has_examples():
+    for cmd in ("encode", "decode", "stats"):
+        r = run(cmd, "--help")
+        assert r.exit_code == 0 and "Example" in r.stdout and f"cachegen {cmd}" in r.stdout
+    r = run("presets")
+    assert r.exit_code == 0 and "llama-3.1-8b" in r.stdout
+
+
+def test_progress_bar_does_not_break_output(tmp_path):
+    path = tmp_path / "long.safetensors"
+    save_file({"kv": realistic_kv(layers=2, tokens=64, heads=1, head_dim=4)}, path)
+    r = run("encode", path, "--chunk-tokens", "4")  # 16 chunks: progress bar path
+    assert r.exit_code == 0, r.output
+    assert run("decode", tmp_path / "long.cgen").exit_code == 0
