@@ -32,13 +32,15 @@ def encode(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     layout: str = "auto",
     metadata: Mapping[str, str] | None = None,
-    device: str = "cpu",
+    device: str = "auto",
 ) -> bytes:
     """Compress a KV cache to the bytes of a .cgen file.
 
     ``kv`` is one tensor [layers, 2, tokens, kv_heads, head_dim] or a mapping of
     names to tensors in either layout (see ``kvio``).  The quantization table is
     a preset name, a ``--bins`` string, or a QuantizationConfig (default: LMCache's).
+    ``device``: "auto" (the GPU when one is present), "cpu" or "cuda"; tensors may
+    live on the GPU already, and the bytes are the same on every device.
     """
     cache = kvio.from_tensors(kv, layout, metadata)
     quant = resolve_quantization(cache.num_layers, quantization=quantization, preset_name=preset, bins=bins)
@@ -47,8 +49,11 @@ def encode(
     return buf.getvalue()
 
 
-def decode(data: bytes | bytearray | memoryview, *, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """Decompress .cgen bytes to the original tensor names, shapes and dtype."""
+def decode(data: bytes | bytearray | memoryview, *, device: str = "auto") -> dict[str, torch.Tensor]:
+    """Decompress .cgen bytes to the original tensor names, shapes and dtype.
+
+    With ``device="auto"`` (the default) the GPU decodes when one is present and the
+    tensors are returned on it; ``device="cpu"`` keeps everything on the CPU."""
     header, tensor = codec.decode_from_stream(io.BytesIO(bytes(data)), device=device)
     return kvio.to_tensors(tensor, header.descriptor)
 
@@ -71,7 +76,7 @@ def encode_file(
     quantization: QuantizationConfig | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     layout: str = "auto",
-    device: str = "cpu",
+    device: str = "auto",
     progress: codec.ProgressFn | None = None,
 ) -> codec.EncodeSummary:
     """Compress a safetensors KV file to a .cgen file (atomically; never over the input)."""
@@ -92,7 +97,7 @@ def decode_file(
     dst: str | Path | None = None,
     *,
     force: bool = False,
-    device: str = "cpu",
+    device: str = "auto",
     progress: codec.ProgressFn | None = None,
 ) -> Path:
     """Decompress a .cgen file to safetensors in the original layout (atomically)."""

@@ -50,6 +50,7 @@ class Layout(str, Enum):
 class Device(str, Enum):
     auto = "auto"
     cpu = "cpu"
+    cuda = "cuda"
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -129,7 +130,7 @@ def encode(
     config: Optional[Path] = typer.Option(None, "--config", help="TOML or JSON file with key/value bins ranges (see docs/config.md)."),
     chunk_tokens: Optional[int] = typer.Option(None, "--chunk-tokens", help="Tokens per chunk \\[default: 256]."),
     layout: Layout = typer.Option(Layout.auto, "--layout", help="Input layout."),
-    device: Device = typer.Option(Device.auto, "--device", help="Where the kernels run."),
+    device: Device = typer.Option(Device.auto, "--device", help="Where the kernels run: auto picks the GPU when one is present."),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success."),
 ) -> None:
@@ -180,7 +181,7 @@ def raise_config(message: str) -> None:
 def decode(
     input: Path = typer.Argument(..., help="A .cgen file."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output .safetensors \\[default: INPUT.decoded.safetensors]."),
-    device: Device = typer.Option(Device.auto, "--device", help="Where the kernels run."),
+    device: Device = typer.Option(Device.auto, "--device", help="Where the kernels run: auto picks the GPU when one is present."),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success."),
 ) -> None:
@@ -203,6 +204,7 @@ def stats(
     input: Path = typer.Argument(..., help="A .cgen file."),
     reference: Optional[Path] = typer.Option(None, "--reference", "-r", help="The original .safetensors: also report reconstruction error."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    device: Device = typer.Option(Device.auto, "--device", help="Where --reference decoding runs."),
 ) -> None:
     """Sizes, ratio, bits per value, side information and a per-layer table of a .cgen file.
 
@@ -211,7 +213,7 @@ def stats(
     from .stats import file_stats
 
     with _errors():
-        s = file_stats(input, reference)
+        s = file_stats(input, reference, device.value)
         if as_json:
             sys.stdout.write(json.dumps(s, indent=2) + "\n")
             return

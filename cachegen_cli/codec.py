@@ -33,11 +33,26 @@ ProgressFn = Callable[[int, int], None]
 SLAB_BYTES = 256 << 20
 
 
+def resolve_device(device: str = "auto") -> str:
+    """'cpu' or 'cuda'.  'auto' picks the GPU when a real one is present (never the simulator)."""
+    from .kernels import cuda as cuda_kernels
+
+    if device == "cpu":
+        return "cpu"
+    if device == "cuda":
+        if not cuda_kernels.is_available():
+            raise ConfigError("--device cuda: no CUDA GPU is available (numba-cuda found no device)")
+        return "cuda"
+    if device == "auto":
+        from numba import config
+
+        return "cuda" if (not config.ENABLE_CUDASIM and cuda_kernels.is_available()) else "cpu"
+    raise ConfigError(f"unknown device {device!r}; choose auto, cpu or cuda")
+
+
 def get_kernels(device: str = "cpu"):
-    """The kernel module for a device.  Only the CPU exists in this version."""
-    if device in ("cpu", "auto"):
-        return cpu_kernels
-    raise ConfigError(f"device {device!r} is not available; use cpu")
+    """The CPU kernel module (the GPU path goes through gpu_codec)."""
+    return cpu_kernels
 
 
 @dataclass
@@ -160,6 +175,7 @@ def encode_to_stream(
     device: str = "cpu",
 ) -> EncodeSummary:
     """Write a whole .cgen file for ``cache`` to ``out``."""
+    device = resolve_device(device)
     kernels = get_kernels(device)
     h = make_header(cache, quant, chunk_tokens)
     head = container.pack_file_header(h)
@@ -168,8 +184,14 @@ def encode_to_stream(
     offsets: list[int] = []
     payload_bytes = 0
     for slab in iter_slabs(h):
-        x = cache.data[:, :, slab.t0 : slab.t1, :].to(torch.float32).contiguous().numpy()
-        for chunk in encode_slab(h, x, slab.first_chunk, kernels):
+        if device == "cuda":
+            from . import gpu_codec
+
+            chunks = gpu_codec.encode_slab(h, cache.data[:, :, slab.t0 : slab.t1, :], slab.first_chunk)
+        else:
+            x = cache.data[:, :, slab.t0 : slab.t1, :].to(torch.float32).contiguous().numpy()
+            chunks = encode_slab(h, x, slab.first_chunk, kernels)
+        for chunk in chunks:
             record = container.pack_chunk(h, chunk)
             offsets.append(pos)
             out.write(record)
@@ -221,14 +243,24 @@ def iter_chunks(f: BinaryIO, h: FileHeader, offsets: list[int], size: int) -> It
 
 def decode_from_stream(f: BinaryIO, progress: ProgressFn | None = None, device: str = "cpu") -> tuple[FileHeader, torch.Tensor]:
     """Decode a whole .cgen stream; returns its header and the [L, 2, T, C] tensor in the source dtype."""
+    device = resolve_device(device)
     kernels = get_kernels(device)
     h, _, offsets, size = read_header_and_index(f)
-    data = torch.empty((h.num_layers, 2, h.num_tokens, h.num_channels), dtype=DTYPE_BY_NAME[h.dtype])
+    target = "cpu"
+    if device == "cuda":
+        from . import gpu_codec
+
+        target = "cuda" if gpu_codec.torch_cuda_ok() else "cpu"
+    data = torch.empty((h.num_layers, 2, h.num_tokens, h.num_channels), dtype=DTYPE_BY_NAME[h.dtype], device=target)
     chunks = iter_chunks(f, h, offsets, size)
     for slab in iter_slabs(h):
         batch = [next(chunks) for _ in range(slab.num_chunks)]
-        x = decode_slab(h, batch, kernels)
-        data[:, :, slab.t0 : slab.t1, :] = torch.from_numpy(x).to(data.dtype)
+        if device == "cuda":
+            x = gpu_codec.decode_slab(h, batch)
+            x = x if isinstance(x, torch.Tensor) else torch.from_numpy(x)
+        else:
+            x = torch.from_numpy(decode_slab(h, batch, kernels))
+        data[:, :, slab.t0 : slab.t1, :] = x.to(data.dtype)
         if progress:
             progress(slab.first_chunk + slab.num_chunks, h.num_chunks)
     for _ in chunks:  # drains the generator: runs its final consistency check

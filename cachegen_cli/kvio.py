@@ -194,7 +194,7 @@ def _from_per_layer(tensors: Mapping[str, torch.Tensor], meta: dict[str, str]) -
             raise DTypeError(f"tensor {name!r} is {t.dtype}, but {first_name!r} is {dtype}; all must match")
     H, T, D = shape[-3:]
     _check_limits(num_layers, T, H * D)
-    data = torch.empty((num_layers, 2, T, H * D), dtype=dtype)
+    data = torch.empty((num_layers, 2, T, H * D), dtype=dtype, device=first.device)
     for i in range(num_layers):
         for kv, kind in enumerate(("key", "value")):
             t = found[(i, kind)][1].detach().reshape(H, T, D)
@@ -304,7 +304,7 @@ def write_safetensors_atomic(tensors: dict[str, torch.Tensor], metadata: dict[st
     from .fileio import atomic_output
 
     with atomic_output(path) as tmp:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata or None)
+        save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata or None)
 
 
 def values_count(cache_shape: tuple[int, ...]) -> int:

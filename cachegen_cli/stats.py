@@ -25,10 +25,8 @@ def file_stats(path: str | Path, reference: str | Path | None = None, device: st
         h, header_end, offsets, size = codec.read_header_and_index(f)
         L = h.num_layers
         payload = np.zeros((L, 2), np.int64)
-        chunk_bytes = 0
         for chunk in codec.iter_chunks(f, h, offsets, size):
             payload += chunk.lengths.sum(axis=2)
-            chunk_bytes += 40
     values = L * 2 * h.num_tokens * h.num_channels
     original = values * _ITEMSIZE[h.dtype]
     total_payload = int(payload.sum())
@@ -84,7 +82,7 @@ def reconstruction_error(path: Path, reference: str | Path, device: str = "cpu")
             f"the .cgen file {list(decoded.shape)}"
         )
     x = ref.data.to(torch.float64)
-    y = decoded.to(torch.float64)
+    y = decoded.cpu().to(torch.float64)
     diff = y - x
     err2 = diff.pow(2).sum(dim=(2, 3))
     ref2 = x.pow(2).sum(dim=(2, 3))

@@ -18,6 +18,8 @@ compile into whichever target calls them (CPU kernels in ``cpu.py``, CUDA
 kernels in ``cuda.py``).
 """
 
+import math
+
 import numpy as np
 from numba.extending import register_jitable
 
@@ -26,20 +28,37 @@ BF16_MAX_BITS = 0x7F7F  # largest finite bfloat16
 
 @register_jitable
 def bf16_bits_round_up(absmax):
-    """bfloat16 bits of the smallest bfloat16 >= absmax (absmax finite, >= 0)."""
-    bits = np.int64(np.float32(absmax).view(np.uint32))
-    high = bits >> 16
-    if (bits & 0xFFFF) != 0:
-        high += 1
-    if high > BF16_MAX_BITS:  # rounding up overflowed to infinity: keep the largest finite
-        high = BF16_MAX_BITS
-    return high
+    """bfloat16 bits of the smallest bfloat16 >= absmax (absmax finite, >= 0).
+
+    Pure arithmetic (frexp / ceil in float64, all exact) rather than a bit cast,
+    so that CPU, CUDA and the CUDA simulator compile the very same operations.
+    """
+    m = np.float64(np.float32(absmax))
+    if m <= 0.0:
+        return np.int64(0)
+    if m < 1.1754943508222875e-38:  # below float32's smallest normal: bfloat16 subnormal, steps of 2**-133
+        return np.int64(math.ceil(math.ldexp(m, 133)))
+    mant, exp = math.frexp(m)  # m = mant * 2**exp, mant in [0.5, 1)
+    q = np.int64(math.ceil(mant * 256.0))  # 8 significant bits, rounded up: 128..256
+    if q == 256:
+        q = 128
+        exp += 1
+    biased = np.int64(exp) - 1 + 127
+    bits = (biased << 7) | (q - 128)
+    if bits > BF16_MAX_BITS:  # rounding up overflowed to infinity: keep the largest finite
+        bits = np.int64(BF16_MAX_BITS)
+    return bits
 
 
 @register_jitable
 def bf16_bits_to_float64(bits):
     """Value of bfloat16 ``bits`` (non-negative, finite) as float64."""
-    return np.float64(np.uint32(np.int64(bits) << 16).view(np.float32))
+    b = np.int64(bits)
+    exp = b >> 7
+    mant = b & 0x7F
+    if exp == 0:
+        return math.ldexp(np.float64(mant), -133)
+    return math.ldexp(np.float64(128 + mant), np.int64(exp) - 134)
 
 
 @register_jitable

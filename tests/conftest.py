@@ -7,7 +7,12 @@ an attention-sink first token with large values, as real caches do.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# CUDA kernels run under numba's simulator unless the caller says otherwise
+# (NUMBA_ENABLE_CUDASIM=0 on a GPU machine).  Must be set before numba.cuda loads.
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
 import pytest
 import torch
@@ -40,6 +45,21 @@ def per_layer(kv: torch.Tensor, batch: bool = True) -> dict[str, torch.Tensor]:
             t = kv[i, kv_i].permute(1, 0, 2).contiguous()
             out[f"layers.{i}.{name}"] = t.unsqueeze(0) if batch else t
     return out
+
+
+def real_gpu() -> bool:
+    from numba import config, cuda
+
+    return not config.ENABLE_CUDASIM and cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if real_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (NUMBA_ENABLE_CUDASIM=0 and a device)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture

@@ -1,0 +1,251 @@
+"""Encode / decode throughput on the CPU and the GPU, in GB/s of uncompressed KV.
+
+The cache is Llama-3.1-8B-shaped (32 layers x 8 KV heads x 128 dims, bf16) and
+built by tiling the real SmolLM2 sample (sample_data/), not random numbers:
+layer l, channel c, token t take sample layer (l + c // 192) % 30, channel
+c % 192, token t % 520, so every value is a captured one.
+
+Timings follow the device tool's METHOD.md: a warm-up run first, then the
+median of --repeats runs; GPU kernel times come from CUDA events, end-to-end
+times from the host clock after a device synchronisation.
+
+    python benchmarks/bench.py --tokens 8192 --cpu-tokens 1024 [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE = ROOT / "sample_data" / "smollm2_pydoc_520.safetensors"
+
+
+def build_cache(tokens: int, layers: int = 32, heads: int = 8, head_dim: int = 128) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    src = load_file(str(SAMPLE))["kv"]  # [30, 2, 520, 3, 64]
+    sl, _, st, sh, sd = src.shape
+    flat = src.reshape(sl, 2, st, sh * sd)
+    sc = sh * sd
+    C = heads * head_dim
+    c = torch.arange(C)
+    out = torch.empty(layers, 2, tokens, C, dtype=src.dtype)
+    t_idx = torch.arange(tokens) % st
+    for l in range(layers):
+        src_layer = (l + c // sc) % sl
+        src_chan = c % sc
+        plane = flat[src_layer, :, :, src_chan]  # [C, 2, st]
+        out[l] = plane.permute(1, 2, 0)[:, t_idx]
+    return out.reshape(layers, 2, tokens, heads, head_dim).contiguous()
+
+
+def median_time(fn, repeats: int, sync=None) -> float:
+    fn()  # warm-up
+    if sync:
+        sync()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def gpu_event_time(fn, repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    t = gpu_event_time(lambda: b.copy_(a), 10)
+    return 2 * a.numel() / t
+
+
+def gpu_kernel_times(kv_gpu: torch.Tensor, repeats: int) -> dict:
+    """Kernels only, data resident on the GPU: encode = f32 cast + quantize + histogram + CDF +
+    range coding + stream packing; decode = CDF from codes + range decoding + dequantize."""
+    from numba import cuda
+
+    from cachegen_cli import codec, kvio
+    from cachegen_cli.config import lmcache_rule
+    from cachegen_cli.kernels import cuda as K
+    from cachegen_cli.kernels.coding_params import max_stream_bytes
+
+    cache = kvio.from_tensors(kv_gpu)
+    h = codec.make_header(cache, lmcache_rule(cache.num_layers), 256)
+    L, _, T, C = cache.data.shape
+    ct, Kc, S = h.chunk_tokens, h.num_chunks, int(h.alphabets.max())
+    n = Kc * h.streams_per_chunk
+    dev = lambda shape, dtype: torch.empty(shape, dtype=dtype, device="cuda")
+    maxq = torch.as_tensor(h.maxq, device="cuda")
+    symbols = dev((L, 2, T, C), torch.uint8)
+    counts, codes = dev((Kc, L, 2, C, S), torch.int32), dev((Kc, L, 2, C, S), torch.uint8)
+    cum = dev((Kc, L, 2, C, S + 1), torch.int32)
+    slots, lengths = dev((n, max_stream_bytes(ct * h.group)), torch.uint8), dev((n,), torch.int32)
+    offsets = dev((n + 1,), torch.int64)
+    payload = dev((n * max_stream_bytes(ct * h.group),), torch.uint8)
+    symbols2, out = dev((L, 2, T, C), torch.uint8), dev((L, 2, T, C), torch.float32)
+    a = K.as_device
+    scales_u = cuda.device_array((L, 2, T), np.uint16)  # torch has no CUDA-array-interface uint16
+
+    def encode():
+        x = cache.data.to(torch.float32)
+        K.quantize(a(x), a(maxq), scales_u, a(symbols))
+        K.histogram(a(symbols), ct, a(counts))
+        K.build_cdf(a(counts), a(maxq), a(codes), a(cum))
+        K.encode_streams(a(symbols), a(cum), ct, h.group, a(slots), a(lengths))
+        offsets[1:] = torch.cumsum(lengths, 0)
+        offsets[0] = 0
+        K.pack_streams(a(slots), a(lengths), a(offsets), a(payload))
+
+    stages = {}
+    x = cache.data.to(torch.float32)
+    stages["cast_f32"] = gpu_event_time(lambda: cache.data.to(torch.float32), repeats)
+    stages["quantize"] = gpu_event_time(lambda: K.quantize(a(x), a(maxq), scales_u, a(symbols)), repeats)
+    stages["histogram"] = gpu_event_time(lambda: K.histogram(a(symbols), ct, a(counts)), repeats)
+    stages["build_cdf"] = gpu_event_time(lambda: K.build_cdf(a(counts), a(maxq), a(codes), a(cum)), repeats)
+    stages["encode_streams"] = gpu_event_time(
+        lambda: K.encode_streams(a(symbols), a(cum), ct, h.group, a(slots), a(lengths)), repeats)
+    total_encode = gpu_event_time(encode, repeats)
+    stages["cum_from_codes"] = gpu_event_time(lambda: K.cum_from_codes(a(codes), a(maxq), a(cum)), repeats)
+    stages["decode_streams"] = gpu_event_time(
+        lambda: K.decode_streams(a(payload), a(offsets), a(lengths), a(cum), a(maxq), ct, h.group, a(symbols2)), repeats)
+    stages["dequantize"] = gpu_event_time(lambda: K.dequantize(a(symbols2), scales_u, a(maxq), a(out)), repeats)
+
+    def decode():
+        K.cum_from_codes(a(codes), a(maxq), a(cum))
+        K.decode_streams(a(payload), a(offsets), a(lengths), a(cum), a(maxq), ct, h.group, a(symbols2))
+        K.dequantize(a(symbols2), scales_u, a(maxq), a(out))
+        out.to(torch.bfloat16)
+
+    total_decode = gpu_event_time(decode, repeats)
+    torch.cuda.synchronize()
+    assert torch.equal(symbols, symbols2), "GPU decode kernels did not reproduce the symbols"
+    return {"stages_s": stages, "encode_s": total_encode, "decode_s": total_decode}
+
+
+def end_to_end(kv: torch.Tensor, device: str, repeats: int) -> dict:
+    import cachegen_cli as cg
+
+    sync = torch.cuda.synchronize if device == "cuda" else None
+    blob = cg.encode(kv, device=device)
+    enc = median_time(lambda: cg.encode(kv, device=device), repeats, sync)
+    dec = median_time(lambda: cg.decode(blob, device=device), repeats, sync)
+    return {"encode_s": enc, "decode_s": dec, "compressed_bytes": len(blob), "blob": blob}
+
+
+def file_to_file(kv: torch.Tensor, device: str, repeats: int) -> dict:
+    import cachegen_cli as cg
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst, back = Path(tmp) / "kv.safetensors", Path(tmp) / "kv.cgen", Path(tmp) / "back.safetensors"
+        save_file({"kv": kv.cpu()}, str(src))
+        enc = median_time(lambda: cg.encode_file(src, dst, force=True, device=device), repeats)
+        dec = median_time(lambda: cg.decode_file(dst, back, force=True, device=device), repeats)
+    return {"encode_s": enc, "decode_s": dec}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=8192, help="tokens of the GPU cache")
+    p.add_argument("--cpu-tokens", type=int, default=1024, help="tokens of the CPU cache")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--devices", default="cpu,cuda")
+    p.add_argument("--check-identical", action="store_true", help="also encode the GPU cache on the CPU and compare bytes")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    import numba
+
+    from cachegen_cli.codec import resolve_device
+
+    devices = [d for d in args.devices.split(",") if d]
+    if "cuda" in devices and resolve_device("auto") != "cuda":
+        print("no CUDA GPU: skipping cuda", file=sys.stderr)
+        devices.remove("cuda")
+    info = {
+        "date": time.strftime("%Y-%m-%d"),
+        "cpu": next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), platform.machine()),
+        "cpu_threads": numba.get_num_threads(),
+        "torch": torch.__version__,
+        "numba": numba.__version__,
+        "command": " ".join(sys.argv),
+    }
+    rows, results = [], {"info": info}
+    for device in devices:
+        tokens = args.tokens if device == "cuda" else args.cpu_tokens
+        kv = build_cache(tokens)
+        nbytes = kv.numel() * kv.element_size()
+        res = {"tokens": tokens, "bytes": nbytes}
+        if device == "cuda":
+            info["gpu"] = torch.cuda.get_device_name()
+            copy_bw = copy_bandwidth()
+            res["copy_GBps"] = copy_bw / 1e9
+            kv_dev = kv.cuda()
+            k = gpu_kernel_times(kv_dev, args.repeats)
+            res["kernels"] = k
+            rows.append((device, "kernels only", nbytes / k["encode_s"], nbytes / k["decode_s"], copy_bw))
+        else:
+            kv_dev = kv
+            copy_bw = None
+        e2e = end_to_end(kv_dev, device, args.repeats)
+        blob = e2e.pop("blob")
+        res["end_to_end"] = e2e
+        res["ratio"] = nbytes / e2e["compressed_bytes"]
+        rows.append((device, "in memory", nbytes / e2e["encode_s"], nbytes / e2e["decode_s"], copy_bw))
+        f2f = file_to_file(kv, device, max(1, args.repeats // 2))
+        res["file_to_file"] = f2f
+        rows.append((device, "file to file", nbytes / f2f["encode_s"], nbytes / f2f["decode_s"], copy_bw))
+        if device == "cuda" and args.check_identical:
+            import cachegen_cli as cg
+
+            res["identical_to_cpu"] = cg.encode(kv, device="cpu") == blob
+        results[device] = res
+    print(f"# {info['date']}  CPU: {info['cpu']} ({info['cpu_threads']} threads)  GPU: {info.get('gpu', '-')}  torch {info['torch']}")
+    print(f"# {info['command']}")
+    for device in devices:
+        r = results[device]
+        print(f"# {device}: Llama-3.1-8B-shaped cache, {r['tokens']} tokens, {r['bytes'] / 1e9:.3f} GB bf16, "
+              f"ratio {r['ratio']:.2f}x" + (f", identical to CPU bytes: {r['identical_to_cpu']}" if "identical_to_cpu" in r else ""))
+    print("| device | path | encode GB/s | decode GB/s | per core (CPU) / of copy bw (GPU) |")
+    print("|---|---|---:|---:|---:|")
+    for device, path, enc, dec, bw in rows:
+        extra = (f"{enc / 1e9 / info['cpu_threads'] * 1e3:.0f} / {dec / 1e9 / info['cpu_threads'] * 1e3:.0f} MB/s per core"
+                 if device == "cpu" else f"{100 * enc / bw:.2f}% / {100 * dec / bw:.2f}%")
+        print(f"| {device} | {path} | {enc / 1e9:.3f} | {dec / 1e9:.3f} | {extra} |")
+    if "cuda" in results:
+        st = results["cuda"]["kernels"]["stages_s"]
+        print("| GPU stage | ms |\n|---|---:|")
+        for name, t in st.items():
+            print(f"| {name} | {t * 1e3:.3f} |")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,285 @@
+"""CUDA kernels (numba-cuda): the same names, arguments and bytes as ``cpu.py``.
+
+Each public function is a host wrapper: it takes device arrays (numba device
+arrays, or anything with ``__cuda_array_interface__`` such as torch CUDA
+tensors, wrapped without a host sync), picks the launch configuration and
+launches on ``stream`` without synchronising, so a caller can queue a whole
+slab of work and wait once.  The arithmetic is the shared ``register_jitable``
+device functions of quantize.py, cdf.py and range_coder.py, compiled for the
+GPU, which is why the bytes match the CPU's.
+
+Who does what:
+  quantize          one block of 128 threads per (layer, K/V, token) row: a shared-
+                    memory abs-max reduction, then each thread quantizes every 128th channel
+  dequantize        one thread per value
+  histogram         one thread per (chunk, layer, K/V, channel); a warp reads 32
+                    neighbouring channels of a token: coalesced
+  build_cdf,
+  cum_from_codes    one thread per (chunk, layer, K/V, channel)
+  encode_streams,
+  decode_streams    one thread per stream (chunk, layer, K/V, channel group); neighbouring
+                    threads own neighbouring channel groups, so symbol reads coalesce
+  pack_streams      one thread per stream, copying its bytes
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# numba-cuda 0.30.4 still calls np.row_stack, which numpy 2.5 removed; it is an
+# alias of np.vstack, so restoring it changes nothing else.
+if not hasattr(np, "row_stack"):
+    np.row_stack = np.vstack
+
+from numba import cuda  # noqa: E402
+
+from .cdf import codes_to_cum, counts_to_codes  # noqa: E402
+from .quantize import (  # noqa: E402
+    bf16_bits_round_up,
+    dequant_step,
+    dequantize_value,
+    quant_inverse_step,
+    quantize_value,
+)
+from .range_coder import decode_stream, encode_stream  # noqa: E402
+
+ROW_THREADS = 128  # threads per quantization row: a power of two for the tree reduction
+BLOCK = 128
+
+
+def is_available() -> bool:
+    try:
+        return bool(cuda.is_available())
+    except Exception:  # noqa: BLE001 - no driver, no toolkit: simply not available
+        return False
+
+
+def as_device(array):
+    """A numba device-array view of a device buffer, without a host sync."""
+    if hasattr(array, "__cuda_array_interface__") and not hasattr(array, "copy_to_host"):
+        return cuda.as_cuda_array(array, sync=False)
+    return array
+
+
+def _grid(n: int, block: int = BLOCK) -> int:
+    return max(1, (n + block - 1) // block)
+
+
+# ---------------------------------------------------------------- quantization
+
+
+@cuda.jit
+def _quantize_kernel(x, maxq, scales, symbols):
+    row = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    L, _, T, C = x.shape
+    l = row // (2 * T)
+    kv = (row // T) % 2
+    t = row % T
+    top = cuda.shared.array(ROW_THREADS, np.float32)
+    bits_shared = cuda.shared.array(1, np.int64)
+    local = np.float32(0.0)
+    for c in range(tid, C, ROW_THREADS):
+        a = abs(x[l, kv, t, c])
+        if a > local:
+            local = a
+    top[tid] = local
+    cuda.syncthreads()
+    width = ROW_THREADS // 2
+    while width > 0:
+        if tid < width and top[tid + width] > top[tid]:
+            top[tid] = top[tid + width]
+        cuda.syncthreads()
+        width //= 2
+    if tid == 0:
+        bits = bf16_bits_round_up(top[0])
+        scales[l, kv, t] = bits
+        bits_shared[0] = bits
+    cuda.syncthreads()
+    m = np.int64(maxq[l, kv])
+    inv = quant_inverse_step(bits_shared[0], m)
+    for c in range(tid, C, ROW_THREADS):
+        symbols[l, kv, t, c] = quantize_value(x[l, kv, t, c], inv, m)
+
+
+def quantize(x, maxq, scales, symbols, stream=0):
+    L, _, T, C = x.shape
+    if L * 2 * T == 0:
+        return
+    _quantize_kernel[L * 2 * T, ROW_THREADS, stream](as_device(x), as_device(maxq), as_device(scales), as_device(symbols))
+
+
+@cuda.jit
+def _dequantize_kernel(symbols, scales, maxq, out):
+    i = cuda.grid(1)
+    L, _, T, C = symbols.shape
+    if i >= L * 2 * T * C:
+        return
+    c = i % C
+    row = i // C
+    t = row % T
+    kv = (row // T) % 2
+    l = row // (2 * T)
+    m = np.int64(maxq[l, kv])
+    step = dequant_step(scales[l, kv, t], m)
+    out[l, kv, t, c] = dequantize_value(symbols[l, kv, t, c], step, m)
+
+
+def dequantize(symbols, scales, maxq, out, stream=0):
+    n = int(np.prod(symbols.shape))
+    if n == 0:
+        return
+    _dequantize_kernel[_grid(n), BLOCK, stream](as_device(symbols), as_device(scales), as_device(maxq), as_device(out))
+
+
+# ---------------------------------------------------------------- statistics
+
+
+@cuda.jit
+def _histogram_kernel(symbols, chunk_tokens, counts):
+    i = cuda.grid(1)
+    K, L, _, C, S = counts.shape
+    if i >= K * L * 2 * C:
+        return
+    c = i % C
+    kv = (i // C) % 2
+    l = (i // (2 * C)) % L
+    k = i // (2 * C * L)
+    for s in range(S):
+        counts[k, l, kv, c, s] = 0
+    T = symbols.shape[2]
+    t0 = k * chunk_tokens
+    t1 = min(T, t0 + chunk_tokens)
+    for t in range(t0, t1):
+        counts[k, l, kv, c, symbols[l, kv, t, c]] += 1
+
+
+def histogram(symbols, chunk_tokens, counts, stream=0):
+    K, L, _, C, _ = counts.shape
+    n = K * L * 2 * C
+    if n == 0:
+        return
+    _histogram_kernel[_grid(n), BLOCK, stream](as_device(symbols), np.int64(chunk_tokens), as_device(counts))
+
+
+@cuda.jit
+def _build_cdf_kernel(counts, maxq, codes, cum):
+    i = cuda.grid(1)
+    K, L, _, C, S = counts.shape
+    if i >= K * L * 2 * C:
+        return
+    c = i % C
+    kv = (i // C) % 2
+    l = (i // (2 * C)) % L
+    k = i // (2 * C * L)
+    alphabet = 2 * np.int64(maxq[l, kv]) + 1
+    counts_to_codes(counts[k, l, kv, c], alphabet, codes[k, l, kv, c])
+    codes_to_cum(codes[k, l, kv, c], alphabet, cum[k, l, kv, c])
+
+
+def build_cdf(counts, maxq, codes, cum, stream=0):
+    K, L, _, C, _ = counts.shape
+    n = K * L * 2 * C
+    if n == 0:
+        return
+    _build_cdf_kernel[_grid(n), BLOCK, stream](as_device(counts), as_device(maxq), as_device(codes), as_device(cum))
+
+
+@cuda.jit
+def _cum_from_codes_kernel(codes, maxq, cum):
+    i = cuda.grid(1)
+    K, L, _, C, S = codes.shape
+    if i >= K * L * 2 * C:
+        return
+    c = i % C
+    kv = (i // C) % 2
+    l = (i // (2 * C)) % L
+    k = i // (2 * C * L)
+    alphabet = 2 * np.int64(maxq[l, kv]) + 1
+    codes_to_cum(codes[k, l, kv, c], alphabet, cum[k, l, kv, c])
+
+
+def cum_from_codes(codes, maxq, cum, stream=0):
+    K, L, _, C, _ = codes.shape
+    n = K * L * 2 * C
+    if n == 0:
+        return
+    _cum_from_codes_kernel[_grid(n), BLOCK, stream](as_device(codes), as_device(maxq), as_device(cum))
+
+
+# ---------------------------------------------------------------- range coding
+
+
+@cuda.jit
+def _encode_streams_kernel(symbols, cum, chunk_tokens, group, slots, lengths):
+    s = cuda.grid(1)
+    K, L, _, C, _S1 = cum.shape
+    groups = (C + group - 1) // group
+    if s >= K * L * 2 * groups:
+        return
+    T = symbols.shape[2]
+    g = s % groups
+    kv = (s // groups) % 2
+    l = (s // (2 * groups)) % L
+    k = s // (L * 2 * groups)
+    t0 = k * chunk_tokens
+    t1 = min(T, t0 + chunk_tokens)
+    c0 = g * group
+    c1 = min(C, c0 + group)
+    lengths[s] = encode_stream(symbols[l, kv], t0, t1, c0, c1, cum[k, l, kv], slots[s])
+
+
+def encode_streams(symbols, cum, chunk_tokens, group, slots, lengths, stream=0):
+    n = lengths.shape[0]
+    if n == 0:
+        return
+    _encode_streams_kernel[_grid(n), BLOCK, stream](
+        as_device(symbols), as_device(cum), np.int64(chunk_tokens), np.int64(group), as_device(slots), as_device(lengths)
+    )
+
+
+@cuda.jit
+def _pack_streams_kernel(slots, lengths, offsets, payload):
+    s = cuda.grid(1)
+    if s >= lengths.shape[0]:
+        return
+    o = offsets[s]
+    for i in range(lengths[s]):
+        payload[o + i] = slots[s, i]
+
+
+def pack_streams(slots, lengths, offsets, payload, stream=0):
+    n = lengths.shape[0]
+    if n == 0:
+        return
+    _pack_streams_kernel[_grid(n), BLOCK, stream](as_device(slots), as_device(lengths), as_device(offsets), as_device(payload))
+
+
+@cuda.jit
+def _decode_streams_kernel(payload, offsets, lengths, cum, maxq, chunk_tokens, group, symbols):
+    s = cuda.grid(1)
+    K, L, _, C, _S1 = cum.shape
+    groups = (C + group - 1) // group
+    if s >= K * L * 2 * groups:
+        return
+    T = symbols.shape[2]
+    g = s % groups
+    kv = (s // groups) % 2
+    l = (s // (2 * groups)) % L
+    k = s // (L * 2 * groups)
+    t0 = k * chunk_tokens
+    t1 = min(T, t0 + chunk_tokens)
+    c0 = g * group
+    c1 = min(C, c0 + group)
+    alphabet = 2 * np.int64(maxq[l, kv]) + 1
+    decode_stream(payload, offsets[s], lengths[s], t0, t1, c0, c1, cum[k, l, kv], alphabet, symbols[l, kv])
+
+
+def decode_streams(payload, offsets, lengths, cum, maxq, chunk_tokens, group, symbols, stream=0):
+    n = lengths.shape[0]
+    if n == 0:
+        return
+    _decode_streams_kernel[_grid(n), BLOCK, stream](
+        as_device(payload), as_device(offsets), as_device(lengths), as_device(cum), as_device(maxq),
+        np.int64(chunk_tokens), np.int64(group), as_device(symbols),
+    )
