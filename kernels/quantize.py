@@ -58,7 +58,7 @@ def bf16_bits_to_float64(bits):
     mant = b & 0x7F
     if exp == 0:
         return math.ldexp(np.float64(mant), -133)
-    return math.ldexp(np.float64(128 + mant), np.int64(exp) - 134)
+    return math.ldexp(np.float64(128 + mant), int(exp) - 134)
 
 
 @register_jitable
