@@ -56,11 +56,9 @@ def encode_slab(h: FileHeader, x: torch.Tensor, first_chunk: int) -> list[Chunk]
     scales = cuda.device_array((L, 2, T), np.uint16, stream=stream)
     symbols = cuda.device_array((L, 2, T, C), np.uint8, stream=stream)
     k.quantize(xd, maxq, scales, symbols, stream)
-    counts = cuda.device_array((K, L, 2, C, S), np.int32, stream=stream)
-    k.histogram(symbols, ct, counts, stream)
     codes = cuda.device_array((K, L, 2, C, S), np.uint8, stream=stream)
     cum = cuda.device_array((K, L, 2, C, S + 1), np.int32, stream=stream)
-    k.build_cdf(counts, maxq, codes, cum, stream)
+    k.histogram_cdf(symbols, ct, maxq, codes, cum, stream)
     per_chunk = h.streams_per_chunk
     n = K * per_chunk
     slots = cuda.device_array((n, max_stream_bytes(ct * h.group)), np.uint8, stream=stream)

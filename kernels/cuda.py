@@ -16,9 +16,11 @@ Who does what:
                     neighbouring channels of a token: coalesced
   build_cdf,
   cum_from_codes    one thread per (chunk, layer, K/V, channel)
+  histogram_cdf     both at once, counts in shared memory (GPU fast path)
   encode_streams,
   decode_streams    one thread per stream (chunk, layer, K/V, channel group); neighbouring
-                    threads own neighbouring channel groups, so symbol reads coalesce
+                    threads own neighbouring channel groups, so symbol reads coalesce; each
+                    thread copies its CDF rows to shared memory first
   pack_streams      one thread per stream, copying its bytes
 """
 
@@ -111,25 +113,23 @@ def quantize(x, maxq, scales, symbols, stream=0):
 
 @cuda.jit
 def _dequantize_kernel(symbols, scales, maxq, out):
-    i = cuda.grid(1)
+    row = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
     L, _, T, C = symbols.shape
-    if i >= L * 2 * T * C:
-        return
-    c = i % C
-    row = i // C
-    t = row % T
-    kv = (row // T) % 2
     l = row // (2 * T)
+    kv = (row // T) % 2
+    t = row % T
     m = np.int64(maxq[l, kv])
-    step = dequant_step(scales[l, kv, t], m)
-    out[l, kv, t, c] = dequantize_value(symbols[l, kv, t, c], step, m)
+    step = dequant_step(scales[l, kv, t], m)  # every thread derives it: cheaper than a barrier
+    for c in range(tid, C, ROW_THREADS):
+        out[l, kv, t, c] = dequantize_value(symbols[l, kv, t, c], step, m)
 
 
 def dequantize(symbols, scales, maxq, out, stream=0):
-    n = int(np.prod(symbols.shape))
-    if n == 0:
+    L, _, T, C = symbols.shape
+    if L * 2 * T * C == 0:
         return
-    _dequantize_kernel[_grid(n), BLOCK, stream](as_device(symbols), as_device(scales), as_device(maxq), as_device(out))
+    _dequantize_kernel[L * 2 * T, ROW_THREADS, stream](as_device(symbols), as_device(scales), as_device(maxq), as_device(out))
 
 
 # ---------------------------------------------------------------- statistics
@@ -207,17 +207,76 @@ def cum_from_codes(codes, maxq, cum, stream=0):
     _cum_from_codes_kernel[_grid(n), BLOCK, stream](as_device(codes), as_device(maxq), as_device(cum))
 
 
+STATS_THREADS = 128
+_STATS_KERNELS: dict = {}
+
+
+def _stats_kernel(width: int):
+    """Histogram + codes + CDF in one pass, counts kept in shared memory (one row per thread)."""
+    kernel = _STATS_KERNELS.get(width)
+    if kernel is None:
+
+        @cuda.jit
+        def kernel(symbols, chunk_tokens, maxq, codes, cum):
+            hist = cuda.shared.array((STATS_THREADS, width), np.int32)
+            tid = cuda.threadIdx.x
+            i = cuda.blockIdx.x * STATS_THREADS + tid
+            K, L, _, C, S = codes.shape
+            if i >= K * L * 2 * C:
+                return
+            c = i % C
+            kv = (i // C) % 2
+            l = (i // (2 * C)) % L
+            k = i // (2 * C * L)
+            row = hist[tid]
+            for s in range(S):
+                row[s] = 0
+            T = symbols.shape[2]
+            t0 = k * chunk_tokens
+            t1 = min(T, t0 + chunk_tokens)
+            for t in range(t0, t1):
+                row[symbols[l, kv, t, c]] += 1
+            alphabet = 2 * np.int64(maxq[l, kv]) + 1
+            counts_to_codes(row, alphabet, codes[k, l, kv, c])
+            codes_to_cum(codes[k, l, kv, c], alphabet, cum[k, l, kv, c])
+
+        _STATS_KERNELS[width] = kernel
+    return kernel
+
+
+def histogram_cdf(symbols, chunk_tokens, maxq, codes, cum, stream=0):
+    """histogram + build_cdf without the counts array (the counts live in shared memory)."""
+    K, L, _, C, S = codes.shape
+    n = K * L * 2 * C
+    if n == 0:
+        return
+    width = S | 1  # an odd row stride spreads the threads' rows over the shared-memory banks
+    if STATS_THREADS * width * 4 > 40 * 1024:
+        counts = cuda.device_array((K, L, 2, C, S), np.int32, stream=stream)
+        histogram(symbols, chunk_tokens, counts, stream)
+        build_cdf(counts, maxq, codes, cum, stream)
+        return
+    _stats_kernel(width)[_grid(n, STATS_THREADS), STATS_THREADS, stream](
+        as_device(symbols), np.int64(chunk_tokens), as_device(maxq), as_device(codes), as_device(cum)
+    )
+
+
 # ---------------------------------------------------------------- range coding
 
 
-@cuda.jit
-def _encode_streams_kernel(symbols, cum, chunk_tokens, group, slots, lengths):
-    s = cuda.grid(1)
-    K, L, _, C, _S1 = cum.shape
-    groups = (C + group - 1) // group
-    if s >= K * L * 2 * groups:
-        return
-    T = symbols.shape[2]
+#: Shared memory a coder block may use for its streams' CDF rows (uint16 copies).
+CODER_SHARED_BYTES = 40 * 1024
+_CODER_KERNELS: dict = {}
+
+
+def _coder_threads(group: int, width: int) -> int:
+    """Threads per block whose CDF rows fit in shared memory; 0 means read them from global memory."""
+    threads = min(BLOCK, CODER_SHARED_BYTES // (group * width * 2) // 32 * 32)
+    return threads if threads >= 32 else 0
+
+
+def _stream_coords(s, groups, L, group, chunk_tokens, T, C):
+    """(k, l, kv, t0, t1, c0, c1) of stream s: used by both coder kernels."""
     g = s % groups
     kv = (s // groups) % 2
     l = (s // (2 * groups)) % L
@@ -226,15 +285,76 @@ def _encode_streams_kernel(symbols, cum, chunk_tokens, group, slots, lengths):
     t1 = min(T, t0 + chunk_tokens)
     c0 = g * group
     c1 = min(C, c0 + group)
-    lengths[s] = encode_stream(symbols[l, kv], t0, t1, c0, c1, cum[k, l, kv], slots[s])
+    return k, l, kv, t0, t1, c0, c1
+
+
+_stream_coords_dev = cuda.jit(device=True)(_stream_coords)
+
+
+def _coder_kernels(threads: int, group: int, width: int):
+    """Encode and decode kernels, one thread per stream.  With threads > 0 each thread first
+    copies its group's CDF rows to shared memory: the coder reads them for every symbol."""
+    key = (threads, group, width)
+    kernels = _CODER_KERNELS.get(key)
+    if kernels is not None:
+        return kernels
+    rows = max(threads * group, 1)
+    shared = threads > 0
+
+    @cuda.jit
+    def encode_kernel(symbols, cum, chunk_tokens, slots, lengths):
+        tables = cuda.shared.array((rows, width), np.uint16)
+        s = cuda.grid(1)
+        K, L, _, C, _S1 = cum.shape
+        groups = (C + group - 1) // group
+        if s >= K * L * 2 * groups:
+            return
+        k, l, kv, t0, t1, c0, c1 = _stream_coords_dev(s, groups, L, group, chunk_tokens, symbols.shape[2], C)
+        if shared:
+            base = cuda.threadIdx.x * group
+            for j in range(c1 - c0):
+                for i in range(width):
+                    tables[base + j, i] = cum[k, l, kv, c0 + j, i]
+            mine = tables[base : base + (c1 - c0)]
+            lengths[s] = encode_stream(symbols[l, kv], t0, t1, c0, c1, mine, slots[s])
+        else:
+            lengths[s] = encode_stream(symbols[l, kv], t0, t1, c0, c1, cum[k, l, kv, c0:c1], slots[s])
+
+    @cuda.jit
+    def decode_kernel(payload, offsets, lengths, cum, maxq, chunk_tokens, symbols):
+        tables = cuda.shared.array((rows, width), np.uint16)
+        s = cuda.grid(1)
+        K, L, _, C, _S1 = cum.shape
+        groups = (C + group - 1) // group
+        if s >= K * L * 2 * groups:
+            return
+        k, l, kv, t0, t1, c0, c1 = _stream_coords_dev(s, groups, L, group, chunk_tokens, symbols.shape[2], C)
+        alphabet = 2 * np.int64(maxq[l, kv]) + 1
+        if shared:
+            base = cuda.threadIdx.x * group
+            for j in range(c1 - c0):
+                for i in range(width):
+                    tables[base + j, i] = cum[k, l, kv, c0 + j, i]
+            mine = tables[base : base + (c1 - c0)]
+            decode_stream(payload, offsets[s], lengths[s], t0, t1, c0, c1, mine, alphabet, symbols[l, kv])
+        else:
+            decode_stream(payload, offsets[s], lengths[s], t0, t1, c0, c1, cum[k, l, kv, c0:c1], alphabet, symbols[l, kv])
+
+    kernels = (encode_kernel, decode_kernel)
+    _CODER_KERNELS[key] = kernels
+    return kernels
 
 
 def encode_streams(symbols, cum, chunk_tokens, group, slots, lengths, stream=0):
     n = lengths.shape[0]
     if n == 0:
         return
-    _encode_streams_kernel[_grid(n), BLOCK, stream](
-        as_device(symbols), as_device(cum), np.int64(chunk_tokens), np.int64(group), as_device(slots), as_device(lengths)
+    width = cum.shape[4]
+    threads = _coder_threads(group, width)
+    kernel = _coder_kernels(threads, group, width)[0]
+    block = threads or BLOCK
+    kernel[_grid(n, block), block, stream](
+        as_device(symbols), as_device(cum), np.int64(chunk_tokens), as_device(slots), as_device(lengths)
     )
 
 
@@ -255,31 +375,15 @@ def pack_streams(slots, lengths, offsets, payload, stream=0):
     _pack_streams_kernel[_grid(n), BLOCK, stream](as_device(slots), as_device(lengths), as_device(offsets), as_device(payload))
 
 
-@cuda.jit
-def _decode_streams_kernel(payload, offsets, lengths, cum, maxq, chunk_tokens, group, symbols):
-    s = cuda.grid(1)
-    K, L, _, C, _S1 = cum.shape
-    groups = (C + group - 1) // group
-    if s >= K * L * 2 * groups:
-        return
-    T = symbols.shape[2]
-    g = s % groups
-    kv = (s // groups) % 2
-    l = (s // (2 * groups)) % L
-    k = s // (L * 2 * groups)
-    t0 = k * chunk_tokens
-    t1 = min(T, t0 + chunk_tokens)
-    c0 = g * group
-    c1 = min(C, c0 + group)
-    alphabet = 2 * np.int64(maxq[l, kv]) + 1
-    decode_stream(payload, offsets[s], lengths[s], t0, t1, c0, c1, cum[k, l, kv], alphabet, symbols[l, kv])
-
-
 def decode_streams(payload, offsets, lengths, cum, maxq, chunk_tokens, group, symbols, stream=0):
     n = lengths.shape[0]
     if n == 0:
         return
-    _decode_streams_kernel[_grid(n), BLOCK, stream](
+    width = cum.shape[4]
+    threads = _coder_threads(group, width)
+    kernel = _coder_kernels(threads, group, width)[1]
+    block = threads or BLOCK
+    kernel[_grid(n, block), block, stream](
         as_device(payload), as_device(offsets), as_device(lengths), as_device(cum), as_device(maxq),
-        np.int64(chunk_tokens), np.int64(group), as_device(symbols),
+        np.int64(chunk_tokens), as_device(symbols),
     )

@@ -2,7 +2,9 @@
 
 One stream is the symbols of tokens [t0, t1) and channels [c0, c1) of one
 (layer, K/V) plane, token by token, channel by channel; channel c codes with
-CDF row ``cum[c]``.  Streams are independent, so a kernel runs one per thread.
+CDF row ``cum[c - c0]`` (the caller passes just the stream's rows, so a GPU
+kernel can hand over a copy in shared memory).  Streams are independent, so a
+kernel runs one per thread.
 
 The coder (after Subbotin and LZMA's rc): a 32-bit range and a low end kept
 below 2**32 by shifting out its top byte whenever the range falls below 2**24.
@@ -39,7 +41,7 @@ def _add_carry(out, n):
 def encode_stream(symbols, t0, t1, c0, c1, cum, out):
     """Code symbols[t0:t1, c0:c1] (row-major) into out; returns the byte count.
 
-    symbols: uint8 [T, C]; cum: int32 [C, >= alphabet + 1]; out: uint8 buffer of
+    symbols: uint8 [T, C]; cum: [c1 - c0, >= alphabet + 1] integers; out: uint8 buffer of
     at least max_stream_bytes((t1 - t0) * (c1 - c0)) bytes.
     """
     low = np.int64(0)
@@ -48,10 +50,11 @@ def encode_stream(symbols, t0, t1, c0, c1, cum, out):
     for t in range(t0, t1):
         for c in range(c0, c1):
             s = np.int64(symbols[t, c])
-            base = np.int64(cum[c, s])
+            j = c - c0
+            base = np.int64(cum[j, s])
             r = rng >> PROB_BITS
             low += r * base
-            rng = r * (np.int64(cum[c, s + 1]) - base)
+            rng = r * (np.int64(cum[j, s + 1]) - base)
             if low > MASK32:
                 _add_carry(out, n)
                 low &= MASK32
@@ -83,7 +86,12 @@ def encode_stream(symbols, t0, t1, c0, c1, cum, out):
 
 @register_jitable
 def decode_stream(data, start, length, t0, t1, c0, c1, cum, alphabet, symbols):
-    """Decode into symbols[t0:t1, c0:c1] the stream data[start:start + length]."""
+    """Decode into symbols[t0:t1, c0:c1] the stream data[start:start + length].
+
+    cum: the stream's CDF rows, [c1 - c0, >= alphabet + 1].  The quotient
+    code // r is taken in float64: code < 2**32 and r >= 2**9, so the correctly
+    rounded quotient never crosses an integer and its floor is exact, and a
+    float division is much cheaper than a 64-bit integer one on both devices."""
     pos = 0
     code = np.int64(0)
     for _ in range(4):
@@ -96,20 +104,21 @@ def decode_stream(data, start, length, t0, t1, c0, c1, cum, alphabet, symbols):
     for t in range(t0, t1):
         for c in range(c0, c1):
             r = rng >> PROB_BITS
-            q = code // r
+            q = np.int64(np.float64(code) / np.float64(r))
             if q >= PROB_TOTAL:
                 q = PROB_TOTAL - 1
+            j = c - c0
             lo = 0
             hi = alphabet
             while hi - lo > 1:
                 mid = (lo + hi) >> 1
-                if cum[c, mid] <= q:
+                if cum[j, mid] <= q:
                     lo = mid
                 else:
                     hi = mid
-            base = np.int64(cum[c, lo])
+            base = np.int64(cum[j, lo])
             code -= r * base
-            rng = r * (np.int64(cum[c, lo + 1]) - base)
+            rng = r * (np.int64(cum[j, lo + 1]) - base)
             while rng < RANGE_TOP:
                 b = np.int64(0)
                 if pos < length:
