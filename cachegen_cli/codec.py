@@ -118,6 +118,7 @@ def encode_slab(h: FileHeader, x: np.ndarray, first_chunk: int, kernels=cpu_kern
     np.cumsum(lengths, out=offsets[1:])
     payload = np.empty(int(offsets[-1]), np.uint8)
     kernels.pack_streams(slots, lengths, offsets, payload)
+    packed = container.pack_codes(codes, h)
     chunks = []
     for k in range(K):
         a, b = k * per_chunk, (k + 1) * per_chunk
@@ -128,7 +129,7 @@ def encode_slab(h: FileHeader, x: np.ndarray, first_chunk: int, kernels=cpu_kern
                 first_token=(first_chunk + k) * ct,
                 token_count=t1 - t0,
                 scales=scales[:, :, t0:t1],
-                codes=codes[k],
+                codes=packed[k],
                 lengths=lengths[a:b].reshape(L, 2, h.groups),
                 payload=payload[offsets[a] : offsets[b]],
             )
@@ -143,7 +144,7 @@ def decode_slab(h: FileHeader, chunks: list[Chunk], kernels=cpu_kernels) -> np.n
     T = sum(c.token_count for c in chunks)
     maxq = h.maxq
     S = _code_width(h)
-    codes = np.stack([c.codes for c in chunks])
+    codes = container.unpack_codes(np.stack([c.codes for c in chunks]), h, S)
     cum = np.empty((K, L, 2, C, S + 1), np.int32)
     kernels.cum_from_codes(codes, maxq, cum)
     lengths = np.concatenate([c.lengths.reshape(-1) for c in chunks]).astype(np.int32)
@@ -192,10 +193,10 @@ def encode_to_stream(
             x = cache.data[:, :, slab.t0 : slab.t1, :].to(torch.float32).contiguous().numpy()
             chunks = encode_slab(h, x, slab.first_chunk, kernels)
         for chunk in chunks:
-            record = container.pack_chunk(h, chunk)
             offsets.append(pos)
-            out.write(record)
-            pos += len(record)
+            for part in container.chunk_parts(chunk):
+                out.write(part)
+                pos += len(part)
             payload_bytes += int(chunk.payload.size)
             if progress:
                 progress(chunk.index + 1, h.num_chunks)

@@ -12,6 +12,7 @@ anything is allocated or read.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 import zlib
@@ -208,7 +209,7 @@ class Chunk:
     """One chunk's sections, as arrays.
 
     scales  uint16 [L, 2, token_count]  bfloat16 bits
-    codes   uint8  [L, 2, C, S]         4-bit CDF codes (S >= alphabet); packed on write
+    codes   uint8  [cdf_size]           the CDF-codes section: 4-bit codes, packed (pack_codes)
     lengths uint16 [L, 2, groups]       coded bytes of each stream
     payload uint8  [sum(lengths)]       the streams, in (layer, K/V, group) order
     """
@@ -222,50 +223,79 @@ class Chunk:
     payload: np.ndarray
 
 
-def pack_codes(codes: np.ndarray, alphabets: np.ndarray) -> bytes:
-    """[L, 2, C, S] codes -> per (layer, K/V, channel) ceil(A/2) bytes, low nibble first."""
-    L, _, C, _ = codes.shape
-    parts = []
-    for l in range(L):
-        for kv in range(2):
-            a = int(alphabets[l, kv])
-            plane = codes[l, kv, :, :a]
-            if a % 2:
-                plane = np.concatenate([plane, np.zeros((C, 1), np.uint8)], axis=1)
-            parts.append((plane[:, 0::2] | (plane[:, 1::2] << 4)).astype(np.uint8).tobytes())
-    return b"".join(parts)
+@functools.lru_cache(maxsize=32)
+def _nibble_maps(alphabets_key: bytes, num_layers: int, num_channels: int, width: int):
+    """Where each nibble of the CDF-codes section comes from in a [L, 2, C, width] codes array.
 
-
-def unpack_codes(raw: bytes, alphabets: np.ndarray, num_channels: int, width: int) -> np.ndarray:
-    """Inverse of pack_codes into a zero-padded [L, 2, C, width] array."""
-    L = alphabets.shape[0]
-    out = np.zeros((L, 2, num_channels, width), np.uint8)
-    buf = np.frombuffer(raw, np.uint8)
-    pos = 0
-    for l in range(L):
+    Returns (low, high, padded): for packed byte j, the flat index of its low and
+    high nibble's code (index L*2*C*width, one past the end, for the padding
+    nibble of an odd alphabet), and a mask of the bytes that hold a padding nibble.
+    """
+    alphabets = np.frombuffer(alphabets_key, np.int32).reshape(num_layers, 2)
+    pad = num_layers * 2 * num_channels * width
+    lows, highs = [], []
+    for l in range(num_layers):
         for kv in range(2):
             a = int(alphabets[l, kv])
             nb = (a + 1) // 2
-            packed = buf[pos : pos + num_channels * nb].reshape(num_channels, nb)
-            pos += num_channels * nb
-            both = np.empty((num_channels, 2 * nb), np.uint8)
-            both[:, 0::2] = packed & 0x0F
-            both[:, 1::2] = packed >> 4
-            if a % 2 and both[:, a].any():
-                raise SizeError("padding nibble of a CDF code row is not zero")
-            out[l, kv, :, :a] = both[:, :a]
-    return out
+            base = ((l * 2 + kv) * num_channels + np.arange(num_channels, dtype=np.int64)[:, None]) * width
+            sym = 2 * np.arange(nb, dtype=np.int64)[None, :]
+            lows.append((base + sym).reshape(-1))
+            hi = base + sym + 1
+            hi = np.where(sym + 1 < a, hi, pad)
+            highs.append(hi.reshape(-1))
+    low = np.concatenate(lows) if lows else np.empty(0, np.int64)
+    high = np.concatenate(highs) if highs else np.empty(0, np.int64)
+    return low, high, high == pad
+
+
+def nibble_maps(h: FileHeader, width: int):
+    return _nibble_maps(np.ascontiguousarray(h.alphabets, np.int32).tobytes(), h.num_layers, h.num_channels, width)
+
+
+def pack_codes(codes: np.ndarray, h: FileHeader) -> np.ndarray:
+    """codes [..., L, 2, C, S] -> the CDF-codes section(s) [..., cdf_size]: per (layer, K/V,
+    channel) ceil(A/2) bytes, symbol 2i in the low nibble of byte i."""
+    lead = codes.shape[:-4]
+    width = codes.shape[-1]
+    low, high, _ = nibble_maps(h, width)
+    flat = codes.reshape(lead + (-1,))
+    flat = np.concatenate([flat, np.zeros(lead + (1,), np.uint8)], axis=-1)
+    return (flat[..., low] | (flat[..., high] << 4)).astype(np.uint8)
+
+
+def unpack_codes(packed: np.ndarray, h: FileHeader, width: int) -> np.ndarray:
+    """Inverse of pack_codes: [..., cdf_size] -> zero-padded [..., L, 2, C, width]."""
+    lead = packed.shape[:-1]
+    low, high, padded = nibble_maps(h, width)
+    flat = np.zeros(lead + (h.num_layers * 2 * h.num_channels * width + 1,), np.uint8)
+    flat[..., low] = packed & 0x0F
+    flat[..., high] = packed >> 4
+    return np.ascontiguousarray(flat[..., :-1]).reshape(lead + (h.num_layers, 2, h.num_channels, width))
+
+
+def check_code_padding(packed: np.ndarray, h: FileHeader, width: int) -> bool:
+    """True when every padding nibble is zero, as the format requires."""
+    _, _, padded = nibble_maps(h, width)
+    return not (packed[padded] >> 4).any()
+
+
+def chunk_parts(chunk: Chunk) -> list:
+    """The chunk record as a list of byte buffers (header first), without joining them."""
+    sections = [
+        memoryview(np.ascontiguousarray(chunk.scales, dtype="<u2")).cast("B"),
+        memoryview(np.ascontiguousarray(chunk.codes, dtype=np.uint8)).cast("B"),
+        memoryview(np.ascontiguousarray(chunk.lengths, dtype="<u2")).cast("B"),
+        memoryview(np.ascontiguousarray(chunk.payload, dtype=np.uint8)).cast("B"),
+    ]
+    head = CHUNK_HEADER.pack(CHUNK_MAGIC, chunk.index, chunk.first_token, chunk.token_count,
+                             *(len(x) for x in sections), 0, 0)[:-4]
+    crc = _crc(head, *sections)
+    return [head + struct.pack("<I", crc)] + sections
 
 
 def pack_chunk(h: FileHeader, chunk: Chunk) -> bytes:
-    scales = np.ascontiguousarray(chunk.scales, dtype="<u2").tobytes()
-    codes = pack_codes(chunk.codes, h.alphabets)
-    lengths = np.ascontiguousarray(chunk.lengths, dtype="<u2").tobytes()
-    payload = np.ascontiguousarray(chunk.payload, dtype=np.uint8).tobytes()
-    head = CHUNK_HEADER.pack(CHUNK_MAGIC, chunk.index, chunk.first_token, chunk.token_count, len(scales),
-                             len(codes), len(lengths), len(payload), 0, 0)[:-4]
-    crc = _crc(head, scales, codes, lengths, payload)
-    return head + struct.pack("<I", crc) + scales + codes + lengths + payload
+    return b"".join(chunk_parts(chunk))
 
 
 def read_chunk(f: BinaryIO, h: FileHeader, index: int, remaining: int | None, code_width: int) -> tuple[Chunk, int]:
@@ -302,7 +332,9 @@ def read_chunk(f: BinaryIO, h: FileHeader, index: int, remaining: int | None, co
     o = 0
     scales = np.frombuffer(data, "<u2", scales_size // 2, o).reshape(L, 2, token_count).astype(np.uint16)
     o += scales_size
-    codes = unpack_codes(data[o : o + cdf_size], h.alphabets, h.num_channels, code_width)
+    codes = np.frombuffer(data, np.uint8, cdf_size, o)
+    if not check_code_padding(codes, h, code_width):
+        raise SizeError(f"chunk {index}: a padding nibble of the CDF codes is not zero")
     o += cdf_size
     lengths = np.frombuffer(data, "<u2", lengths_size // 2, o).reshape(L, 2, h.groups).astype(np.int32)
     o += lengths_size

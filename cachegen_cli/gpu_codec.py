@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import container
 from .container import Chunk, FileHeader
 from .kernels.coding_params import max_stream_bytes
 
@@ -75,6 +76,7 @@ def encode_slab(h: FileHeader, x: torch.Tensor, first_chunk: int) -> list[Chunk]
     codes_h = codes.copy_to_host(stream=stream)
     stream.synchronize()
     del keep
+    packed = container.pack_codes(codes_h, h)
     chunks = []
     for i in range(K):
         a, b = i * per_chunk, (i + 1) * per_chunk
@@ -85,7 +87,7 @@ def encode_slab(h: FileHeader, x: torch.Tensor, first_chunk: int) -> list[Chunk]
                 first_token=(first_chunk + i) * ct,
                 token_count=t1 - t0,
                 scales=scales_h[:, :, t0:t1],
-                codes=codes_h[i],
+                codes=packed[i],
                 lengths=lengths[a:b].reshape(L, 2, h.groups),
                 payload=payload[offsets[a] : offsets[b]],
             )
@@ -107,7 +109,7 @@ def decode_slab(h: FileHeader, chunks: list[Chunk]):
     T = sum(c.token_count for c in chunks)
     S = int(h.alphabets.max())
     maxq = cuda.to_device(h.maxq, stream=stream)
-    codes = cuda.to_device(np.ascontiguousarray(np.stack([c.codes for c in chunks])), stream=stream)
+    codes = cuda.to_device(container.unpack_codes(np.stack([c.codes for c in chunks]), h, S), stream=stream)
     cum = cuda.device_array((K, L, 2, C, S + 1), np.int32, stream=stream)
     k.cum_from_codes(codes, maxq, cum, stream)
     lengths = np.concatenate([c.lengths.reshape(-1) for c in chunks]).astype(np.int32)
