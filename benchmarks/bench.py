@@ -87,8 +87,8 @@ def copy_bandwidth() -> float:
 
 
 def gpu_kernel_times(kv_gpu: torch.Tensor, repeats: int) -> dict:
-    """Kernels only, data resident on the GPU: encode = f32 cast + quantize + histogram + CDF +
-    range coding + stream packing; decode = CDF from codes + range decoding + dequantize."""
+    """Kernels only, data resident on the GPU: encode = f32 cast + quantize + histogram/CDF +
+    range coding + stream packing; decode = CDF from codes + range decoding + dequantize + bf16 cast."""
     from numba import cuda
 
     from cachegen_cli import codec, kvio
@@ -104,7 +104,7 @@ def gpu_kernel_times(kv_gpu: torch.Tensor, repeats: int) -> dict:
     dev = lambda shape, dtype: torch.empty(shape, dtype=dtype, device="cuda")
     maxq = torch.as_tensor(h.maxq, device="cuda")
     symbols = dev((L, 2, T, C), torch.uint8)
-    counts, codes = dev((Kc, L, 2, C, S), torch.int32), dev((Kc, L, 2, C, S), torch.uint8)
+    codes = dev((Kc, L, 2, C, S), torch.uint8)
     cum = dev((Kc, L, 2, C, S + 1), torch.int32)
     slots, lengths = dev((n, max_stream_bytes(ct * h.group)), torch.uint8), dev((n,), torch.int32)
     offsets = dev((n + 1,), torch.int64)
@@ -116,8 +116,7 @@ def gpu_kernel_times(kv_gpu: torch.Tensor, repeats: int) -> dict:
     def encode():
         x = cache.data.to(torch.float32)
         K.quantize(a(x), a(maxq), scales_u, a(symbols))
-        K.histogram(a(symbols), ct, a(counts))
-        K.build_cdf(a(counts), a(maxq), a(codes), a(cum))
+        K.histogram_cdf(a(symbols), ct, a(maxq), a(codes), a(cum))
         K.encode_streams(a(symbols), a(cum), ct, h.group, a(slots), a(lengths))
         offsets[1:] = torch.cumsum(lengths, 0)
         offsets[0] = 0
@@ -127,8 +126,7 @@ def gpu_kernel_times(kv_gpu: torch.Tensor, repeats: int) -> dict:
     x = cache.data.to(torch.float32)
     stages["cast_f32"] = gpu_event_time(lambda: cache.data.to(torch.float32), repeats)
     stages["quantize"] = gpu_event_time(lambda: K.quantize(a(x), a(maxq), scales_u, a(symbols)), repeats)
-    stages["histogram"] = gpu_event_time(lambda: K.histogram(a(symbols), ct, a(counts)), repeats)
-    stages["build_cdf"] = gpu_event_time(lambda: K.build_cdf(a(counts), a(maxq), a(codes), a(cum)), repeats)
+    stages["histogram_cdf"] = gpu_event_time(lambda: K.histogram_cdf(a(symbols), ct, a(maxq), a(codes), a(cum)), repeats)
     stages["encode_streams"] = gpu_event_time(
         lambda: K.encode_streams(a(symbols), a(cum), ct, h.group, a(slots), a(lengths)), repeats)
     total_encode = gpu_event_time(encode, repeats)

@@ -1,10 +1,18 @@
 """The codec's slab steps on a CUDA GPU: the same chunks as ``codec.encode_slab`` /
 ``codec.decode_slab``, computed by ``kernels/cuda.py``.
 
-A slab (many chunks) is one batch of launches on one CUDA stream with a single
-host synchronisation, when the stream lengths come back to place the streams.
+Encoding: a slab (many chunks) is one batch of launches on one CUDA stream with
+a single host synchronisation, when the stream lengths come back to place the
+streams; the CDF codes are packed to nibbles on the device and everything comes
+back through one reused page-locked buffer.
+
+Decoding (``decode_blob``): the whole .cgen file is copied to the device once;
+the kernels read the CDF codes, scales and streams straight out of it at the
+offsets the host computed while checking the file, so nothing is gathered or
+concatenated on the host.
+
 Inputs may be torch CUDA tensors (no host copy), CPU tensors (copied once), or,
-under numba's CUDA simulator, numpy arrays.
+under numba's CUDA simulator, numpy arrays (then the simpler host-side paths run).
 """
 
 from __future__ import annotations
@@ -30,6 +38,21 @@ def torch_cuda_ok() -> bool:
     return bool(torch.cuda.is_available()) and not config.ENABLE_CUDASIM
 
 
+class _Pinned:
+    """A growing page-locked host buffer, reused between calls (cudaHostAlloc is slow)."""
+
+    def __init__(self) -> None:
+        self.buf: torch.Tensor | None = None
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        if self.buf is None or self.buf.numel() < nbytes:
+            self.buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
+        return self.buf[:nbytes]
+
+
+_STAGING = _Pinned()
+
+
 def to_device_f32(x: torch.Tensor):
     """float32 [L, 2, T, C] on the device; returns (numba array, keep-alive object)."""
     from numba import cuda
@@ -42,8 +65,25 @@ def to_device_f32(x: torch.Tensor):
     return cuda.to_device(arr), arr
 
 
+_DEVICE_MAPS: dict = {}
+
+
+def _device_nibble_maps(h: FileHeader, width: int):
+    key = (np.ascontiguousarray(h.alphabets, np.int32).tobytes(), h.num_layers, h.num_channels, width)
+    maps = _DEVICE_MAPS.get(key)
+    if maps is None:
+        low, high, _ = container.nibble_maps(h, width)
+        maps = (torch.as_tensor(low, device="cuda"), torch.as_tensor(high, device="cuda"))
+        _DEVICE_MAPS.clear()
+        _DEVICE_MAPS[key] = maps
+    return maps
+
+
 def encode_slab(h: FileHeader, x: torch.Tensor, first_chunk: int) -> list[Chunk]:
-    """Encode x [L, 2, T_slab, C] (any float dtype, CPU or CUDA) on the GPU."""
+    """Encode x [L, 2, T_slab, C] (any float dtype, CPU or CUDA) on the GPU.
+
+    The chunks' arrays may view a reused staging buffer: write them out before
+    the next call."""
     from numba import cuda
 
     k = _kernels()
@@ -69,14 +109,27 @@ def encode_slab(h: FileHeader, x: torch.Tensor, first_chunk: int) -> list[Chunk]
     stream.synchronize()  # the one sync: stream lengths place the streams
     offsets = np.zeros(n + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    payload_d = cuda.device_array(max(int(offsets[-1]), 1), np.uint8, stream=stream)
+    total = int(offsets[-1])
+    payload_d = cuda.device_array(max(total, 1), np.uint8, stream=stream)
     k.pack_streams(slots, lengths_d, cuda.to_device(offsets, stream=stream), payload_d, stream)
-    payload = payload_d.copy_to_host(stream=stream)[: int(offsets[-1])]
+    if torch_cuda_ok():
+        codes_t = torch.as_tensor(codes, device="cuda").reshape(K, -1)
+        low, high = _device_nibble_maps(h, S)
+        flat = torch.cat([codes_t, torch.zeros((K, 1), dtype=torch.uint8, device="cuda")], dim=1)
+        packed_t = flat[:, low] | (flat[:, high] << 4)
+        cdf_size = packed_t.shape[1]
+        staging = _STAGING.get(total + K * cdf_size).numpy()
+        payload = staging[:total]
+        if total:
+            payload_d[:total].copy_to_host(payload, stream=stream)
+        packed = staging[total:].reshape(K, cdf_size)
+        torch.from_numpy(packed).copy_(packed_t)  # device -> page-locked host, same (legacy default) stream
+    else:
+        payload = payload_d.copy_to_host(stream=stream)[:total]
+        packed = container.pack_codes(codes.copy_to_host(stream=stream), h)
     scales_h = scales.copy_to_host(stream=stream)
-    codes_h = codes.copy_to_host(stream=stream)
     stream.synchronize()
     del keep
-    packed = container.pack_codes(codes_h, h)
     chunks = []
     for i in range(K):
         a, b = i * per_chunk, (i + 1) * per_chunk
@@ -96,7 +149,7 @@ def encode_slab(h: FileHeader, x: torch.Tensor, first_chunk: int) -> list[Chunk]
 
 
 def decode_slab(h: FileHeader, chunks: list[Chunk]):
-    """Decode consecutive chunks on the GPU into float32 [L, 2, T_slab, C].
+    """Decode consecutive chunks (host arrays) on the GPU into float32 [L, 2, T_slab, C].
 
     Returns a torch CUDA tensor when torch can use the GPU, else a numpy array
     (numba's simulator)."""
@@ -129,3 +182,57 @@ def decode_slab(h: FileHeader, chunks: list[Chunk]):
     out = cuda.device_array((L, 2, T, C), np.float32, stream=stream)
     k.dequantize(symbols, scales, maxq, out, stream)
     return out.copy_to_host(stream=stream)
+
+
+def decode_blob(h: FileHeader, blob: memoryview, chunk_offsets: list[int], chunks: list[Chunk],
+                first_chunk: int, blob_d: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode ``chunks`` (already checked by the host) reading their sections from the
+    whole file on the device.  Returns (float32 [L, 2, T_slab, C] CUDA tensor, blob_d) so
+    the caller can reuse the device copy of the file for the next slab."""
+    k = _kernels()
+    L, C = h.num_layers, h.num_channels
+    K = len(chunks)
+    S = int(h.alphabets.max())
+    if blob_d is None:
+        blob_d = torch.frombuffer(blob, dtype=torch.uint8).to("cuda") if len(blob) else torch.zeros(1, dtype=torch.uint8, device="cuda")
+    T = sum(c.token_count for c in chunks)
+    # Host-side arithmetic on small arrays: where every section starts in the file.
+    starts = np.array([chunk_offsets[first_chunk + i] for i in range(K)], np.int64)
+    sizes = np.array([h.section_sizes(c.token_count) for c in chunks], np.int64).reshape(K, 3)
+    scales_at = starts + container.CHUNK_HEADER.size
+    codes_at = scales_at + sizes[:, 0]
+    payload_at = codes_at + sizes[:, 1] + sizes[:, 2]
+    lengths = np.concatenate([c.lengths.reshape(-1) for c in chunks]).astype(np.int32)
+    per_chunk = h.streams_per_chunk
+    within = np.zeros(lengths.size, np.int64)
+    if lengths.size:
+        local = lengths.reshape(K, per_chunk).astype(np.int64)
+        within = (np.cumsum(local, axis=1) - local + payload_at[:, None]).reshape(-1)
+    dev = torch.device("cuda")
+    # CDF codes: gather each chunk's packed section, unpack nibbles on the device.
+    cdf_size = int(sizes[0, 1]) if K else 0
+    idx = torch.as_tensor(codes_at, device=dev)[:, None] + torch.arange(cdf_size, device=dev)[None, :]
+    packed = blob_d[idx]
+    low, high = _device_nibble_maps(h, S)
+    flat = torch.zeros((K, L * 2 * C * S + 1), dtype=torch.uint8, device=dev)
+    flat[:, low] = packed & 0x0F
+    flat[:, high] = packed >> 4
+    codes = flat[:, :-1].contiguous().reshape(K, L, 2, C, S)
+    # Scales: u16 little-endian, [L, 2, tk] per chunk, laid end to end along the tokens.
+    tks = np.array([c.token_count for c in chunks], np.int64)
+    t_chunk = np.repeat(np.arange(K), tks)
+    t_local = np.arange(T) - np.repeat(np.cumsum(tks) - tks, tks)
+    lk = np.arange(L * 2, dtype=np.int64)[:, None]
+    byte_at = scales_at[t_chunk][None, :] + 2 * (lk * tks[t_chunk][None, :] + t_local[None, :])
+    byte_at = torch.as_tensor(byte_at, device=dev)
+    scales = (blob_d[byte_at].to(torch.int32) | (blob_d[byte_at + 1].to(torch.int32) << 8)).reshape(L, 2, T)
+    maxq = torch.as_tensor(h.maxq, device=dev)
+    cum = torch.empty((K, L, 2, C, S + 1), dtype=torch.int32, device=dev)
+    a = k.as_device
+    k.cum_from_codes(a(codes), a(maxq), a(cum))
+    symbols = torch.empty((L, 2, T, C), dtype=torch.uint8, device=dev)
+    k.decode_streams(a(blob_d), a(torch.as_tensor(within, device=dev)), a(torch.as_tensor(lengths, device=dev)),
+                     a(cum), a(maxq), h.chunk_tokens, h.group, a(symbols))
+    out = torch.empty((L, 2, T, C), dtype=torch.float32, device=dev)
+    k.dequantize(a(symbols), a(scales), a(maxq), a(out))
+    return out, blob_d
