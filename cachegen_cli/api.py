@@ -54,8 +54,19 @@ def decode(data: bytes | bytearray | memoryview, *, device: str = "auto") -> dic
 
     With ``device="auto"`` (the default) the GPU decodes when one is present and the
     tensors are returned on it; ``device="cpu"`` keeps everything on the CPU."""
-    header, tensor = codec.decode_from_stream(io.BytesIO(bytes(data)), device=device)
+    reader, _ = codec.open_input(data)
+    header, tensor = codec.decode_from_stream(reader, device=device)
     return kvio.to_tensors(tensor, header.descriptor)
+
+
+def _close_quietly(closer) -> None:
+    """Close an mmap or file; an mmap still viewed by a live array stays open until it goes."""
+    if closer is None:
+        return
+    try:
+        closer.close()
+    except BufferError:
+        pass
 
 
 def default_encoded_path(src: Path) -> Path:
@@ -106,8 +117,12 @@ def decode_file(
     if not src.is_file():
         raise InputNotFoundError(f"no such file: {src}")
     check_output(dst, [src], force)
-    with open(src, "rb") as f:
-        header, tensor = codec.decode_from_stream(f, progress, device)
+    reader, closer = codec.open_input(src)
+    try:
+        header, tensor = codec.decode_from_stream(reader, progress, device)
+    finally:
+        del reader
+        _close_quietly(closer)
     tensors = kvio.to_tensors(tensor, header.descriptor)
     kvio.write_safetensors_atomic(tensors, header.descriptor.get("metadata", {}), dst)
     return dst

@@ -21,7 +21,7 @@ import torch
 from . import container
 from .config import QuantizationConfig, validate_chunk_tokens
 from .container import Chunk, FileHeader
-from .errors import ConfigError, FormatError
+from .errors import ChecksumError, ConfigError, FormatError
 from .kernels import cpu as cpu_kernels
 from .kernels.coding_params import MAX_ALPHABET, max_stream_bytes
 from .kvio import DTYPE_BY_NAME, KVCache
@@ -246,18 +246,47 @@ def read_header_and_index(f: BinaryIO) -> tuple[FileHeader, int, list[int], int]
     return h, header_end, offsets, size
 
 
+#: Chunks whose CRC-32s are checked together, in parallel threads.
+CRC_BATCH = 16
+
+
 def iter_chunks(f: BinaryIO, h: FileHeader, offsets: list[int], size: int) -> Iterator[Chunk]:
-    """Read every chunk in order, checking each sits where the index says."""
+    """Read every chunk in order, checking each sits where the index says and its CRC-32
+    (a batch of chunks at a time, on several threads) before anything else is read from it."""
     width = _code_width(h)
     index_offset = size - container.TRAILER.size - (12 + 8 * h.num_chunks)
-    for i in range(h.num_chunks):
-        pos = f.tell()
-        if pos != offsets[i]:
-            raise container.SizeError(f"chunk {i} is at byte {pos}, the index says {offsets[i]}")
-        chunk, _ = container.read_chunk(f, h, i, index_offset - pos, width)
-        yield chunk
+    for first in range(0, h.num_chunks, CRC_BATCH):
+        records = []
+        for i in range(first, min(h.num_chunks, first + CRC_BATCH)):
+            pos = f.tell()
+            if pos != offsets[i]:
+                raise container.SizeError(f"chunk {i} is at byte {pos}, the index says {offsets[i]}")
+            records.append(container.read_chunk_record(f, h, i, index_offset - pos))
+        checks = list(_pool().map(container.ChunkRecord.crc_ok, records)) if len(records) > 1 else [records[0].crc_ok()]
+        for rec, ok in zip(records, checks):
+            if not ok:
+                raise ChecksumError(f"chunk {rec.index} CRC mismatch: the file is corrupted")
+            yield container.parse_chunk(h, rec, width)
     if f.tell() != index_offset:
         raise container.SizeError("bytes between the last chunk and the index")
+
+
+def open_input(source) -> tuple[BinaryIO, object]:
+    """A zero-copy reader over bytes, a buffer, or a file path (memory-mapped); returns
+    (reader, closer) where closer must be closed after the reader's views are dropped."""
+    import mmap
+
+    if isinstance(source, (bytes, bytearray, memoryview)):
+        return container.BufferReader(source), None
+    fh = open(source, "rb")
+    try:
+        if os.fstat(fh.fileno()).st_size == 0:
+            return container.BufferReader(b""), fh
+        mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return fh, fh
+    fh.close()
+    return container.BufferReader(mm), mm
 
 
 def decode_from_stream(f: BinaryIO, progress: ProgressFn | None = None, device: str = "cpu") -> tuple[FileHeader, torch.Tensor]:
@@ -276,7 +305,7 @@ def decode_from_stream(f: BinaryIO, progress: ProgressFn | None = None, device: 
     if on_gpu:
         # The device decodes straight from a copy of the whole file; the host only checks it.
         f.seek(0)
-        blob = memoryview(f.read())
+        blob = f.read()
         f.seek(header_end)
     chunks = iter_chunks(f, h, offsets, size)
     for slab in iter_slabs(h, GPU_SLAB_BYTES if device == "cuda" else SLAB_BYTES):

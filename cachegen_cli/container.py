@@ -135,7 +135,7 @@ def read_exact(f: BinaryIO, n: int, what: str) -> bytes:
 
 def read_file_header(f: BinaryIO, file_size: int | None = None) -> tuple[FileHeader, int]:
     """Parse the header at the current position; returns it and its total size in bytes."""
-    raw = f.read(FILE_HEADER.size)
+    raw = bytes(f.read(FILE_HEADER.size))
     if len(raw) < len(MAGIC) or raw[: len(MAGIC)] != MAGIC:
         if len(raw) < len(MAGIC) and MAGIC.startswith(raw) and raw:
             raise TruncatedError("file ends inside the .cgen magic")
@@ -177,8 +177,8 @@ def read_file_header(f: BinaryIO, file_size: int | None = None) -> tuple[FileHea
         raise UnsupportedVersionError(f"probability precision {prob_bits} bits is not supported")
     if cdf_coding != CDF_CODING_NIBBLES:
         raise UnsupportedVersionError(f"unknown CDF coding {cdf_coding}")
-    bins_raw = read_exact(f, 2 * num_layers, "bins table")
-    desc_raw = read_exact(f, desc_size, "descriptor")
+    bins_raw = bytes(read_exact(f, 2 * num_layers, "bins table"))
+    desc_raw = bytes(read_exact(f, desc_size, "descriptor"))
     if _crc(raw[:-4], bins_raw, desc_raw) != crc:
         raise ChecksumError("file header CRC mismatch: the file is corrupted")
     if any(reserved):
@@ -229,7 +229,7 @@ def _nibble_maps(alphabets_key: bytes, num_layers: int, num_channels: int, width
 
     Returns (low, high, padded): for packed byte j, the flat index of its low and
     high nibble's code (index L*2*C*width, one past the end, for the padding
-    nibble of an odd alphabet), and a mask of the bytes that hold a padding nibble.
+    nibble of an odd alphabet), and the positions of the bytes that hold a padding nibble.
     """
     alphabets = np.frombuffer(alphabets_key, np.int32).reshape(num_layers, 2)
     pad = num_layers * 2 * num_channels * width
@@ -246,7 +246,7 @@ def _nibble_maps(alphabets_key: bytes, num_layers: int, num_channels: int, width
             highs.append(hi.reshape(-1))
     low = np.concatenate(lows) if lows else np.empty(0, np.int64)
     high = np.concatenate(highs) if highs else np.empty(0, np.int64)
-    return low, high, high == pad
+    return low, high, np.flatnonzero(high == pad)
 
 
 def nibble_maps(h: FileHeader, width: int):
@@ -298,13 +298,33 @@ def pack_chunk(h: FileHeader, chunk: Chunk) -> bytes:
     return b"".join(chunk_parts(chunk))
 
 
-def read_chunk(f: BinaryIO, h: FileHeader, index: int, remaining: int | None, code_width: int) -> tuple[Chunk, int]:
-    """Parse chunk ``index`` at the current position; returns it and its size in bytes.
+@dataclass
+class ChunkRecord:
+    """A chunk's header fields and raw body, read and size-checked but not yet CRC-checked."""
 
-    ``remaining``: bytes left in the file from here (None when unknown); every
-    section size is checked against it and against what the header implies.
+    index: int
+    header: bytes
+    body: bytes | memoryview
+    first_token: int
+    token_count: int
+    sizes: tuple[int, int, int, int]  # scales, cdf, lengths, payload
+    reserved: int
+    crc: int
+
+    @property
+    def size(self) -> int:
+        return CHUNK_HEADER.size + len(self.body)
+
+    def crc_ok(self) -> bool:
+        return _crc(self.header[:-4], self.body) == self.crc
+
+
+def read_chunk_record(f: BinaryIO, h: FileHeader, index: int, remaining: int | None) -> ChunkRecord:
+    """Read chunk ``index`` at the current position, checking every size before reading.
+
+    ``remaining``: bytes left in the file from here (None when unknown).
     """
-    raw = f.read(CHUNK_HEADER.size)
+    raw = bytes(f.read(CHUNK_HEADER.size))
     if len(raw) < CHUNK_HEADER.size:
         raise TruncatedError(f"file ends inside the header of chunk {index}")
     (magic, chunk_index, first_token, token_count, scales_size, cdf_size, lengths_size, payload_size,
@@ -324,9 +344,15 @@ def read_chunk(f: BinaryIO, h: FileHeader, index: int, remaining: int | None, co
     if remaining is not None and CHUNK_HEADER.size + body > remaining:
         raise TruncatedError(f"file ends inside chunk {index} ({remaining} bytes left, {CHUNK_HEADER.size + body} needed)")
     data = read_exact(f, body, f"chunk {index}")
-    if _crc(raw[:-4], data) != crc:
-        raise ChecksumError(f"chunk {index} CRC mismatch: the file is corrupted")
-    if reserved:
+    return ChunkRecord(index, raw, data, first_token, token_count,
+                       (scales_size, cdf_size, lengths_size, payload_size), reserved, crc)
+
+
+def parse_chunk(h: FileHeader, rec: ChunkRecord, code_width: int) -> Chunk:
+    """The sections of a CRC-checked record as arrays, with their consistency checks."""
+    index, data, token_count = rec.index, rec.body, rec.token_count
+    scales_size, cdf_size, lengths_size, payload_size = rec.sizes
+    if rec.reserved:
         raise UnsupportedVersionError(f"chunk {index} has reserved bits set")
     L = h.num_layers
     o = 0
@@ -345,7 +371,37 @@ def read_chunk(f: BinaryIO, h: FileHeader, index: int, remaining: int | None, co
     if (scales & 0x8000).any() or ((scales & 0x7F80) == 0x7F80).any():
         raise SizeError(f"chunk {index} has a negative or non-finite scale")
     payload = np.frombuffer(data, np.uint8, payload_size, o)
-    return Chunk(index, first_token, token_count, scales, codes, lengths, payload), CHUNK_HEADER.size + body
+    return Chunk(index, rec.first_token, token_count, scales, codes, lengths, payload)
+
+
+def read_chunk(f: BinaryIO, h: FileHeader, index: int, remaining: int | None, code_width: int) -> tuple[Chunk, int]:
+    """Read, CRC-check and parse chunk ``index`` at the current position; returns it and its size."""
+    rec = read_chunk_record(f, h, index, remaining)
+    if not rec.crc_ok():
+        raise ChecksumError(f"chunk {index} CRC mismatch: the file is corrupted")
+    return parse_chunk(h, rec, code_width), rec.size
+
+
+class BufferReader:
+    """The read/seek/tell of a binary file over a buffer, returning zero-copy memoryviews."""
+
+    def __init__(self, buffer) -> None:
+        self.view = memoryview(buffer).cast("B")
+        self.pos = 0
+
+    def read(self, n: int = -1) -> memoryview:
+        end = len(self.view) if n is None or n < 0 else min(len(self.view), self.pos + n)
+        out = self.view[self.pos : end]
+        self.pos = end
+        return out
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: len(self.view)}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
 
 
 # ---------------------------------------------------------------- index and trailer
@@ -365,14 +421,14 @@ def read_index(f: BinaryIO, h: FileHeader, header_end: int, file_size: int) -> l
     if file_size < header_end + TRAILER.size:
         raise TruncatedError("file ends before the chunk index")
     f.seek(file_size - TRAILER.size)
-    index_offset, magic = TRAILER.unpack(read_exact(f, TRAILER.size, "trailer"))
+    index_offset, magic = TRAILER.unpack(bytes(read_exact(f, TRAILER.size, "trailer")))
     if magic != TRAILER_MAGIC:
         raise TruncatedError("no trailer at the end of the file: truncated or not completely written")
     size = 12 + 8 * h.num_chunks
     if index_offset < header_end or index_offset + size + TRAILER.size != file_size:
         raise SizeError("index offset in the trailer is out of range")
     f.seek(index_offset)
-    raw = read_exact(f, size, "chunk index")
+    raw = bytes(read_exact(f, size, "chunk index"))
     if raw[:4] != INDEX_MAGIC:
         raise SizeError("chunk index does not start with its magic")
     (count,) = struct.unpack_from("<I", raw, 4)

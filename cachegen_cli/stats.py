@@ -21,12 +21,13 @@ def file_stats(path: str | Path, reference: str | Path | None = None, device: st
     path = Path(path)
     if not path.is_file():
         raise kvio.InputNotFoundError(f"no such file: {path}")
-    with open(path, "rb") as f:
-        h, header_end, offsets, size = codec.read_header_and_index(f)
-        L = h.num_layers
-        payload = np.zeros((L, 2), np.int64)
-        for chunk in codec.iter_chunks(f, h, offsets, size):
-            payload += chunk.lengths.sum(axis=2)
+    f, closer = codec.open_input(path)
+    h, header_end, offsets, size = codec.read_header_and_index(f)
+    L = h.num_layers
+    payload = np.zeros((L, 2), np.int64)
+    for chunk in codec.iter_chunks(f, h, offsets, size):
+        payload += chunk.lengths.sum(axis=2)
+    del f
     values = L * 2 * h.num_tokens * h.num_channels
     original = values * _ITEMSIZE[h.dtype]
     total_payload = int(payload.sum())
