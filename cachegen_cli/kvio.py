@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from .errors import (
@@ -205,7 +206,21 @@ def _from_per_layer(tensors: Mapping[str, torch.Tensor], meta: dict[str, str]) -
 
 def check_finite(data: torch.Tensor) -> None:
     """Raise NonFiniteError naming the first layer with NaN or Inf."""
-    if bool(torch.isfinite(data).all()):  # one pass (and, on a GPU, one sync) in the common case
+    if data.numel() == 0:
+        return
+    if data.device.type == "cpu":
+        from .kernels.checks import first_nonfinite_row
+
+        view, mask = {
+            torch.bfloat16: (torch.int16, 0x7F80),
+            torch.float16: (torch.int16, 0x7C00),
+            torch.float32: (torch.int32, 0x7F800000),
+        }[data.dtype]
+        words = data.contiguous().view(view).numpy()
+        words = words.view(np.uint16 if view == torch.int16 else np.uint32).reshape(data.shape[0], -1)
+        if first_nonfinite_row(words, mask) < 0:
+            return
+    elif bool(torch.isfinite(data).all()):  # one pass and one sync on a GPU
         return
     for layer in range(data.shape[0]):
         plane = data[layer]
