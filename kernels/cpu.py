@@ -126,7 +126,7 @@ def encode_streams(symbols, cum, chunk_tokens, group, slots, lengths):
         t1 = min(T, t0 + chunk_tokens)
         c0 = g * group
         c1 = min(C, c0 + group)
-        lengths[s] = encode_stream(symbols[l, kv], t0, t1, c0, c1, cum[k, l, kv, c0:c1], slots[s])
+        lengths[s] = encode_stream(symbols[l, kv], t0, t1, c0, c1, cum[k, l, kv], c0, 1, slots[s])
 
 
 @njit(parallel=True, **_JIT)
@@ -154,7 +154,7 @@ def decode_streams(payload, offsets, lengths, cum, maxq, chunk_tokens, group, sy
         c0 = g * group
         c1 = min(C, c0 + group)
         alphabet = 2 * np.int64(maxq[l, kv]) + 1
-        decode_stream(payload, offsets[s], lengths[s], t0, t1, c0, c1, cum[k, l, kv, c0:c1], alphabet, symbols[l, kv])
+        decode_stream(payload, offsets[s], lengths[s], t0, t1, c0, c1, cum[k, l, kv], c0, 1, alphabet, symbols[l, kv])
 
 
 # =====================================================================================

@@ -271,7 +271,7 @@ _CODER_KERNELS: dict = {}
 
 def _coder_threads(group: int, width: int) -> int:
     """Threads per block whose CDF rows fit in shared memory; 0 means read them from global memory."""
-    threads = min(BLOCK, CODER_SHARED_BYTES // (group * width * 2) // 32 * 32)
+    threads = min(BLOCK, CODER_SHARED_BYTES // (group * (width | 1) * 2) // 32 * 32)
     return threads if threads >= 32 else 0
 
 
@@ -293,17 +293,21 @@ _stream_coords_dev = cuda.jit(device=True)(_stream_coords)
 
 def _coder_kernels(threads: int, group: int, width: int):
     """Encode and decode kernels, one thread per stream.  With threads > 0 each thread first
-    copies its group's CDF rows to shared memory: the coder reads them for every symbol."""
+    copies its group's CDF rows to shared memory, interleaved with the other threads' rows
+    (row j of thread t at j * threads + t, rows of odd length) to avoid bank conflicts:
+    the coder reads them for every symbol."""
     key = (threads, group, width)
     kernels = _CODER_KERNELS.get(key)
     if kernels is not None:
         return kernels
     rows = max(threads * group, 1)
     shared = threads > 0
+    step = max(threads, 1)
+    cols = width | 1
 
     @cuda.jit
     def encode_kernel(symbols, cum, chunk_tokens, slots, lengths):
-        tables = cuda.shared.array((rows, width), np.uint16)
+        tables = cuda.shared.array((rows, cols), np.uint16)
         s = cuda.grid(1)
         K, L, _, C, _S1 = cum.shape
         groups = (C + group - 1) // group
@@ -311,18 +315,17 @@ def _coder_kernels(threads: int, group: int, width: int):
             return
         k, l, kv, t0, t1, c0, c1 = _stream_coords_dev(s, groups, L, group, chunk_tokens, symbols.shape[2], C)
         if shared:
-            base = cuda.threadIdx.x * group
+            tid = cuda.threadIdx.x
             for j in range(c1 - c0):
                 for i in range(width):
-                    tables[base + j, i] = cum[k, l, kv, c0 + j, i]
-            mine = tables[base : base + (c1 - c0)]
-            lengths[s] = encode_stream(symbols[l, kv], t0, t1, c0, c1, mine, slots[s])
+                    tables[j * step + tid, i] = cum[k, l, kv, c0 + j, i]
+            lengths[s] = encode_stream(symbols[l, kv], t0, t1, c0, c1, tables, tid, step, slots[s])
         else:
-            lengths[s] = encode_stream(symbols[l, kv], t0, t1, c0, c1, cum[k, l, kv, c0:c1], slots[s])
+            lengths[s] = encode_stream(symbols[l, kv], t0, t1, c0, c1, cum[k, l, kv], c0, 1, slots[s])
 
     @cuda.jit
     def decode_kernel(payload, offsets, lengths, cum, maxq, chunk_tokens, symbols):
-        tables = cuda.shared.array((rows, width), np.uint16)
+        tables = cuda.shared.array((rows, cols), np.uint16)
         s = cuda.grid(1)
         K, L, _, C, _S1 = cum.shape
         groups = (C + group - 1) // group
@@ -331,14 +334,13 @@ def _coder_kernels(threads: int, group: int, width: int):
         k, l, kv, t0, t1, c0, c1 = _stream_coords_dev(s, groups, L, group, chunk_tokens, symbols.shape[2], C)
         alphabet = 2 * np.int64(maxq[l, kv]) + 1
         if shared:
-            base = cuda.threadIdx.x * group
+            tid = cuda.threadIdx.x
             for j in range(c1 - c0):
                 for i in range(width):
-                    tables[base + j, i] = cum[k, l, kv, c0 + j, i]
-            mine = tables[base : base + (c1 - c0)]
-            decode_stream(payload, offsets[s], lengths[s], t0, t1, c0, c1, mine, alphabet, symbols[l, kv])
+                    tables[j * step + tid, i] = cum[k, l, kv, c0 + j, i]
+            decode_stream(payload, offsets[s], lengths[s], t0, t1, c0, c1, tables, tid, step, alphabet, symbols[l, kv])
         else:
-            decode_stream(payload, offsets[s], lengths[s], t0, t1, c0, c1, cum[k, l, kv, c0:c1], alphabet, symbols[l, kv])
+            decode_stream(payload, offsets[s], lengths[s], t0, t1, c0, c1, cum[k, l, kv], c0, 1, alphabet, symbols[l, kv])
 
     kernels = (encode_kernel, decode_kernel)
     _CODER_KERNELS[key] = kernels

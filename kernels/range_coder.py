@@ -2,9 +2,12 @@
 
 One stream is the symbols of tokens [t0, t1) and channels [c0, c1) of one
 (layer, K/V) plane, token by token, channel by channel; channel c codes with
-CDF row ``cum[c - c0]`` (the caller passes just the stream's rows, so a GPU
-kernel can hand over a copy in shared memory).  Streams are independent, so a
-kernel runs one per thread.
+CDF row ``cum[row0 + (c - c0) * row_step]``.  On the CPU that is simply
+``cum[c]`` of the plane's table (row0 = c0, row_step = 1); a GPU kernel passes
+a copy in shared memory where the rows of a block's threads are interleaved
+(row0 = thread, row_step = threads) so that threads reading the same symbol's
+entry hit different memory banks.  Streams are independent, so a kernel runs
+one per thread.
 
 The coder (after Subbotin and LZMA's rc): a 32-bit range and a low end kept
 below 2**32 by shifting out its top byte whenever the range falls below 2**24.
@@ -38,10 +41,10 @@ def _add_carry(out, n):
 
 
 @register_jitable
-def encode_stream(symbols, t0, t1, c0, c1, cum, out):
+def encode_stream(symbols, t0, t1, c0, c1, cum, row0, row_step, out):
     """Code symbols[t0:t1, c0:c1] (row-major) into out; returns the byte count.
 
-    symbols: uint8 [T, C]; cum: [c1 - c0, >= alphabet + 1] integers; out: uint8 buffer of
+    symbols: uint8 [T, C]; cum: integer CDF rows (see the module docstring); out: uint8 buffer of
     at least max_stream_bytes((t1 - t0) * (c1 - c0)) bytes.
     """
     low = np.int64(0)
@@ -50,7 +53,7 @@ def encode_stream(symbols, t0, t1, c0, c1, cum, out):
     for t in range(t0, t1):
         for c in range(c0, c1):
             s = np.int64(symbols[t, c])
-            j = c - c0
+            j = row0 + (c - c0) * row_step
             base = np.int64(cum[j, s])
             r = rng >> PROB_BITS
             low += r * base
@@ -85,10 +88,10 @@ def encode_stream(symbols, t0, t1, c0, c1, cum, out):
 
 
 @register_jitable
-def decode_stream(data, start, length, t0, t1, c0, c1, cum, alphabet, symbols):
+def decode_stream(data, start, length, t0, t1, c0, c1, cum, row0, row_step, alphabet, symbols):
     """Decode into symbols[t0:t1, c0:c1] the stream data[start:start + length].
 
-    cum: the stream's CDF rows, [c1 - c0, >= alphabet + 1].  The quotient
+    cum, row0, row_step: the CDF rows, as for encode_stream.  The quotient
     code // r is taken in float64: code < 2**32 and r >= 2**9, so the correctly
     rounded quotient never crosses an integer and its floor is exact, and a
     float division is much cheaper than a 64-bit integer one on both devices."""
@@ -107,7 +110,7 @@ def decode_stream(data, start, length, t0, t1, c0, c1, cum, alphabet, symbols):
             q = np.int64(np.float64(code) / np.float64(r))
             if q >= PROB_TOTAL:
                 q = PROB_TOTAL - 1
-            j = c - c0
+            j = row0 + (c - c0) * row_step
             lo = 0
             hi = alphabet
             while hi - lo > 1:
