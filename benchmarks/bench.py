@@ -177,6 +177,7 @@ def main() -> None:
     p.add_argument("--devices", default="cpu,cuda")
     p.add_argument("--check-identical", action="store_true", help="also encode the GPU cache on the CPU and compare bytes")
     p.add_argument("--json", type=Path)
+    p.add_argument("--profile", action="store_true", help="print where the host time of one in-memory encode and decode goes")
     args = p.parse_args()
     import numba
 
@@ -213,6 +214,18 @@ def main() -> None:
             copy_bw = None
         e2e = end_to_end(kv_dev, device, args.repeats)
         blob = e2e.pop("blob")
+        if args.profile:
+            import cProfile
+            import pstats
+
+            import cachegen_cli as cg
+
+            for label, stmt in (("encode", lambda: cg.encode(kv_dev, device=device)),
+                                ("decode", lambda: cg.decode(blob, device=device))):
+                prof = cProfile.Profile()
+                prof.runcall(stmt)
+                print(f"## host profile: {device} {label}")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(14)
         res["end_to_end"] = e2e
         res["ratio"] = nbytes / e2e["compressed_bytes"]
         rows.append((device, "in memory", nbytes / e2e["encode_s"], nbytes / e2e["decode_s"], copy_bw))

@@ -79,6 +79,21 @@ def _device_nibble_maps(h: FileHeader, width: int):
     return maps
 
 
+def _empty(shape, np_dtype):
+    """A device buffer: from torch's caching allocator when torch has the GPU (cudaMalloc and
+    cudaFree of gigabytes per call would dominate), else a numba array (simulator)."""
+    from numba import cuda
+
+    if torch_cuda_ok():
+        torch_dtype = {np.uint8: torch.uint8, np.int32: torch.int32, np.int64: torch.int64,
+                       np.float32: torch.float32, np.int16: torch.int16}[np_dtype]
+        return _kernels().as_device(torch.empty(shape, dtype=torch_dtype, device="cuda"))
+    return cuda.device_array(shape, np_dtype)
+
+
+_WORD_FORMATS = {torch.bfloat16: 1, torch.float16: 2}
+
+
 def encode_slab(h: FileHeader, x: torch.Tensor, first_chunk: int) -> list[Chunk]:
     """Encode x [L, 2, T_slab, C] (any float dtype, CPU or CUDA) on the GPU.
 
@@ -92,25 +107,30 @@ def encode_slab(h: FileHeader, x: torch.Tensor, first_chunk: int) -> list[Chunk]
     ct = h.chunk_tokens
     K = -(-T // ct)
     S = int(h.alphabets.max())
-    xd, keep = to_device_f32(x)
     maxq = cuda.to_device(h.maxq, stream=stream)
     scales = cuda.device_array((L, 2, T), np.uint16, stream=stream)
-    symbols = cuda.device_array((L, 2, T, C), np.uint8, stream=stream)
-    k.quantize(xd, maxq, scales, symbols, stream)
-    codes = cuda.device_array((K, L, 2, C, S), np.uint8, stream=stream)
-    cum = cuda.device_array((K, L, 2, C, S + 1), np.int32, stream=stream)
+    symbols = _empty((L, 2, T, C), np.uint8)
+    if torch_cuda_ok() and x.dtype in _WORD_FORMATS:
+        # 16-bit caches are read as raw words: no float32 copy of the cache.
+        keep = x.to(device="cuda", non_blocking=True).contiguous().view(torch.int16)
+        k.quantize_bits(k.as_device(keep), _WORD_FORMATS[x.dtype], maxq, scales, symbols, stream)
+    else:
+        xd, keep = to_device_f32(x)
+        k.quantize(xd, maxq, scales, symbols, stream)
+    codes = _empty((K, L, 2, C, S), np.uint8)
+    cum = _empty((K, L, 2, C, S + 1), np.int32)
     k.histogram_cdf(symbols, ct, maxq, codes, cum, stream)
     per_chunk = h.streams_per_chunk
     n = K * per_chunk
-    slots = cuda.device_array((n, max_stream_bytes(ct * h.group)), np.uint8, stream=stream)
-    lengths_d = cuda.device_array(n, np.int32, stream=stream)
+    slots = _empty((n, max_stream_bytes(ct * h.group)), np.uint8)
+    lengths_d = _empty((n,), np.int32)
     k.encode_streams(symbols, cum, ct, h.group, slots, lengths_d, stream)
     lengths = lengths_d.copy_to_host(stream=stream)
     stream.synchronize()  # the one sync: stream lengths place the streams
     offsets = np.zeros(n + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     total = int(offsets[-1])
-    payload_d = cuda.device_array(max(total, 1), np.uint8, stream=stream)
+    payload_d = _empty((max(total, 1),), np.uint8)
     k.pack_streams(slots, lengths_d, cuda.to_device(offsets, stream=stream), payload_d, stream)
     if torch_cuda_ok():
         codes_t = torch.as_tensor(codes, device="cuda").reshape(K, -1)
@@ -187,8 +207,9 @@ def decode_slab(h: FileHeader, chunks: list[Chunk]):
 def decode_blob(h: FileHeader, blob: memoryview, chunk_offsets: list[int], chunks: list[Chunk],
                 first_chunk: int, blob_d: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode ``chunks`` (already checked by the host) reading their sections from the
-    whole file on the device.  Returns (float32 [L, 2, T_slab, C] CUDA tensor, blob_d) so
-    the caller can reuse the device copy of the file for the next slab."""
+    whole file on the device.  Returns ([L, 2, T_slab, C] CUDA tensor: bfloat16 for
+    bfloat16 files, else float32; blob_d) so the caller can reuse the device copy of the
+    file for the next slab."""
     k = _kernels()
     L, C = h.num_layers, h.num_channels
     K = len(chunks)
@@ -233,6 +254,10 @@ def decode_blob(h: FileHeader, blob: memoryview, chunk_offsets: list[int], chunk
     symbols = torch.empty((L, 2, T, C), dtype=torch.uint8, device=dev)
     k.decode_streams(a(blob_d), a(torch.as_tensor(within, device=dev)), a(torch.as_tensor(lengths, device=dev)),
                      a(cum), a(maxq), h.chunk_tokens, h.group, a(symbols))
+    if h.dtype == "bfloat16":  # dequantize and round to bfloat16 in one pass
+        bits = torch.empty((L, 2, T, C), dtype=torch.int16, device=dev)
+        k.dequantize_bf16(a(symbols), a(scales), a(maxq), a(bits))
+        return bits.view(torch.bfloat16), blob_d
     out = torch.empty((L, 2, T, C), dtype=torch.float32, device=dev)
     k.dequantize(a(symbols), a(scales), a(maxq), a(out))
     return out, blob_d

@@ -37,7 +37,9 @@ from numba import cuda  # noqa: E402
 
 from .cdf import codes_to_cum, counts_to_codes  # noqa: E402
 from .quantize import (  # noqa: E402
+    bf16_bits_nearest,
     bf16_bits_round_up,
+    float_from_bits16,
     dequant_step,
     dequantize_value,
     quant_inverse_step,
@@ -130,6 +132,80 @@ def dequantize(symbols, scales, maxq, out, stream=0):
     if L * 2 * T * C == 0:
         return
     _dequantize_kernel[L * 2 * T, ROW_THREADS, stream](as_device(symbols), as_device(scales), as_device(maxq), as_device(out))
+
+
+@cuda.jit
+def _quantize_bits_kernel(xbits, fmt, maxq, scales, symbols):
+    """quantize, reading bfloat16 (fmt 1) or float16 (fmt 2) words straight from the cache."""
+    row = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    L, _, T, C = xbits.shape
+    l = row // (2 * T)
+    kv = (row // T) % 2
+    t = row % T
+    top = cuda.shared.array(ROW_THREADS, np.float32)
+    bits_shared = cuda.shared.array(1, np.int64)
+    local = np.float32(0.0)
+    for c in range(tid, C, ROW_THREADS):
+        a = abs(float_from_bits16(xbits[l, kv, t, c], fmt))
+        if a > local:
+            local = a
+    top[tid] = local
+    cuda.syncthreads()
+    width = ROW_THREADS // 2
+    while width > 0:
+        if tid < width and top[tid + width] > top[tid]:
+            top[tid] = top[tid + width]
+        cuda.syncthreads()
+        width //= 2
+    if tid == 0:
+        bits = bf16_bits_round_up(top[0])
+        scales[l, kv, t] = bits
+        bits_shared[0] = bits
+    cuda.syncthreads()
+    m = np.int64(maxq[l, kv])
+    inv = quant_inverse_step(bits_shared[0], m)
+    for c in range(tid, C, ROW_THREADS):
+        symbols[l, kv, t, c] = quantize_value(float_from_bits16(xbits[l, kv, t, c], fmt), inv, m)
+
+
+def quantize_bits(xbits, fmt, maxq, scales, symbols, stream=0):
+    """quantize() for 16-bit caches given as their raw words (int16 / uint16 views):
+    fmt 1 = bfloat16, 2 = float16.  Same symbols and scales as quantize() on the float32 copy."""
+    L, _, T, C = xbits.shape
+    if L * 2 * T == 0:
+        return
+    _quantize_bits_kernel[L * 2 * T, ROW_THREADS, stream](
+        as_device(xbits), np.int64(fmt), as_device(maxq), as_device(scales), as_device(symbols)
+    )
+
+
+@cuda.jit
+def _dequantize_bf16_kernel(symbols, scales, maxq, out_bits):
+    row = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    L, _, T, C = symbols.shape
+    l = row // (2 * T)
+    kv = (row // T) % 2
+    t = row % T
+    m = np.int64(maxq[l, kv])
+    step = dequant_step(scales[l, kv, t], m)
+    for c in range(tid, C, ROW_THREADS):
+        b = bf16_bits_nearest(dequantize_value(symbols[l, kv, t, c], step, m))
+        if b >= 32768:
+            b -= 65536
+        out_bits[l, kv, t, c] = b
+
+
+def dequantize_bf16(symbols, scales, maxq, out_bits, stream=0):
+    """dequantize() then the float32 -> bfloat16 cast (round to nearest even), fused:
+    writes bfloat16 bits into an int16 array."""
+    L, _, T, C = symbols.shape
+    if L * 2 * T * C == 0:
+        return
+    _dequantize_bf16_kernel[L * 2 * T, ROW_THREADS, stream](
+        as_device(symbols), as_device(scales), as_device(maxq), as_device(out_bits)
+    )
 
 
 # ---------------------------------------------------------------- statistics

@@ -98,3 +98,61 @@ def quantize_value(value, inv, maxq):
 def dequantize_value(symbol, step, maxq):
     """float32 value of one symbol."""
     return np.float32(np.float32(np.int64(symbol) - maxq) * step)
+
+
+@register_jitable
+def float_from_bits16(bits, fmt):
+    """float32 value of a bfloat16 (fmt 1) or float16 (fmt 2) word, by exact arithmetic.
+
+    Lets a GPU kernel read 16-bit caches directly instead of a float32 copy."""
+    b = np.int64(bits) & 0xFFFF
+    if fmt == 1:
+        e = (b >> 7) & 0xFF
+        m = b & 0x7F
+        if e == 0:
+            v = math.ldexp(np.float64(m), -133)
+        else:
+            v = math.ldexp(np.float64(128 + m), int(e) - 134)
+    else:
+        e = (b >> 10) & 0x1F
+        m = b & 0x3FF
+        if e == 0:
+            v = math.ldexp(np.float64(m), -24)
+        else:
+            v = math.ldexp(np.float64(1024 + m), int(e) - 25)
+    if b & 0x8000:
+        v = -v
+    return np.float32(v)
+
+
+@register_jitable
+def bf16_bits_nearest(value):
+    """bfloat16 bits (as int64) of a finite float32 value, rounded to nearest even,
+    as torch's float32 -> bfloat16 cast does."""
+    v = np.float64(np.float32(value))
+    sign = np.int64(0)
+    if math.copysign(1.0, v) < 0.0:  # also -0.0
+        sign = np.int64(0x8000)
+        v = -v
+    if v == 0.0:
+        return sign
+    if v < 1.1754943508222875e-38:  # bfloat16 subnormal range: steps of 2**-133
+        y = math.ldexp(v, 133)
+        q = np.int64(math.floor(y))
+        d = y - np.float64(q)
+        if d > 0.5 or (d == 0.5 and (q & 1) == 1):
+            q += 1
+        return sign | q  # q == 128 is exactly the smallest normal's bits
+    mant, exp = math.frexp(v)
+    y = mant * 256.0
+    q = np.int64(math.floor(y))
+    d = y - np.float64(q)
+    if d > 0.5 or (d == 0.5 and (q & 1) == 1):
+        q += 1
+    if q == 256:
+        q = 128
+        exp += 1
+    bits = ((np.int64(exp) - 1 + 127) << 7) | (q - 128)
+    if bits > 0x7F80:
+        bits = np.int64(0x7F80)
+    return sign | bits

@@ -59,3 +59,25 @@ def test_api_bytes_identical_on_both_devices():
     a = cg.decode(cpu_blob, device="cuda")["kv"]
     b = cg.decode(cpu_blob, device="cpu")["kv"]
     assert torch.equal(a.cpu(), b)
+
+
+@pytest.mark.parametrize("dtype, fmt", [(torch.bfloat16, 1), (torch.float16, 2)])
+def test_word_kernels_match_the_float_path(dtype, fmt):
+    """quantize_bits reads 16-bit words directly; dequantize_bf16 fuses the bf16 cast."""
+    from cachegen_cli.kernels import cpu
+    from cachegen_cli.kernels import cuda as gpu
+
+    kv = realistic_kv(layers=1, tokens=3, heads=1, head_dim=5, dtype=dtype, seed=11).reshape(1, 2, 3, 5)
+    kv[0, 0, 1, 2] = -kv[0, 0, 1, 2]
+    maxq = np.array([[7, 3]], np.int32)
+    scales, symbols = np.empty((1, 2, 3), np.uint16), np.empty((1, 2, 3, 5), np.uint8)
+    cpu.quantize(np.ascontiguousarray(kv.float().numpy()), maxq, scales, symbols)
+    scales2, symbols2 = np.empty_like(scales), np.empty_like(symbols)
+    gpu.quantize_bits(kv.view(torch.int16).numpy(), fmt, maxq, scales2, symbols2)
+    np.testing.assert_array_equal(scales, scales2)
+    np.testing.assert_array_equal(symbols, symbols2)
+    ref = np.empty((1, 2, 3, 5), np.float32)
+    cpu.dequantize(symbols, scales, maxq, ref)
+    bits = np.empty((1, 2, 3, 5), np.int16)
+    gpu.dequantize_bf16(symbols, scales, maxq, bits)
+    np.testing.assert_array_equal(bits, torch.from_numpy(ref).to(torch.bfloat16).view(torch.int16).numpy())
