@@ -201,7 +201,8 @@ def encode_to_stream(
     pos = len(head)
     offsets: list[int] = []
     payload_bytes = 0
-    for slab in iter_slabs(h, GPU_SLAB_BYTES if device == "cuda" else SLAB_BYTES):
+    slabs = list(iter_slabs(h, GPU_SLAB_BYTES if device == "cuda" else SLAB_BYTES))
+    for number, slab in enumerate(slabs):
         if device == "cuda":
             from . import gpu_codec
 
@@ -218,6 +219,8 @@ def encode_to_stream(
             payload_bytes += int(chunk.payload.size)
             if progress:
                 progress(chunk.index + 1, h.num_chunks)
+        if number + 1 < len(slabs) and hasattr(out, "slab_done"):
+            out.slab_done()  # the slab's buffers may be reused by the next one
     index = container.pack_index(offsets)
     out.write(index)
     out.write(container.pack_trailer(pos))
