@@ -37,10 +37,11 @@ def test_stacked_roundtrip(dtype, bins, chunk_tokens):
     assert cg.encode(kv, quantization=_table(bins), chunk_tokens=chunk_tokens) == blob  # deterministic
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("batch", [True, False])
 @pytest.mark.parametrize("chunk_tokens", [1, 16, 17, 256])
-def test_per_layer_roundtrip(batch, chunk_tokens):
-    kv = realistic_kv(layers=3, tokens=17, heads=3, head_dim=4, seed=chunk_tokens)
+def test_per_layer_roundtrip(dtype, batch, chunk_tokens):
+    kv = realistic_kv(layers=3, tokens=17, heads=3, head_dim=4, dtype=dtype, seed=chunk_tokens)
     tensors = per_layer(kv, batch)
     blob = cg.encode(tensors, chunk_tokens=chunk_tokens, metadata={"model": "test", "n": "17"})
     out = cg.decode(blob)
