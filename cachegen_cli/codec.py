@@ -304,16 +304,21 @@ def decode_from_stream(f: BinaryIO, progress: ProgressFn | None = None, device: 
         on_gpu = gpu_codec.torch_cuda_ok()
     data = torch.empty((h.num_layers, 2, h.num_tokens, h.num_channels), dtype=DTYPE_BY_NAME[h.dtype],
                        device="cuda" if on_gpu else "cpu")
-    blob = blob_d = None
+    blob = blob_d = upload = None
     if on_gpu:
         # The device decodes straight from a copy of the whole file; the host only checks it.
+        # The copy runs on a worker thread (torch releases the GIL) while the host checks
+        # the chunks' sizes and CRCs.
         f.seek(0)
         blob = f.read()
         f.seek(header_end)
+        upload = _pool().submit(gpu_codec.upload_blob, blob)
     chunks = iter_chunks(f, h, offsets, size)
     for slab in iter_slabs(h, GPU_SLAB_BYTES if device == "cuda" else SLAB_BYTES):
         batch = [next(chunks) for _ in range(slab.num_chunks)]
         if on_gpu:
+            if blob_d is None:
+                blob_d = upload.result()
             x, blob_d = gpu_codec.decode_blob(h, blob, offsets, batch, slab.first_chunk, blob_d)
         elif device == "cuda":
             x = torch.from_numpy(gpu_codec.decode_slab(h, batch))

@@ -204,6 +204,17 @@ def decode_slab(h: FileHeader, chunks: list[Chunk]):
     return out.copy_to_host(stream=stream)
 
 
+def upload_blob(blob) -> torch.Tensor:
+    """The whole file as a uint8 CUDA tensor."""
+    if not len(blob):
+        return torch.zeros(1, dtype=torch.uint8, device="cuda")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # read-only buffer: torch only reads it
+        return torch.frombuffer(blob, dtype=torch.uint8).to("cuda")
+
+
 def decode_blob(h: FileHeader, blob: memoryview, chunk_offsets: list[int], chunks: list[Chunk],
                 first_chunk: int, blob_d: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode ``chunks`` (already checked by the host) reading their sections from the
@@ -215,7 +226,7 @@ def decode_blob(h: FileHeader, blob: memoryview, chunk_offsets: list[int], chunk
     K = len(chunks)
     S = int(h.alphabets.max())
     if blob_d is None:
-        blob_d = torch.frombuffer(blob, dtype=torch.uint8).to("cuda") if len(blob) else torch.zeros(1, dtype=torch.uint8, device="cuda")
+        blob_d = upload_blob(blob)
     T = sum(c.token_count for c in chunks)
     # Host-side arithmetic on small arrays: where every section starts in the file.
     starts = np.array([chunk_offsets[first_chunk + i] for i in range(K)], np.int64)
