@@ -7,13 +7,14 @@ The library comes first and the ``cachegen`` command is a thin layer over it:
     tensors = decode(blob)     # {"kv": tensor}, same shape and dtype
 """
 
-from .api import decode, decode_file, encode, encode_file
+from .api import decode, decode_file, encode, encode_file, encode_to_device
 from .config import QuantizationConfig, QuantizationSpec
 from .errors import CacheGenError
 
 __version__ = "0.1.0"
 __all__ = [
     "encode",
+    "encode_to_device",
     "decode",
     "encode_file",
     "decode_file",

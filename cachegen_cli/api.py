@@ -20,7 +20,7 @@ from .config import DEFAULT_CHUNK_TOKENS, QuantizationConfig, resolve_quantizati
 from .errors import InputNotFoundError
 from .fileio import atomic_output, check_output
 
-__all__ = ["encode", "decode", "encode_file", "decode_file", "default_encoded_path", "default_decoded_path"]
+__all__ = ["encode", "encode_to_device", "decode", "encode_file", "decode_file", "default_encoded_path", "default_decoded_path"]
 
 
 def encode(
@@ -49,6 +49,44 @@ def encode(
     return buf.getvalue()
 
 
+def encode_to_device(
+    kv: torch.Tensor | Mapping[str, torch.Tensor],
+    *,
+    preset: str | None = None,
+    bins: str | int | None = None,
+    quantization: QuantizationConfig | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    layout: str = "auto",
+    metadata: Mapping[str, str] | None = None,
+) -> torch.Tensor:
+    """Like encode(), on a CUDA GPU, but the .cgen bytes stay on the GPU: returns a uint8
+    CUDA tensor (byte for byte what encode() returns), e.g. to send over NVLink/NCCL.
+    ``decode`` accepts such a tensor."""
+    from . import gpu_codec
+    from .errors import ConfigError
+
+    if codec.resolve_device("cuda") != "cuda" or not gpu_codec.torch_cuda_ok():
+        raise ConfigError("encode_to_device needs a CUDA GPU that torch can use")
+    from . import container
+
+    cache = kvio.from_tensors(kv, layout, metadata)
+    quant = resolve_quantization(cache.num_layers, quantization=quantization, preset_name=preset, bins=bins)
+    h = codec.make_header(cache, quant, chunk_tokens)
+    head = container.pack_file_header(h)
+    parts = [torch.frombuffer(bytearray(head), dtype=torch.uint8).to("cuda")]
+    offsets: list[int] = []
+    pos = len(head)
+    for slab in codec.iter_slabs(h, codec.GPU_SLAB_BYTES):
+        records, sizes = gpu_codec.encode_records(h, cache.data[:, :, slab.t0 : slab.t1, :], slab.first_chunk)
+        for size in sizes:
+            offsets.append(pos)
+            pos += size
+        parts.append(records)
+    tail = container.pack_index(offsets) + container.pack_trailer(pos)
+    parts.append(torch.frombuffer(bytearray(tail), dtype=torch.uint8).to("cuda"))
+    return torch.cat(parts)
+
+
 class _Collector:
     """A write-only sink that keeps references to the parts and joins them once at the end.
 
@@ -75,11 +113,17 @@ class _Collector:
         return b"".join(self.parts)
 
 
-def decode(data: bytes | bytearray | memoryview, *, device: str = "auto") -> dict[str, torch.Tensor]:
+def decode(data: bytes | bytearray | memoryview | torch.Tensor, *, device: str = "auto") -> dict[str, torch.Tensor]:
     """Decompress .cgen bytes to the original tensor names, shapes and dtype.
 
     With ``device="auto"`` (the default) the GPU decodes when one is present and the
     tensors are returned on it; ``device="cpu"`` keeps everything on the CPU."""
+    if isinstance(data, torch.Tensor):  # .cgen bytes in a uint8 tensor, e.g. from encode_to_device
+        if data.dtype != torch.uint8 or data.dim() != 1:
+            from .errors import FormatError
+
+            raise FormatError("a .cgen tensor must be one-dimensional uint8")
+        data = data.cpu().numpy()  # the checks run on the host; the GPU reads a copy it uploads
     reader, _ = codec.open_input(data)
     header, tensor = codec.decode_from_stream(reader, device=device)
     return kvio.to_tensors(tensor, header.descriptor)

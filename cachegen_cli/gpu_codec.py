@@ -272,3 +272,88 @@ def decode_blob(h: FileHeader, blob: memoryview, chunk_offsets: list[int], chunk
     out = torch.empty((L, 2, T, C), dtype=torch.float32, device=dev)
     k.dequantize(a(symbols), a(scales), a(maxq), a(out))
     return out, blob_d
+
+
+# ---------------------------------------------------------------- .cgen bytes that stay on the GPU
+
+
+def encode_records(h: FileHeader, x: torch.Tensor, first_chunk: int) -> tuple[torch.Tensor, list[int]]:
+    """Encode x [L, 2, T_slab, C] into the chunk records of the .cgen format, assembled on
+    the GPU with their CRC-32s: returns (uint8 CUDA tensor of the records back to back,
+    record sizes).  One host synchronisation, for the payload sizes; the only bytes
+    that cross to the host are those sizes."""
+    k = _kernels()
+    a = k.as_device
+    dev = torch.device("cuda")
+    L, _, T, C = x.shape
+    ct, G = h.chunk_tokens, h.group
+    K = -(-T // ct)
+    S = int(h.alphabets.max())
+    per = h.streams_per_chunk
+    n = K * per
+    maxq = torch.as_tensor(h.maxq, device=dev)
+    scales = torch.empty((L, 2, T), dtype=torch.int16, device=dev)  # bf16 scale bits are < 0x8000
+    symbols = torch.empty((L, 2, T, C), dtype=torch.uint8, device=dev)
+    if x.dtype in _WORD_FORMATS:
+        words = x.to(device=dev).contiguous().view(torch.int16)
+        k.quantize_bits(a(words), _WORD_FORMATS[x.dtype], a(maxq), a(scales), a(symbols))
+    else:
+        k.quantize(a(x.to(device=dev, dtype=torch.float32).contiguous()), a(maxq), a(scales), a(symbols))
+    codes = torch.empty((K, L, 2, C, S), dtype=torch.uint8, device=dev)
+    cum = torch.empty((K, L, 2, C, S + 1), dtype=torch.int32, device=dev)
+    k.histogram_cdf(a(symbols), ct, a(maxq), a(codes), a(cum))
+    slots = torch.empty((n, max_stream_bytes(ct * G)), dtype=torch.uint8, device=dev)
+    lengths = torch.empty(n, dtype=torch.int32, device=dev)
+    k.encode_streams(a(symbols), a(cum), ct, G, a(slots), a(lengths))
+    low, high = _device_nibble_maps(h, S)
+    flat = torch.cat([codes.reshape(K, -1), torch.zeros((K, 1), dtype=torch.uint8, device=dev)], dim=1)
+    packed = flat[:, low] | (flat[:, high] << 4)
+    payload_sizes = lengths.view(K, per).sum(dim=1, dtype=torch.int64).cpu().numpy()  # the sync
+    tks = [min(ct, T - i * ct) for i in range(K)]
+    sections = np.array([h.section_sizes(tk) for tk in tks], np.int64).reshape(K, 3)
+    sizes = container.CHUNK_HEADER.size + sections.sum(axis=1) + payload_sizes
+    rec_off = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    rec = torch.empty(int(sizes.sum()), dtype=torch.uint8, device=dev)
+    heads = b"".join(
+        container.CHUNK_HEADER.pack(container.CHUNK_MAGIC, first_chunk + i, (first_chunk + i) * ct, tks[i],
+                                    *(int(v) for v in sections[i]), int(payload_sizes[i]), 0, 0)
+        for i in range(K)
+    )
+    head_at = (rec_off[:, None] + np.arange(container.CHUNK_HEADER.size)[None, :]).reshape(-1)
+    rec[torch.as_tensor(head_at, device=dev)] = torch.frombuffer(bytearray(heads), dtype=torch.uint8).to(dev)
+    length_bytes = lengths.view(torch.uint8).view(n, 4)[:, :2].reshape(K, per * 2)  # u16 little-endian
+    payload_at = np.empty(K, np.int64)
+    for i in range(K):
+        o = int(rec_off[i]) + container.CHUNK_HEADER.size
+        t0 = i * ct
+        part = scales[:, :, t0 : t0 + tks[i]].contiguous().view(torch.uint8).reshape(-1)
+        rec[o : o + part.numel()] = part
+        o += part.numel()
+        rec[o : o + packed.shape[1]] = packed[i]
+        o += packed.shape[1]
+        rec[o : o + per * 2] = length_bytes[i]
+        payload_at[i] = o + per * 2
+    exclusive = (torch.cumsum(lengths.to(torch.int64), 0) - lengths).view(K, per)
+    where = (exclusive - exclusive[:, :1] + torch.as_tensor(payload_at, device=dev)[:, None]).reshape(-1)
+    k.pack_streams(a(slots), a(lengths), a(where), a(rec))
+    # CRC-32 of each record: bytes 0..35 of its header, then everything after the CRC field.
+    seg = k.CRC_SEGMENT_BYTES
+    starts, lens, first, count = [], [], [], []
+    for i in range(K):
+        first.append(len(starts))
+        starts.append(rec_off[i])
+        lens.append(container.CHUNK_HEADER.size - 4)
+        body0 = rec_off[i] + container.CHUNK_HEADER.size
+        body_len = int(sizes[i]) - container.CHUNK_HEADER.size
+        cuts = np.arange(0, body_len, seg, dtype=np.int64)
+        starts.extend((body0 + cuts).tolist())
+        lens.extend(np.minimum(seg, body_len - cuts).tolist())
+        count.append(len(starts) - first[-1])
+    as_dev = lambda v: torch.as_tensor(np.asarray(v, np.int64), device=dev)
+    crc = torch.empty(K, dtype=torch.int64, device=dev)
+    k.crc32_records(a(rec), a(as_dev(starts)), a(as_dev(lens)), a(as_dev(first)), a(as_dev(count)),
+                    a(torch.empty(len(starts), dtype=torch.int64, device=dev)), a(crc))
+    crc_bytes = ((crc[:, None] >> torch.tensor([0, 8, 16, 24], device=dev)[None, :]) & 0xFF).to(torch.uint8)
+    crc_at = (rec_off[:, None] + 36 + np.arange(4)[None, :]).reshape(-1)
+    rec[torch.as_tensor(crc_at, device=dev)] = crc_bytes.reshape(-1)
+    return rec, [int(v) for v in sizes]

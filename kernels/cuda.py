@@ -465,3 +465,46 @@ def decode_streams(payload, offsets, lengths, cum, maxq, chunk_tokens, group, sy
         as_device(payload), as_device(offsets), as_device(lengths), as_device(cum), as_device(maxq),
         np.int64(chunk_tokens), as_device(symbols),
     )
+
+
+# ---------------------------------------------------------------- CRC-32 of records
+
+from .crc import CRC_TABLE, crc32_combine, crc32_range  # noqa: E402
+
+#: Bytes per CRC segment: one thread each; a record's segments are joined by one thread.
+CRC_SEGMENT_BYTES = 16384
+
+
+@cuda.jit
+def _crc_segments_kernel(data, seg_start, seg_len, out):
+    table = cuda.shared.array(256, np.int64)
+    for i in range(cuda.threadIdx.x, 256, cuda.blockDim.x):
+        table[i] = CRC_TABLE[i]
+    cuda.syncthreads()
+    i = cuda.grid(1)
+    if i < seg_start.shape[0]:
+        out[i] = crc32_range(data, seg_start[i], seg_len[i], table)
+
+
+@cuda.jit
+def _crc_combine_kernel(seg_crc, seg_len, rec_first, rec_count, out):
+    k = cuda.grid(1)
+    if k >= rec_first.shape[0]:
+        return
+    a = rec_first[k]
+    crc = seg_crc[a]
+    for j in range(a + 1, a + rec_count[k]):
+        crc = crc32_combine(crc, seg_crc[j], seg_len[j])
+    out[k] = crc
+
+
+def crc32_records(data, seg_start, seg_len, rec_first, rec_count, seg_crc, out, stream=0):
+    """out[k] = zlib.crc32 of the concatenation of segments rec_first[k] .. + rec_count[k]
+    (each data[seg_start[j]:seg_start[j] + seg_len[j]]); seg_crc is int64 scratch, one per segment."""
+    n = seg_start.shape[0]
+    if n == 0:
+        return
+    _crc_segments_kernel[_grid(n), BLOCK, stream](as_device(data), as_device(seg_start), as_device(seg_len), as_device(seg_crc))
+    _crc_combine_kernel[_grid(rec_first.shape[0], 32), 32, stream](
+        as_device(seg_crc), as_device(seg_len), as_device(rec_first), as_device(rec_count), as_device(out)
+    )

@@ -81,3 +81,23 @@ def test_word_kernels_match_the_float_path(dtype, fmt):
     bits = np.empty((1, 2, 3, 5), np.int16)
     gpu.dequantize_bf16(symbols, scales, maxq, bits)
     np.testing.assert_array_equal(bits, torch.from_numpy(ref).to(torch.bfloat16).view(torch.int16).numpy())
+
+
+def test_record_crcs_match_zlib():
+    import zlib
+
+    from cachegen_cli.kernels import cuda as gpu
+
+    rng = np.random.default_rng(3)
+    data = rng.integers(0, 256, 3000).astype(np.uint8)
+    # two records: [0, 36) + [40, 1000) and [1000, 1036) + [1040, 3000), cut into segments
+    records = [[(0, 36), (40, 500), (540, 460)], [(1000, 36), (1040, 1), (1041, 1959)]]
+    starts = np.array([s for r in records for s, _ in r], np.int64)
+    lens = np.array([n for r in records for _, n in r], np.int64)
+    first = np.array([0, 3], np.int64)
+    count = np.array([3, 3], np.int64)
+    seg_crc = np.empty(6, np.int64)
+    out = np.empty(2, np.int64)
+    gpu.crc32_records(data, starts, lens, first, count, seg_crc, out)
+    want = [zlib.crc32(data[0:36].tobytes() + data[40:1000].tobytes()), zlib.crc32(data[1000:1036].tobytes() + data[1040:3000].tobytes())]
+    assert out.tolist() == want

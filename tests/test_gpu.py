@@ -59,3 +59,14 @@ def test_cuda_tensors_in_and_out(sample_stacked):
     assert out.is_cuda and out.dtype == kv.dtype and out.shape == kv.shape
     tensors = {k: v.cuda() for k, v in per_layer(kv[:4]).items()}
     assert cg.encode(tensors, device="cuda") == cg.encode(per_layer(kv[:4]), device="cpu")
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 256, 300])
+def test_encode_to_device_same_bytes(sample_stacked, chunk_tokens):
+    kv = load_file(str(sample_stacked))["kv"]
+    if chunk_tokens == 1:
+        kv = kv[:, :, :20].contiguous()
+    on_device = cg.encode_to_device(kv.cuda(), chunk_tokens=chunk_tokens)
+    assert on_device.is_cuda and on_device.dtype == torch.uint8
+    assert on_device.cpu().numpy().tobytes() == cg.encode(kv, device="cpu", chunk_tokens=chunk_tokens)
+    assert torch.equal(cg.decode(on_device, device="cuda")["kv"].cpu(), cg.decode(on_device, device="cpu")["kv"])
