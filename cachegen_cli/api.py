@@ -123,7 +123,7 @@ def decode(data: bytes | bytearray | memoryview | torch.Tensor, *, device: str =
             from .errors import FormatError
 
             raise FormatError("a .cgen tensor must be one-dimensional uint8")
-        data = data.cpu().numpy()  # the checks run on the host; the GPU reads a copy it uploads
+        data = memoryview(data.cpu().numpy())  # the checks run on the host; the GPU reads a copy it uploads
     reader, _ = codec.open_input(data)
     header, tensor = codec.decode_from_stream(reader, device=device)
     return kvio.to_tensors(tensor, header.descriptor)

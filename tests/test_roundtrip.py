@@ -91,3 +91,14 @@ def test_layer_table_is_applied():
     blob = cg.encode(kv, bins="k:0-3=64,3-=8;v:-=20")
     h, _ = container.read_file_header(io.BytesIO(blob))
     assert h.bins[:, 0].tolist() == [64] * 3 + [8] * 9 and h.bins[:, 1].tolist() == [20] * 12
+
+
+def test_decode_accepts_a_uint8_tensor():
+    kv = realistic_kv(layers=2, tokens=9)
+    blob = cg.encode(kv, chunk_tokens=4)
+    as_tensor = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    assert torch.equal(cg.decode(as_tensor)["kv"], cg.decode(blob)["kv"])
+    from cachegen_cli.errors import FormatError
+
+    with pytest.raises(FormatError):
+        cg.decode(torch.zeros(3, 3, dtype=torch.uint8))
