@@ -112,9 +112,101 @@ def _code_width(h: FileHeader) -> int:
     return int(h.alphabets.max())
 
 
+# ---------------------------------------------------------------- CPU fast path
+#
+# On the CPU a slab goes through two fused kernels (cpu.encode_planes / decode_planes)
+# that give the bytes of the stage-by-stage kernels below: they read the cache's own
+# bfloat16 / float32 words (no float32 copy of a bfloat16 cache) and decode straight
+# into the output tensor (bfloat16 rounded to nearest even, as torch rounds).
+
+
+def _cpu_source_words(data: torch.Tensor) -> tuple[np.ndarray, int] | None:
+    """The raw words of a CPU cache tensor [L, 2, T, C] for cpu.encode_planes, with the shift
+    that makes them float32 bits: (uint16 bfloat16 words, 16) or (uint32 float32 words, 0).
+    None for float16 (the caller converts to float32) or a tensor off the CPU."""
+    if data.device.type != "cpu" or data.dtype not in (torch.bfloat16, torch.float32):
+        return None
+    data = data.contiguous()
+    if data.dtype == torch.bfloat16:
+        return data.view(torch.int16).numpy().view(np.uint16), 16
+    return data.view(torch.int32).numpy().view(np.uint32), 0
+
+
+def _cpu_output_words(data: torch.Tensor) -> np.ndarray | None:
+    """A writable view of a CPU bfloat16 (uint16 words) or float32 tensor for
+    cpu.decode_planes, or None (float16: decoded to float32 and converted)."""
+    if data.device.type != "cpu" or not data.is_contiguous():
+        return None
+    if data.dtype == torch.bfloat16:
+        return data.view(torch.int16).numpy().view(np.uint16)
+    if data.dtype == torch.float32:
+        return data.numpy()
+    return None
+
+
+def _encode_slab_cpu(h: FileHeader, words: np.ndarray, shift: int, t_first: int, num_tokens: int,
+                     first_chunk: int) -> list[Chunk]:
+    """encode_slab through cpu.encode_planes, on tokens [t_first, t_first + num_tokens) of
+    ``words`` ([L, 2, >= t_first + num_tokens, C], see _cpu_source_words)."""
+    L, C, ct, G = h.num_layers, h.num_channels, h.chunk_tokens, h.group
+    T = num_tokens
+    K = -(-T // ct)
+    S = _code_width(h)
+    planes_n = K * L * 2
+    scales = np.empty((L, 2, T), np.uint16)
+    codes = np.empty((K, L, 2, C, S), np.uint8)
+    lengths = np.empty((K, L, 2, h.groups), np.int32)
+    plane_bytes = np.empty(planes_n, np.int64)
+    # One row per plane, big enough for its worst case; only the bytes written are touched.
+    planes = np.empty((planes_n, h.groups * max_stream_bytes(ct * G)), np.uint8)
+    cpu_kernels.encode_planes(words, shift, t_first, T, h.maxq, ct, G, scales, codes, lengths, plane_bytes, planes)
+    offsets = np.zeros(planes_n + 1, np.int64)
+    np.cumsum(plane_bytes, out=offsets[1:])
+    payload = np.empty(int(offsets[-1]), np.uint8)
+    cpu_kernels.pack_streams(planes, plane_bytes, offsets, payload)
+    packed = container.pack_codes(codes, h)
+    chunks = []
+    for k in range(K):
+        a, b = k * L * 2, (k + 1) * L * 2
+        t0, t1 = k * ct, min(T, (k + 1) * ct)
+        chunks.append(
+            Chunk(
+                index=first_chunk + k,
+                first_token=(first_chunk + k) * ct,
+                token_count=t1 - t0,
+                scales=scales[:, :, t0:t1],
+                codes=packed[k],
+                lengths=lengths[k],
+                payload=payload[offsets[a] : offsets[b]],
+            )
+        )
+    return chunks
+
+
+def _decode_slab_cpu(h: FileHeader, chunks: list[Chunk], out: np.ndarray, t_first: int, to_bf16: bool) -> None:
+    """decode_slab through cpu.decode_planes, into tokens t_first.. of ``out`` [L, 2, T, C]
+    (float32, or uint16 bfloat16 words when to_bf16)."""
+    if not chunks:
+        return
+    codes = container.unpack_codes(np.stack([c.codes for c in chunks]), h, _code_width(h))
+    lengths = np.concatenate([c.lengths.reshape(-1) for c in chunks]).astype(np.int32)
+    offsets = np.zeros(lengths.size + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    payload = np.concatenate([c.payload for c in chunks])
+    scales = np.ascontiguousarray(np.concatenate([c.scales for c in chunks], axis=2))
+    cpu_kernels.decode_planes(payload, offsets, lengths, codes, h.maxq, h.chunk_tokens, h.group, scales, out,
+                              t_first, to_bf16)
+
+
+# ---------------------------------------------------------------- slabs
+
+
 def encode_slab(h: FileHeader, x: np.ndarray, first_chunk: int, kernels=cpu_kernels) -> list[Chunk]:
     """Encode float32 x [L, 2, T_slab, C] holding whole chunks from ``first_chunk`` on."""
     L, _, T, C = x.shape
+    if kernels is cpu_kernels:
+        words = np.ascontiguousarray(x, np.float32).view(np.uint32)
+        return _encode_slab_cpu(h, words, 0, 0, T, first_chunk)
     ct = h.chunk_tokens
     K = -(-T // ct)
     S = _code_width(h)
@@ -159,6 +251,10 @@ def decode_slab(h: FileHeader, chunks: list[Chunk], kernels=cpu_kernels) -> np.n
     L, C = h.num_layers, h.num_channels
     K = len(chunks)
     T = sum(c.token_count for c in chunks)
+    if kernels is cpu_kernels:
+        out = np.empty((L, 2, T, C), np.float32)
+        _decode_slab_cpu(h, chunks, out, 0, False)
+        return out
     maxq = h.maxq
     S = _code_width(h)
     codes = container.unpack_codes(np.stack([c.codes for c in chunks]), h, S)
@@ -202,11 +298,14 @@ def encode_to_stream(
     offsets: list[int] = []
     payload_bytes = 0
     slabs = list(iter_slabs(h, GPU_SLAB_BYTES if device == "cuda" else SLAB_BYTES))
+    words = _cpu_source_words(cache.data) if device == "cpu" and kernels is cpu_kernels else None
     for number, slab in enumerate(slabs):
         if device == "cuda":
             from . import gpu_codec
 
             chunks = gpu_codec.encode_slab(h, cache.data[:, :, slab.t0 : slab.t1, :], slab.first_chunk)
+        elif words is not None:  # the fused CPU kernel reads the cache's own words
+            chunks = _encode_slab_cpu(h, words[0], words[1], slab.t0, slab.t1 - slab.t0, slab.first_chunk)
         else:
             x = cache.data[:, :, slab.t0 : slab.t1, :].to(torch.float32).contiguous().numpy()
             chunks = encode_slab(h, x, slab.first_chunk, kernels)
@@ -314,6 +413,7 @@ def decode_from_stream(f: BinaryIO, progress: ProgressFn | None = None, device: 
         f.seek(header_end)
         upload = _pool().submit(gpu_codec.upload_blob, blob)
     chunks = iter_chunks(f, h, offsets, size)
+    direct = _cpu_output_words(data) if device == "cpu" and kernels is cpu_kernels else None
     for slab in iter_slabs(h, GPU_SLAB_BYTES if device == "cuda" else SLAB_BYTES):
         batch = [next(chunks) for _ in range(slab.num_chunks)]
         if on_gpu:
@@ -322,9 +422,13 @@ def decode_from_stream(f: BinaryIO, progress: ProgressFn | None = None, device: 
             x, blob_d = gpu_codec.decode_blob(h, blob, offsets, batch, slab.first_chunk, blob_d)
         elif device == "cuda":
             x = torch.from_numpy(gpu_codec.decode_slab(h, batch))
+        elif direct is not None:  # the fused CPU kernel writes straight into `data`
+            _decode_slab_cpu(h, batch, direct, slab.t0, data.dtype == torch.bfloat16)
+            x = None
         else:
             x = torch.from_numpy(decode_slab(h, batch, kernels))
-        data[:, :, slab.t0 : slab.t1, :] = x.to(data.dtype)
+        if x is not None:
+            data[:, :, slab.t0 : slab.t1, :] = x.to(data.dtype)
         if progress:
             progress(slab.first_chunk + slab.num_chunks, h.num_chunks)
     for _ in chunks:  # drains the generator: runs its final consistency check

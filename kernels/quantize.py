@@ -63,11 +63,18 @@ def bf16_bits_to_float64(bits):
 
 @register_jitable
 def quant_inverse_step(scale_bits, maxq):
-    """float32 factor that maps a value to level units: maxq / scale (0 when scale is 0)."""
+    """float32 factor that maps a value to level units: maxq / scale (0 when scale is 0,
+    the largest float32 when maxq / scale would overflow it)."""
     scale = bf16_bits_to_float64(scale_bits)
     if scale == 0.0:
         return np.float32(0.0)
-    return np.float32(np.float64(maxq) / scale)
+    inv = np.float64(maxq) / scale
+    if inv > 3.4028234663852886e38:
+        # A row whose abs-max is below ~1e-37: maxq / scale overflows float32.  Use the
+        # largest float32 instead of inf, so every level stays finite (|x| <= scale) and
+        # every device computes the same symbols.
+        return np.float32(3.4028234663852886e38)
+    return np.float32(inv)
 
 
 @register_jitable

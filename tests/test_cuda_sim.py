@@ -101,3 +101,22 @@ def test_record_crcs_match_zlib():
     gpu.crc32_records(data, starts, lens, first, count, seg_crc, out)
     want = [zlib.crc32(data[0:36].tobytes() + data[40:1000].tobytes()), zlib.crc32(data[1000:1036].tobytes() + data[1040:3000].tobytes())]
     assert out.tolist() == want
+
+
+def test_tiny_rows_quantize_alike():
+    """A row whose abs-max is below ~1e-37 (maxq / scale overflows float32) gives the same
+    symbols on both devices: the inverse step is capped at the largest float32."""
+    from cachegen_cli.kernels import cpu
+    from cachegen_cli.kernels import cuda as gpu
+
+    x = np.zeros((1, 2, 2, 4), np.float32)
+    x[0, 0, 0] = [1e-40, -2e-39, 0.0, 5e-39]
+    x[0, 1, 1] = [0.0, -0.0, 1e-45, -1e-45]
+    maxq = np.array([[7, 15]], np.int32)
+    a = (np.empty((1, 2, 2), np.uint16), np.empty((1, 2, 2, 4), np.uint8))
+    b = (np.empty_like(a[0]), np.empty_like(a[1]))
+    cpu.quantize(x, maxq, *a)
+    gpu.quantize(x, maxq, *b)
+    np.testing.assert_array_equal(a[0], b[0])
+    np.testing.assert_array_equal(a[1], b[1])
+    assert a[1][0, 0, 0, 2] == 7  # an exact zero stays at the middle level
