@@ -165,22 +165,7 @@ def _encode_slab_cpu(h: FileHeader, words: np.ndarray, shift: int, t_first: int,
     payload = np.empty(int(offsets[-1]), np.uint8)
     cpu_kernels.pack_streams(planes, plane_bytes, offsets, payload)
     packed = container.pack_codes(codes, h)
-    chunks = []
-    for k in range(K):
-        a, b = k * L * 2, (k + 1) * L * 2
-        t0, t1 = k * ct, min(T, (k + 1) * ct)
-        chunks.append(
-            Chunk(
-                index=first_chunk + k,
-                first_token=(first_chunk + k) * ct,
-                token_count=t1 - t0,
-                scales=scales[:, :, t0:t1],
-                codes=packed[k],
-                lengths=lengths[k],
-                payload=payload[offsets[a] : offsets[b]],
-            )
-        )
-    return chunks
+    return container.slab_chunks(h, first_chunk, scales, packed, lengths, payload, offsets[:: L * 2])
 
 
 def _decode_slab_cpu(h: FileHeader, chunks: list[Chunk], out: np.ndarray, t_first: int, to_bf16: bool) -> None:
@@ -228,22 +213,7 @@ def encode_slab(h: FileHeader, x: np.ndarray, first_chunk: int, kernels=cpu_kern
     payload = np.empty(int(offsets[-1]), np.uint8)
     kernels.pack_streams(slots, lengths, offsets, payload)
     packed = container.pack_codes(codes, h)
-    chunks = []
-    for k in range(K):
-        a, b = k * per_chunk, (k + 1) * per_chunk
-        t0, t1 = k * ct, min(T, (k + 1) * ct)
-        chunks.append(
-            Chunk(
-                index=first_chunk + k,
-                first_token=(first_chunk + k) * ct,
-                token_count=t1 - t0,
-                scales=scales[:, :, t0:t1],
-                codes=packed[k],
-                lengths=lengths[a:b].reshape(L, 2, h.groups),
-                payload=payload[offsets[a] : offsets[b]],
-            )
-        )
-    return chunks
+    return container.slab_chunks(h, first_chunk, scales, packed, lengths, payload, offsets[::per_chunk])
 
 
 def decode_slab(h: FileHeader, chunks: list[Chunk], kernels=cpu_kernels) -> np.ndarray:

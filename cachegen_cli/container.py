@@ -280,6 +280,26 @@ def check_code_padding(packed: np.ndarray, h: FileHeader, width: int) -> bool:
     return not (packed[padded] >> 4).any()
 
 
+def slab_chunks(h: FileHeader, first_chunk: int, scales: np.ndarray, packed: np.ndarray, lengths: np.ndarray,
+                payload: np.ndarray, chunk_bounds: np.ndarray) -> list[Chunk]:
+    """Cut the arrays of a slab of K consecutive chunks into Chunk records.
+
+    scales [L, 2, T_slab]; packed codes [K, cdf_size]; lengths, any shape holding
+    K x L x 2 x groups stream lengths; payload, the streams of all K chunks back to back;
+    chunk_bounds [K + 1], where each chunk's streams start in payload.
+    """
+    K = packed.shape[0]
+    T = scales.shape[2]
+    ct = h.chunk_tokens
+    lengths = lengths.reshape(K, h.num_layers, 2, h.groups)
+    chunks = []
+    for k in range(K):
+        t0, t1 = k * ct, min(T, (k + 1) * ct)
+        chunks.append(Chunk(first_chunk + k, (first_chunk + k) * ct, t1 - t0, scales[:, :, t0:t1], packed[k],
+                            lengths[k], payload[chunk_bounds[k] : chunk_bounds[k + 1]]))
+    return chunks
+
+
 def chunk_parts(chunk: Chunk) -> list:
     """The chunk record as a list of byte buffers (header first), without joining them."""
     sections = [

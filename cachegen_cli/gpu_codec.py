@@ -150,22 +150,7 @@ def encode_slab(h: FileHeader, x: torch.Tensor, first_chunk: int) -> list[Chunk]
     scales_h = scales.copy_to_host(stream=stream)
     stream.synchronize()
     del keep
-    chunks = []
-    for i in range(K):
-        a, b = i * per_chunk, (i + 1) * per_chunk
-        t0, t1 = i * ct, min(T, (i + 1) * ct)
-        chunks.append(
-            Chunk(
-                index=first_chunk + i,
-                first_token=(first_chunk + i) * ct,
-                token_count=t1 - t0,
-                scales=scales_h[:, :, t0:t1],
-                codes=packed[i],
-                lengths=lengths[a:b].reshape(L, 2, h.groups),
-                payload=payload[offsets[a] : offsets[b]],
-            )
-        )
-    return chunks
+    return container.slab_chunks(h, first_chunk, scales_h, packed, lengths, payload, offsets[::per_chunk])
 
 
 def decode_slab(h: FileHeader, chunks: list[Chunk]):

@@ -72,6 +72,24 @@ def _grid(n: int, block: int = BLOCK) -> int:
 # ---------------------------------------------------------------- quantization
 
 
+@cuda.jit(device=True)
+def _row_scale_bits(top, bits_shared, tid, local):
+    """Block-wide maximum of the threads' ``local`` abs-max values (a tree reduction in
+    shared memory), as the bfloat16 scale bits every thread of the row gets back."""
+    top[tid] = local
+    cuda.syncthreads()
+    width = ROW_THREADS // 2
+    while width > 0:
+        if tid < width and top[tid + width] > top[tid]:
+            top[tid] = top[tid + width]
+        cuda.syncthreads()
+        width //= 2
+    if tid == 0:
+        bits_shared[0] = bf16_bits_round_up(top[0])
+    cuda.syncthreads()
+    return bits_shared[0]
+
+
 @cuda.jit
 def _quantize_kernel(x, maxq, scales, symbols):
     row = cuda.blockIdx.x
@@ -87,21 +105,11 @@ def _quantize_kernel(x, maxq, scales, symbols):
         a = abs(x[l, kv, t, c])
         if a > local:
             local = a
-    top[tid] = local
-    cuda.syncthreads()
-    width = ROW_THREADS // 2
-    while width > 0:
-        if tid < width and top[tid + width] > top[tid]:
-            top[tid] = top[tid + width]
-        cuda.syncthreads()
-        width //= 2
+    bits = _row_scale_bits(top, bits_shared, tid, local)
     if tid == 0:
-        bits = bf16_bits_round_up(top[0])
         scales[l, kv, t] = bits
-        bits_shared[0] = bits
-    cuda.syncthreads()
     m = np.int64(maxq[l, kv])
-    inv = quant_inverse_step(bits_shared[0], m)
+    inv = quant_inverse_step(bits, m)
     for c in range(tid, C, ROW_THREADS):
         symbols[l, kv, t, c] = quantize_value(x[l, kv, t, c], inv, m)
 
@@ -150,21 +158,11 @@ def _quantize_bits_kernel(xbits, fmt, maxq, scales, symbols):
         a = abs(float_from_bits16(xbits[l, kv, t, c], fmt))
         if a > local:
             local = a
-    top[tid] = local
-    cuda.syncthreads()
-    width = ROW_THREADS // 2
-    while width > 0:
-        if tid < width and top[tid + width] > top[tid]:
-            top[tid] = top[tid + width]
-        cuda.syncthreads()
-        width //= 2
+    bits = _row_scale_bits(top, bits_shared, tid, local)
     if tid == 0:
-        bits = bf16_bits_round_up(top[0])
         scales[l, kv, t] = bits
-        bits_shared[0] = bits
-    cuda.syncthreads()
     m = np.int64(maxq[l, kv])
-    inv = quant_inverse_step(bits_shared[0], m)
+    inv = quant_inverse_step(bits, m)
     for c in range(tid, C, ROW_THREADS):
         symbols[l, kv, t, c] = quantize_value(float_from_bits16(xbits[l, kv, t, c], fmt), inv, m)
 
