@@ -73,6 +73,18 @@ def _grid(n: int, block: int = BLOCK) -> int:
 
 
 @cuda.jit(device=True)
+def _row_coords(row, T):
+    """(layer, K/V, token) of quantization row ``row`` of an [L, 2, T, C] array."""
+    return row // (2 * T), (row // T) % 2, row % T
+
+
+@cuda.jit(device=True)
+def _channel_coords(i, L, C):
+    """(chunk, layer, K/V, channel) of the i-th CDF row of a [K, L, 2, C, ...] array."""
+    return i // (2 * C * L), (i // (2 * C)) % L, (i // C) % 2, i % C
+
+
+@cuda.jit(device=True)
 def _row_scale_bits(top, bits_shared, tid, local):
     """Block-wide maximum of the threads' ``local`` abs-max values (a tree reduction in
     shared memory), as the bfloat16 scale bits every thread of the row gets back."""
@@ -95,9 +107,7 @@ def _quantize_kernel(x, maxq, scales, symbols):
     row = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     L, _, T, C = x.shape
-    l = row // (2 * T)
-    kv = (row // T) % 2
-    t = row % T
+    l, kv, t = _row_coords(row, T)
     top = cuda.shared.array(ROW_THREADS, np.float32)
     bits_shared = cuda.shared.array(1, np.int64)
     local = np.float32(0.0)
@@ -126,9 +136,7 @@ def _dequantize_kernel(symbols, scales, maxq, out):
     row = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     L, _, T, C = symbols.shape
-    l = row // (2 * T)
-    kv = (row // T) % 2
-    t = row % T
+    l, kv, t = _row_coords(row, T)
     m = np.int64(maxq[l, kv])
     step = dequant_step(scales[l, kv, t], m)  # every thread derives it: cheaper than a barrier
     for c in range(tid, C, ROW_THREADS):
@@ -148,9 +156,7 @@ def _quantize_bits_kernel(xbits, fmt, maxq, scales, symbols):
     row = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     L, _, T, C = xbits.shape
-    l = row // (2 * T)
-    kv = (row // T) % 2
-    t = row % T
+    l, kv, t = _row_coords(row, T)
     top = cuda.shared.array(ROW_THREADS, np.float32)
     bits_shared = cuda.shared.array(1, np.int64)
     local = np.float32(0.0)
@@ -183,9 +189,7 @@ def _dequantize_bf16_kernel(symbols, scales, maxq, out_bits):
     row = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     L, _, T, C = symbols.shape
-    l = row // (2 * T)
-    kv = (row // T) % 2
-    t = row % T
+    l, kv, t = _row_coords(row, T)
     m = np.int64(maxq[l, kv])
     step = dequant_step(scales[l, kv, t], m)
     for c in range(tid, C, ROW_THREADS):
@@ -215,10 +219,7 @@ def _histogram_kernel(symbols, chunk_tokens, counts):
     K, L, _, C, S = counts.shape
     if i >= K * L * 2 * C:
         return
-    c = i % C
-    kv = (i // C) % 2
-    l = (i // (2 * C)) % L
-    k = i // (2 * C * L)
+    k, l, kv, c = _channel_coords(i, L, C)
     for s in range(S):
         counts[k, l, kv, c, s] = 0
     T = symbols.shape[2]
@@ -242,10 +243,7 @@ def _build_cdf_kernel(counts, maxq, codes, cum):
     K, L, _, C, S = counts.shape
     if i >= K * L * 2 * C:
         return
-    c = i % C
-    kv = (i // C) % 2
-    l = (i // (2 * C)) % L
-    k = i // (2 * C * L)
+    k, l, kv, c = _channel_coords(i, L, C)
     alphabet = 2 * np.int64(maxq[l, kv]) + 1
     counts_to_codes(counts[k, l, kv, c], alphabet, codes[k, l, kv, c])
     codes_to_cum(codes[k, l, kv, c], alphabet, cum[k, l, kv, c])
@@ -265,10 +263,7 @@ def _cum_from_codes_kernel(codes, maxq, cum):
     K, L, _, C, S = codes.shape
     if i >= K * L * 2 * C:
         return
-    c = i % C
-    kv = (i // C) % 2
-    l = (i // (2 * C)) % L
-    k = i // (2 * C * L)
+    k, l, kv, c = _channel_coords(i, L, C)
     alphabet = 2 * np.int64(maxq[l, kv]) + 1
     codes_to_cum(codes[k, l, kv, c], alphabet, cum[k, l, kv, c])
 
@@ -298,10 +293,7 @@ def _stats_kernel(width: int):
             K, L, _, C, S = codes.shape
             if i >= K * L * 2 * C:
                 return
-            c = i % C
-            kv = (i // C) % 2
-            l = (i // (2 * C)) % L
-            k = i // (2 * C * L)
+            k, l, kv, c = _channel_coords(i, L, C)
             row = hist[tid]
             for s in range(S):
                 row[s] = 0
