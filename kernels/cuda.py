@@ -102,8 +102,16 @@ def _row_scale_bits(top, bits_shared, tid, local):
     return bits_shared[0]
 
 
+@cuda.jit(device=True)
+def _load(x, l, kv, t, c, fmt):
+    """One cache value as float32: x is float32 (fmt 0) or bfloat16 / float16 words (fmt 1 / 2)."""
+    if fmt == 0:
+        return np.float32(x[l, kv, t, c])
+    return float_from_bits16(x[l, kv, t, c], fmt)
+
+
 @cuda.jit
-def _quantize_kernel(x, maxq, scales, symbols):
+def _quantize_kernel(x, fmt, maxq, scales, symbols):
     row = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     L, _, T, C = x.shape
@@ -112,7 +120,7 @@ def _quantize_kernel(x, maxq, scales, symbols):
     bits_shared = cuda.shared.array(1, np.int64)
     local = np.float32(0.0)
     for c in range(tid, C, ROW_THREADS):
-        a = abs(x[l, kv, t, c])
+        a = abs(_load(x, l, kv, t, c, fmt))
         if a > local:
             local = a
     bits = _row_scale_bits(top, bits_shared, tid, local)
@@ -121,14 +129,16 @@ def _quantize_kernel(x, maxq, scales, symbols):
     m = np.int64(maxq[l, kv])
     inv = quant_inverse_step(bits, m)
     for c in range(tid, C, ROW_THREADS):
-        symbols[l, kv, t, c] = quantize_value(x[l, kv, t, c], inv, m)
+        symbols[l, kv, t, c] = quantize_value(_load(x, l, kv, t, c, fmt), inv, m)
 
 
 def quantize(x, maxq, scales, symbols, stream=0):
     L, _, T, C = x.shape
     if L * 2 * T == 0:
         return
-    _quantize_kernel[L * 2 * T, ROW_THREADS, stream](as_device(x), as_device(maxq), as_device(scales), as_device(symbols))
+    _quantize_kernel[L * 2 * T, ROW_THREADS, stream](
+        as_device(x), np.int64(0), as_device(maxq), as_device(scales), as_device(symbols)
+    )
 
 
 @cuda.jit
@@ -150,36 +160,13 @@ def dequantize(symbols, scales, maxq, out, stream=0):
     _dequantize_kernel[L * 2 * T, ROW_THREADS, stream](as_device(symbols), as_device(scales), as_device(maxq), as_device(out))
 
 
-@cuda.jit
-def _quantize_bits_kernel(xbits, fmt, maxq, scales, symbols):
-    """quantize, reading bfloat16 (fmt 1) or float16 (fmt 2) words straight from the cache."""
-    row = cuda.blockIdx.x
-    tid = cuda.threadIdx.x
-    L, _, T, C = xbits.shape
-    l, kv, t = _row_coords(row, T)
-    top = cuda.shared.array(ROW_THREADS, np.float32)
-    bits_shared = cuda.shared.array(1, np.int64)
-    local = np.float32(0.0)
-    for c in range(tid, C, ROW_THREADS):
-        a = abs(float_from_bits16(xbits[l, kv, t, c], fmt))
-        if a > local:
-            local = a
-    bits = _row_scale_bits(top, bits_shared, tid, local)
-    if tid == 0:
-        scales[l, kv, t] = bits
-    m = np.int64(maxq[l, kv])
-    inv = quant_inverse_step(bits, m)
-    for c in range(tid, C, ROW_THREADS):
-        symbols[l, kv, t, c] = quantize_value(float_from_bits16(xbits[l, kv, t, c], fmt), inv, m)
-
-
 def quantize_bits(xbits, fmt, maxq, scales, symbols, stream=0):
     """quantize() for 16-bit caches given as their raw words (int16 / uint16 views):
     fmt 1 = bfloat16, 2 = float16.  Same symbols and scales as quantize() on the float32 copy."""
     L, _, T, C = xbits.shape
     if L * 2 * T == 0:
         return
-    _quantize_bits_kernel[L * 2 * T, ROW_THREADS, stream](
+    _quantize_kernel[L * 2 * T, ROW_THREADS, stream](
         as_device(xbits), np.int64(fmt), as_device(maxq), as_device(scales), as_device(symbols)
     )
 

@@ -133,6 +133,16 @@ def float_from_bits16(bits, fmt):
 
 
 @register_jitable
+def _round_half_even(y):
+    """Non-negative y rounded to the nearest integer, ties to even (y - floor(y) is exact)."""
+    q = np.int64(math.floor(y))
+    d = y - np.float64(q)
+    if d > 0.5 or (d == 0.5 and (q & 1) == 1):
+        q += 1
+    return q
+
+
+@register_jitable
 def bf16_bits_nearest(value):
     """bfloat16 bits (as int64) of a finite float32 value, rounded to nearest even,
     as torch's float32 -> bfloat16 cast does."""
@@ -144,18 +154,9 @@ def bf16_bits_nearest(value):
     if v == 0.0:
         return sign
     if v < 1.1754943508222875e-38:  # bfloat16 subnormal range: steps of 2**-133
-        y = math.ldexp(v, 133)
-        q = np.int64(math.floor(y))
-        d = y - np.float64(q)
-        if d > 0.5 or (d == 0.5 and (q & 1) == 1):
-            q += 1
-        return sign | q  # q == 128 is exactly the smallest normal's bits
+        return sign | _round_half_even(math.ldexp(v, 133))  # 128 rounds up to the smallest normal: same bits
     mant, exp = math.frexp(v)
-    y = mant * 256.0
-    q = np.int64(math.floor(y))
-    d = y - np.float64(q)
-    if d > 0.5 or (d == 0.5 and (q & 1) == 1):
-        q += 1
+    q = _round_half_even(mant * 256.0)
     if q == 256:
         q = 128
         exp += 1
