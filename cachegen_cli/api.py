@@ -16,7 +16,9 @@ from pathlib import Path
 import torch
 
 from . import codec, kvio
-from .config import DEFAULT_CHUNK_TOKENS, QuantizationConfig, resolve_quantization
+from .calibration import Calibration
+from .calibration import load as load_calibration
+from .config import DEFAULT_CHUNK_TOKENS, QuantizationConfig, TransformConfig, resolve_quantization
 from .errors import InputNotFoundError
 from .fileio import atomic_output, check_output
 
@@ -28,7 +30,9 @@ def encode(
     *,
     preset: str | None = None,
     bins: str | int | None = None,
-    quantization: QuantizationConfig | None = None,
+    quantization: QuantizationConfig | TransformConfig | None = None,
+    quality: str | None = None,
+    calibration: Calibration | str | Path | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     layout: str = "auto",
     metadata: Mapping[str, str] | None = None,
@@ -37,13 +41,26 @@ def encode(
     """Compress a KV cache to the bytes of a .cgen file.
 
     ``kv`` is one tensor [layers, 2, tokens, kv_heads, head_dim] or a mapping of
-    names to tensors in either layout (see ``kvio``).  The quantization table is
-    a preset name, a ``--bins`` string, or a QuantizationConfig (default: LMCache's).
-    ``device``: "auto" (the GPU when one is present), "cpu" or "cuda"; tensors may
-    live on the GPU already, and the bytes are the same on every device.
+    names to tensors in either layout (see ``kvio``).  What to encode with: a
+    ``quality`` ("lossless", "high", "balanced" — the default — or "small"), an
+    LMCache-style ``preset`` name, a ``--bins`` string, or a config object;
+    ``calibration`` (a file or Calibration) adds the rotation of the transform
+    qualities.  ``device``: "auto" (the GPU when one is present), "cpu" or "cuda";
+    --preset / --bins run on either with the same bytes, the qualities on the CPU.
     """
     cache = kvio.from_tensors(kv, layout, metadata)
-    quant = resolve_quantization(cache.num_layers, quantization=quantization, preset_name=preset, bins=bins)
+    quant = resolve_quantization(cache.num_layers, quantization=quantization, preset_name=preset, bins=bins,
+                                 quality=quality)
+    if isinstance(quant, TransformConfig) or calibration is not None:
+        buf = _Collector()
+        codec.encode_to_stream(cache, buf, quant, chunk_tokens, device=device, calibration=_calibration(calibration))
+        return buf.getvalue()
+    if codec.resolve_device(device) == "cuda":
+        from . import gpu_codec
+
+        if gpu_codec.torch_cuda_ok():  # the whole file is assembled on the GPU, then copied once
+            h = codec.make_header(cache, quant, chunk_tokens)
+            return gpu_codec.to_host_bytes(gpu_codec.encode_file_device(h, cache.data))
     buf = _Collector()
     codec.encode_to_stream(cache, buf, quant, chunk_tokens, device=device)
     return buf.getvalue()
@@ -67,24 +84,9 @@ def encode_to_device(
 
     if codec.resolve_device("cuda") != "cuda" or not gpu_codec.torch_cuda_ok():
         raise ConfigError("encode_to_device needs a CUDA GPU that torch can use")
-    from . import container
-
     cache = kvio.from_tensors(kv, layout, metadata)
     quant = resolve_quantization(cache.num_layers, quantization=quantization, preset_name=preset, bins=bins)
-    h = codec.make_header(cache, quant, chunk_tokens)
-    head = container.pack_file_header(h)
-    parts = [torch.frombuffer(bytearray(head), dtype=torch.uint8).to("cuda")]
-    offsets: list[int] = []
-    pos = len(head)
-    for slab in codec.iter_slabs(h, codec.GPU_SLAB_BYTES):
-        records, sizes = gpu_codec.encode_records(h, cache.data[:, :, slab.t0 : slab.t1, :], slab.first_chunk)
-        for size in sizes:
-            offsets.append(pos)
-            pos += size
-        parts.append(records)
-    tail = container.pack_index(offsets) + container.pack_trailer(pos)
-    parts.append(torch.frombuffer(bytearray(tail), dtype=torch.uint8).to("cuda"))
-    return torch.cat(parts)
+    return gpu_codec.encode_file_device(codec.make_header(cache, quant, chunk_tokens), cache.data)
 
 
 class _Collector:
@@ -113,20 +115,52 @@ class _Collector:
         return b"".join(self.parts)
 
 
-def decode(data: bytes | bytearray | memoryview | torch.Tensor, *, device: str = "auto") -> dict[str, torch.Tensor]:
+def _calibration(calibration: Calibration | str | Path | None) -> Calibration | None:
+    if calibration is None or isinstance(calibration, Calibration):
+        return calibration
+    return load_calibration(calibration)
+
+
+def decode(data: bytes | bytearray | memoryview | torch.Tensor, *, device: str = "auto",
+           calibration: Calibration | str | Path | None = None) -> dict[str, torch.Tensor]:
     """Decompress .cgen bytes to the original tensor names, shapes and dtype.
 
     With ``device="auto"`` (the default) the GPU decodes when one is present and the
-    tensors are returned on it; ``device="cpu"`` keeps everything on the CPU."""
+    tensors are returned on it; ``device="cpu"`` keeps everything on the CPU.
+    ``calibration``: the calibration file a rotated file was encoded with."""
+    cal = _calibration(calibration)
+    if cal is not None or _is_v2(data):
+        if isinstance(data, torch.Tensor):
+            data = memoryview(data.cpu().numpy())
+        reader, _ = codec.open_input(data)
+        header, tensor = codec.decode_from_stream(reader, device=device, calibration=cal)
+        return kvio.to_tensors(tensor, header.descriptor)
     if isinstance(data, torch.Tensor):  # .cgen bytes in a uint8 tensor, e.g. from encode_to_device
         if data.dtype != torch.uint8 or data.dim() != 1:
             from .errors import FormatError
 
             raise FormatError("a .cgen tensor must be one-dimensional uint8")
-        data = memoryview(data.cpu().numpy())  # the checks run on the host; the GPU reads a copy it uploads
+    if codec.resolve_device(device) == "cuda":
+        from . import gpu_codec
+
+        if gpu_codec.torch_cuda_ok():  # checked and decoded on the GPU, from a device copy of the bytes
+            header, tensor = gpu_codec.decode_device(gpu_codec.device_bytes(data))
+            return kvio.to_tensors(tensor, header.descriptor)
+    if isinstance(data, torch.Tensor):
+        data = memoryview(data.cpu().numpy())
     reader, _ = codec.open_input(data)
     header, tensor = codec.decode_from_stream(reader, device=device)
     return kvio.to_tensors(tensor, header.descriptor)
+
+
+def _is_v2(data) -> bool:
+    """True when the bytes announce format version 2 (decoded on the CPU kernels)."""
+    import struct
+
+    from .container import FORMAT_VERSION_2, MAGIC
+
+    head = bytes(data[:10].cpu().numpy()) if isinstance(data, torch.Tensor) else bytes(memoryview(data)[:10])
+    return len(head) == 10 and head[:8] == MAGIC and struct.unpack_from("<H", head, 8)[0] == FORMAT_VERSION_2
 
 
 def _close_quietly(closer) -> None:
@@ -154,7 +188,9 @@ def encode_file(
     force: bool = False,
     preset: str | None = None,
     bins: str | int | None = None,
-    quantization: QuantizationConfig | None = None,
+    quantization: QuantizationConfig | TransformConfig | None = None,
+    quality: str | None = None,
+    calibration: Calibration | str | Path | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     layout: str = "auto",
     device: str = "auto",
@@ -166,10 +202,12 @@ def encode_file(
     if not src.is_file():
         raise InputNotFoundError(f"no such file: {src}")
     check_output(dst, [src], force)
+    cal = _calibration(calibration)
     cache = kvio.read_safetensors(src, layout)
-    quant = resolve_quantization(cache.num_layers, quantization=quantization, preset_name=preset, bins=bins)
+    quant = resolve_quantization(cache.num_layers, quantization=quantization, preset_name=preset, bins=bins,
+                                 quality=quality)
     with atomic_output(dst) as tmp, open(tmp, "wb") as out:
-        summary = codec.encode_to_stream(cache, out, quant, chunk_tokens, progress, device)
+        summary = codec.encode_to_stream(cache, out, quant, chunk_tokens, progress, device, cal)
     return summary
 
 
@@ -179,6 +217,7 @@ def decode_file(
     *,
     force: bool = False,
     device: str = "auto",
+    calibration: Calibration | str | Path | None = None,
     progress: codec.ProgressFn | None = None,
 ) -> Path:
     """Decompress a .cgen file to safetensors in the original layout (atomically)."""
@@ -187,9 +226,10 @@ def decode_file(
     if not src.is_file():
         raise InputNotFoundError(f"no such file: {src}")
     check_output(dst, [src], force)
+    cal = _calibration(calibration)
     reader, closer = codec.open_input(src)
     try:
-        header, tensor = codec.decode_from_stream(reader, progress, device)
+        header, tensor = codec.decode_from_stream(reader, progress, device, cal)
     finally:
         del reader
         _close_quietly(closer)

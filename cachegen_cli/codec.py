@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from . import container
-from .config import QuantizationConfig, validate_chunk_tokens
+from .config import QuantizationConfig, TransformConfig, validate_chunk_tokens
 from .container import Chunk, FileHeader
 from .errors import ChecksumError, ConfigError, FormatError
 from .kernels import cpu as cpu_kernels
@@ -257,8 +257,14 @@ def encode_to_stream(
     chunk_tokens: int,
     progress: ProgressFn | None = None,
     device: str = "cpu",
+    calibration=None,
 ) -> EncodeSummary:
     """Write a whole .cgen file for ``cache`` to ``out``."""
+    if isinstance(quant, TransformConfig):
+        return _encode_v2_to_stream(cache, out, quant, chunk_tokens, progress, device, calibration)
+    if calibration is not None:
+        raise ConfigError("--calibration applies to the transform qualities (--quality high/balanced/small), "
+                          "not to --preset or --bins")
     device = resolve_device(device)
     kernels = get_kernels(device)
     h = make_header(cache, quant, chunk_tokens)
@@ -290,6 +296,45 @@ def encode_to_stream(
                 progress(chunk.index + 1, h.num_chunks)
         if number + 1 < len(slabs) and hasattr(out, "slab_done"):
             out.slab_done()  # the slab's buffers may be reused by the next one
+    index = container.pack_index(offsets)
+    out.write(index)
+    out.write(container.pack_trailer(pos))
+    pos += len(index) + container.TRAILER.size
+    return EncodeSummary(h, pos, payload_bytes, pos - payload_bytes)
+
+
+def v2_device(device: str) -> str:
+    """Format version 2 runs on the CPU kernels (its CUDA kernels are not written yet)."""
+    if device == "cuda":
+        raise ConfigError("--device cuda supports --preset / --bins (format version 1) only; the --quality "
+                          "methods run on the CPU (--device cpu or auto)")
+    resolve_device(device)
+    return "cpu"
+
+
+def _encode_v2_to_stream(cache: KVCache, out: BinaryIO, cfg: TransformConfig, chunk_tokens: int,
+                         progress: ProgressFn | None, device: str, calibration) -> EncodeSummary:
+    from . import transform_codec
+
+    v2_device(device)
+    chunk_tokens = validate_chunk_tokens(chunk_tokens)
+    if cfg.method == "lossless" and calibration is not None:
+        raise ConfigError("--calibration does not apply to --quality lossless")
+    enc = transform_codec.encode_v2(cache, cfg, chunk_tokens, calibration)
+    h = enc.header
+    head = container.pack_file_header(h)
+    out.write(head)
+    pos = len(head)
+    offsets: list[int] = []
+    payload_bytes = 0
+    for chunk, parts in zip(enc.chunks, _pool().map(container.chunk_parts, enc.chunks)):
+        offsets.append(pos)
+        for part in parts:
+            out.write(part)
+            pos += len(part)
+        payload_bytes += int(chunk.payload.size)
+        if progress:
+            progress(chunk.index + 1, h.num_chunks)
     index = container.pack_index(offsets)
     out.write(index)
     out.write(container.pack_trailer(pos))
@@ -361,11 +406,27 @@ def open_input(source) -> tuple[BinaryIO, object]:
     return container.BufferReader(mm), mm
 
 
-def decode_from_stream(f: BinaryIO, progress: ProgressFn | None = None, device: str = "cpu") -> tuple[FileHeader, torch.Tensor]:
-    """Decode a whole .cgen stream; returns its header and the [L, 2, T, C] tensor in the source dtype."""
+def decode_from_stream(f: BinaryIO, progress: ProgressFn | None = None, device: str = "cpu",
+                       calibration=None) -> tuple[FileHeader, torch.Tensor]:
+    """Decode a whole .cgen stream; returns its header and the [L, 2, T, C] tensor in the source dtype.
+    ``calibration``: the Calibration a rotated (version 2) file was encoded with."""
+    h, header_end, offsets, size = read_header_and_index(f)
+    if h.version == container.FORMAT_VERSION_2:
+        from . import transform_codec
+
+        target = resolve_device(device)
+        chunks = list(iter_chunks(f, h, offsets, size))
+        data = transform_codec.decode_v2(h, chunks, DTYPE_BY_NAME[h.dtype], calibration)
+        if progress:
+            progress(h.num_chunks, h.num_chunks)
+        if target == "cuda":
+            from . import gpu_codec
+
+            if gpu_codec.torch_cuda_ok():
+                data = data.to("cuda")
+        return h, data
     device = resolve_device(device)
     kernels = get_kernels(device)
-    h, header_end, offsets, size = read_header_and_index(f)
     on_gpu = False
     if device == "cuda":
         from . import gpu_codec

@@ -88,6 +88,7 @@ PRESETS: dict[str, int | None] = {
     "glm-4-9b": 40,
 }
 DEFAULT_PRESET = "lmcache"
+DEFAULT_QUALITY = "balanced"
 
 
 def preset(name: str, num_layers: int) -> QuantizationConfig:
@@ -158,12 +159,83 @@ def _specs_from(items: object, label: str) -> tuple[QuantizationSpec, ...]:
 
 
 @dataclass(frozen=True)
+class TransformConfig:
+    """Format version 2 settings: the transform method (relative step per layer and K/V) or lossless.
+
+    ``key_step`` / ``value_step``: the quantization step of each layer's keys / values as a
+    fraction of that (layer, K/V)'s RMS around the channel means; one number applies to
+    every layer, a list gives one per layer.  Smaller steps: larger files, better quality.
+    """
+
+    method: str = "transform"  # "transform" or "lossless"
+    key_step: tuple[float, ...] = (1.0,)
+    value_step: tuple[float, ...] = (1.0,)
+    sink_tokens: int = 1
+    token_delta: bool = True
+    name: str = field(default="custom", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.method not in ("transform", "lossless"):
+            raise ConfigError(f"method must be 'transform' or 'lossless', got {self.method!r}")
+        for label, steps in (("key_step", self.key_step), ("value_step", self.value_step)):
+            if not steps:
+                raise ConfigError(f"{label} needs at least one value")
+            for v in steps:
+                if not (isinstance(v, (int, float)) and MIN_STEP <= float(v) <= MAX_STEP):
+                    raise ConfigError(f"{label} values must be numbers between {MIN_STEP} and {MAX_STEP}, got {v!r}")
+        if not 0 <= self.sink_tokens <= MAX_SINK_TOKENS:
+            raise ConfigError(f"sink_tokens must be between 0 and {MAX_SINK_TOKENS}, got {self.sink_tokens}")
+
+    def steps_table(self, num_layers: int) -> np.ndarray:
+        """float64 [num_layers, 2]: relative step of layer l for K (column 0) and V (column 1)."""
+        table = np.empty((num_layers, 2), np.float64)
+        for column, steps, label in ((0, self.key_step, "key_step"), (1, self.value_step, "value_step")):
+            if len(steps) == 1:
+                table[:, column] = float(steps[0])
+            elif len(steps) == num_layers:
+                table[:, column] = np.asarray(steps, np.float64)
+            else:
+                raise ConfigError(f"{label} has {len(steps)} values; give 1 or one per layer ({num_layers})")
+        return table
+
+
+MIN_STEP = 1e-3
+MAX_STEP = 64.0
+MAX_SINK_TOKENS = 1024
+
+#: --quality presets (format version 2).  The relative steps were chosen from
+#: measurements with `cachegen eval` on SmolLM2-135M caches (docs/quality.md).
+QUALITY_PRESETS: dict[str, TransformConfig] = {
+    "lossless": TransformConfig("lossless", name="lossless"),
+    "high": TransformConfig("transform", (0.25,), (0.25,), name="high"),
+    "balanced": TransformConfig("transform", (0.6,), (0.6,), name="balanced"),
+    "small": TransformConfig("transform", (1.0,), (1.0,), name="small"),
+}
+
+
+def quality_preset(name: str) -> TransformConfig:
+    key = name.strip().lower()
+    if key not in QUALITY_PRESETS:
+        raise ConfigError(f"unknown quality {name!r}; choose one of: {', '.join(QUALITY_PRESETS)}")
+    return QUALITY_PRESETS[key]
+
+
+def _steps_from(value: object, label: str) -> tuple[float, ...]:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return (float(value),)
+    if isinstance(value, list) and value and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        return tuple(float(v) for v in value)
+    raise ConfigError(f"config: '{label}' must be a number or a non-empty list of numbers")
+
+
+@dataclass(frozen=True)
 class EncodeSettings:
     """What a config file may set: a table (or preset) and a chunk size."""
 
-    quantization: QuantizationConfig | None = None
+    quantization: "QuantizationConfig | TransformConfig | None" = None
     preset: str | None = None
     chunk_tokens: int | None = None
+    quality: str | None = None
 
 
 def load_config_file(path: str | Path) -> EncodeSettings:
@@ -185,12 +257,33 @@ def load_config_file(path: str | Path) -> EncodeSettings:
         raise ConfigError(f"config file {path} is not valid {'JSON' if path.suffix.lower() == '.json' else 'TOML'}: {str(exc).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a table/object at the top level")
-    unknown = set(data) - {"key", "value", "preset", "chunk_tokens"}
+    transform_fields = {"method", "key_step", "value_step", "sink_tokens", "token_delta"}
+    unknown = set(data) - {"key", "value", "preset", "chunk_tokens", "quality", "comment"} - transform_fields
     if unknown:
         raise ConfigError(f"config file {path}: unknown field(s) {', '.join(sorted(unknown))}")
     chunk = data.get("chunk_tokens")
     if chunk is not None:
         chunk = validate_chunk_tokens(chunk)
+    chosen = [name for name, present in (("preset", "preset" in data), ("quality", "quality" in data),
+                                         ("key/value ranges", "key" in data or "value" in data),
+                                         ("method/steps", bool(transform_fields & set(data)))) if present]
+    if len(chosen) > 1:
+        raise ConfigError(f"config file {path}: give only one of {', '.join(chosen)}")
+    if "quality" in data:
+        name = str(data["quality"])
+        quality_preset(name)
+        return EncodeSettings(quality=name, chunk_tokens=chunk)
+    if transform_fields & set(data):
+        method = str(data.get("method", "transform"))
+        sink = data.get("sink_tokens", 1)
+        delta = data.get("token_delta", True)
+        if not isinstance(sink, int) or isinstance(sink, bool):
+            raise ConfigError(f"config file {path}: sink_tokens must be an integer")
+        if not isinstance(delta, bool):
+            raise ConfigError(f"config file {path}: token_delta must be true or false")
+        cfg = TransformConfig(method, _steps_from(data.get("key_step", 1.0), "key_step"),
+                              _steps_from(data.get("value_step", 1.0), "value_step"), sink, delta, path.name)
+        return EncodeSettings(quantization=cfg, chunk_tokens=chunk)
     if "preset" in data:
         if "key" in data or "value" in data:
             raise ConfigError(f"config file {path}: give either a preset or key/value ranges, not both")
@@ -216,16 +309,20 @@ def validate_chunk_tokens(value: object) -> int:
 def resolve_quantization(
     num_layers: int,
     *,
-    quantization: QuantizationConfig | None = None,
+    quantization: QuantizationConfig | TransformConfig | None = None,
     preset_name: str | None = None,
     bins: str | int | None = None,
-) -> QuantizationConfig:
-    """The table to use: at most one of an explicit table, a preset or a --bins string."""
-    given = [x is not None for x in (quantization, preset_name, bins)]
+    quality: str | None = None,
+) -> QuantizationConfig | TransformConfig:
+    """What to encode with: at most one of an explicit config, a --preset, a --bins string or a
+    --quality; none of them gives the default quality."""
+    given = [x is not None for x in (quantization, preset_name, bins, quality)]
     if sum(given) > 1:
-        raise ConfigError("give only one of a quantization table, a preset or --bins")
+        raise ConfigError("give only one of a quantization config, --preset, --bins or --quality")
     if quantization is not None:
         return quantization
     if bins is not None:
         return parse_bins(str(bins))
-    return preset(preset_name or DEFAULT_PRESET, num_layers)
+    if preset_name is not None:
+        return preset(preset_name, num_layers)
+    return quality_preset(quality or DEFAULT_QUALITY)

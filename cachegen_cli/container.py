@@ -23,22 +23,30 @@ import numpy as np
 
 from .errors import BadMagicError, ChecksumError, SizeError, TruncatedError, UnsupportedVersionError
 from .kernels.coding_params import MAX_ALPHABET, MAX_STREAM_SYMBOLS, PROB_BITS, alphabet_size, max_stream_bytes
+from .params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, Params, pack_params, parse_params
 
 MAGIC = b"\x89CGEN\r\n\x1a"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # what method 1 files are written as (unchanged since version 1)
+FORMAT_VERSION_2 = 2  # methods 2 and 3: tables shared by the chunks, in a Params block
+KNOWN_VERSIONS = (1, 2)
 CHUNK_MAGIC = b"CGCK"
 INDEX_MAGIC = b"CGIX"
 TRAILER_MAGIC = b"CGENDIDX"
 
 FILE_HEADER = struct.Struct("<8sHHIQIIIIHBBBBB13sI")
+#: Version 2 gives meaning to v1's 13 reserved bytes: flags, params_size, sink_tokens, reserved.
+FILE_HEADER_V2 = struct.Struct("<8sHHIQIIIIHBBBBBBIIII")
 CHUNK_HEADER = struct.Struct("<4sIIIIIIIII")
 TRAILER = struct.Struct("<Q8s")
-assert FILE_HEADER.size == 64 and CHUNK_HEADER.size == 40 and TRAILER.size == 16
+assert FILE_HEADER.size == 64 and FILE_HEADER_V2.size == 64 and CHUNK_HEADER.size == 40 and TRAILER.size == 16
 
 DTYPE_CODES = {"float16": 1, "bfloat16": 2, "float32": 3}
 LAYOUT_CODES = {"stacked": 1, "per-layer": 2}
 METHOD_ABSMAX_PER_TOKEN = 1
 CDF_CODING_NIBBLES = 1
+CDF_CODING_SHARED = 2  # version 2: one table per (layer, K/V, channel) in the Params block
+FLAG_ROTATED = 1
+MAX_PARAMS_BYTES = 1 << 30
 
 # Caps: a reader refuses anything beyond these before allocating.
 MAX_DESCRIPTOR_BYTES = 16 << 20
@@ -63,6 +71,21 @@ class FileHeader:
     method: int = METHOD_ABSMAX_PER_TOKEN
     prob_bits: int = PROB_BITS
     cdf_coding: int = CDF_CODING_NIBBLES
+    version: int = FORMAT_VERSION
+    flags: int = 0
+    sink_tokens: int = 0
+    params: "Params | None" = None
+
+    @property
+    def rotated(self) -> bool:
+        return bool(self.flags & FLAG_ROTATED)
+
+    @property
+    def raw_bytes_per_value(self) -> int:
+        """Version 2, lossless: the low bytes of each word stored raw in a chunk."""
+        if self.version == FORMAT_VERSION_2 and self.method == METHOD_LOSSLESS:
+            return ITEMSIZE[self.dtype] - 1
+        return 0
 
     @property
     def maxq(self) -> np.ndarray:
@@ -87,7 +110,10 @@ class FileHeader:
         return min(self.chunk_tokens, self.num_tokens - first)
 
     def section_sizes(self, token_count: int) -> tuple[int, int, int]:
-        """Sizes of the scales, CDF-codes and lengths sections of a chunk."""
+        """Sizes of the scales (v2: raw bytes), CDF-codes and lengths sections of a chunk."""
+        if self.version == FORMAT_VERSION_2:
+            raw = self.num_layers * 2 * token_count * self.num_channels * self.raw_bytes_per_value
+            return raw, 0, self.streams_per_chunk * 2
         scales = self.num_layers * 2 * token_count * 2
         cdf = self.num_channels * int(((self.alphabets + 1) // 2).sum())
         lengths = self.streams_per_chunk * 2
@@ -115,6 +141,8 @@ def _crc(*parts: bytes) -> int:
 
 
 def pack_file_header(h: FileHeader) -> bytes:
+    if h.version == FORMAT_VERSION_2:
+        return _pack_file_header_v2(h)
     bins = np.ascontiguousarray(h.bins, dtype=np.uint8).tobytes()  # layer-major: K, V, K, V, ...
     desc = json.dumps(h.descriptor, separators=(",", ":"), ensure_ascii=False, sort_keys=True).encode("utf-8")
     fields = (
@@ -124,6 +152,22 @@ def pack_file_header(h: FileHeader) -> bytes:
     )
     head = FILE_HEADER.pack(*fields, 0)[:-4]
     return head + struct.pack("<I", _crc(head, bins, desc)) + bins + desc
+
+
+def _descriptor_bytes(h: FileHeader) -> bytes:
+    return json.dumps(h.descriptor, separators=(",", ":"), ensure_ascii=False, sort_keys=True).encode("utf-8")
+
+
+def _pack_file_header_v2(h: FileHeader) -> bytes:
+    desc = _descriptor_bytes(h)
+    params = pack_params(h.params)
+    fields = (
+        MAGIC, FORMAT_VERSION_2, FILE_HEADER_V2.size, len(desc), h.num_tokens, h.num_layers, h.num_channels,
+        h.chunk_tokens, h.num_chunks, h.group, DTYPE_CODES[h.dtype], LAYOUT_CODES[h.layout],
+        h.method, h.prob_bits, CDF_CODING_SHARED, h.flags, len(params), h.sink_tokens, 0,
+    )
+    head = FILE_HEADER_V2.pack(*fields, 0)[:-4]
+    return head + struct.pack("<I", _crc(head, desc, params)) + desc + params
 
 
 def read_exact(f: BinaryIO, n: int, what: str) -> bytes:
@@ -142,10 +186,40 @@ def read_file_header(f: BinaryIO, file_size: int | None = None) -> tuple[FileHea
         raise BadMagicError("not a .cgen file (bad magic)")
     if len(raw) < FILE_HEADER.size:
         raise TruncatedError(f"file ends inside the file header ({len(raw)} of {FILE_HEADER.size} bytes)")
+    (version,) = struct.unpack_from("<H", raw, 8)
+    if version == FORMAT_VERSION_2:
+        return _read_file_header_v2(f, raw, file_size)
+    if version != FORMAT_VERSION:
+        raise UnsupportedVersionError(f"format version {version} is not supported (this reader knows versions 1 and 2)")
     (_, version, header_size, desc_size, num_tokens, num_layers, num_channels, chunk_tokens, num_chunks,
      group, dtype_code, layout_code, method, prob_bits, cdf_coding, reserved, crc) = FILE_HEADER.unpack(raw)
-    if version != FORMAT_VERSION:
-        raise UnsupportedVersionError(f"format version {version} is not supported (this reader knows version {FORMAT_VERSION})")
+    dtype, layout = _check_dims(header_size, desc_size, num_tokens, num_layers, num_channels, chunk_tokens,
+                                num_chunks, group, dtype_code, layout_code, prob_bits)
+    rest = 2 * num_layers + desc_size
+    if file_size is not None and FILE_HEADER.size + rest > file_size:
+        raise TruncatedError("file ends inside the header's bins table or descriptor")
+    if method != METHOD_ABSMAX_PER_TOKEN:
+        raise UnsupportedVersionError(f"unknown quantization method {method} for format version 1")
+    if cdf_coding != CDF_CODING_NIBBLES:
+        raise UnsupportedVersionError(f"unknown CDF coding {cdf_coding}")
+    bins_raw = bytes(read_exact(f, 2 * num_layers, "bins table"))
+    desc_raw = bytes(read_exact(f, desc_size, "descriptor"))
+    if _crc(raw[:-4], bins_raw, desc_raw) != crc:
+        raise ChecksumError("file header CRC mismatch: the file is corrupted")
+    if any(reserved):
+        raise UnsupportedVersionError("reserved header bytes are set (written by a newer cachegen?)")
+    bins = np.frombuffer(bins_raw, dtype=np.uint8).reshape(num_layers, 2).astype(np.int32)
+    if bins.min() < 3 or bins.max() > MAX_ALPHABET:
+        raise SizeError(f"bins out of range 3..{MAX_ALPHABET}")
+    descriptor = _parse_descriptor(desc_raw, num_layers, num_tokens, num_channels)
+    header = FileHeader(num_tokens, num_layers, num_channels, chunk_tokens, num_chunks, group, dtype, layout,
+                        bins, descriptor, method, prob_bits, cdf_coding)
+    return header, FILE_HEADER.size + rest
+
+
+def _check_dims(header_size, desc_size, num_tokens, num_layers, num_channels, chunk_tokens, num_chunks, group,
+                dtype_code, layout_code, prob_bits) -> tuple[str, str]:
+    """The checks both versions share; returns (dtype, layout) names."""
     if header_size != FILE_HEADER.size:
         raise SizeError(f"file header size {header_size}, expected {FILE_HEADER.size}")
     if not 1 <= num_layers <= MAX_LAYERS:
@@ -162,30 +236,18 @@ def read_file_header(f: BinaryIO, file_size: int | None = None) -> tuple[FileHea
         raise SizeError(f"channels per stream {group} out of range")
     if not 0 < desc_size <= MAX_DESCRIPTOR_BYTES:
         raise SizeError(f"descriptor size {desc_size} out of range 1..{MAX_DESCRIPTOR_BYTES}")
-    rest = 2 * num_layers + desc_size
-    if file_size is not None and FILE_HEADER.size + rest > file_size:
-        raise TruncatedError("file ends inside the header's bins table or descriptor")
     dtype = {v: k for k, v in DTYPE_CODES.items()}.get(dtype_code)
     layout = {v: k for k, v in LAYOUT_CODES.items()}.get(layout_code)
     if dtype is None:
         raise UnsupportedVersionError(f"unknown dtype code {dtype_code}")
     if layout is None:
         raise UnsupportedVersionError(f"unknown layout code {layout_code}")
-    if method != METHOD_ABSMAX_PER_TOKEN:
-        raise UnsupportedVersionError(f"unknown quantization method {method}")
     if prob_bits != PROB_BITS:
         raise UnsupportedVersionError(f"probability precision {prob_bits} bits is not supported")
-    if cdf_coding != CDF_CODING_NIBBLES:
-        raise UnsupportedVersionError(f"unknown CDF coding {cdf_coding}")
-    bins_raw = bytes(read_exact(f, 2 * num_layers, "bins table"))
-    desc_raw = bytes(read_exact(f, desc_size, "descriptor"))
-    if _crc(raw[:-4], bins_raw, desc_raw) != crc:
-        raise ChecksumError("file header CRC mismatch: the file is corrupted")
-    if any(reserved):
-        raise UnsupportedVersionError("reserved header bytes are set (written by a newer cachegen?)")
-    bins = np.frombuffer(bins_raw, dtype=np.uint8).reshape(num_layers, 2).astype(np.int32)
-    if bins.min() < 3 or bins.max() > MAX_ALPHABET:
-        raise SizeError(f"bins out of range 3..{MAX_ALPHABET}")
+    return dtype, layout
+
+
+def _parse_descriptor(desc_raw: bytes, num_layers: int, num_tokens: int, num_channels: int) -> dict:
     try:
         descriptor = json.loads(desc_raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
@@ -196,8 +258,39 @@ def read_file_header(f: BinaryIO, file_size: int | None = None) -> tuple[FileHea
         validate_descriptor(descriptor, num_layers, num_tokens, num_channels)
     except ValueError as exc:
         raise SizeError(f"descriptor does not match the header: {exc}") from None
+    return descriptor
+
+
+def _read_file_header_v2(f: BinaryIO, raw: bytes, file_size: int | None) -> tuple[FileHeader, int]:
+    (_, version, header_size, desc_size, num_tokens, num_layers, num_channels, chunk_tokens, num_chunks,
+     group, dtype_code, layout_code, method, prob_bits, cdf_coding, flags, params_size, sink_tokens, reserved,
+     crc) = FILE_HEADER_V2.unpack(raw)
+    dtype, layout = _check_dims(header_size, desc_size, num_tokens, num_layers, num_channels, chunk_tokens,
+                                num_chunks, group, dtype_code, layout_code, prob_bits)
+    if method not in (METHOD_TRANSFORM, METHOD_LOSSLESS):
+        raise UnsupportedVersionError(f"unknown quantization method {method} for format version 2")
+    if cdf_coding != CDF_CODING_SHARED:
+        raise UnsupportedVersionError(f"unknown CDF coding {cdf_coding} for format version 2")
+    if flags & ~FLAG_ROTATED or reserved:
+        raise UnsupportedVersionError("reserved header bits are set (written by a newer cachegen?)")
+    if method == METHOD_LOSSLESS and (flags or sink_tokens):
+        raise SizeError("a lossless file has no rotation and no sink tokens")
+    if sink_tokens > num_tokens:
+        raise SizeError(f"{sink_tokens} sink tokens in a cache of {num_tokens}")
+    if not 0 < params_size <= MAX_PARAMS_BYTES:
+        raise SizeError(f"Params block size {params_size} out of range 1..{MAX_PARAMS_BYTES}")
+    rest = desc_size + params_size
+    if file_size is not None and FILE_HEADER.size + rest > file_size:
+        raise TruncatedError("file ends inside the header's descriptor or Params block")
+    desc_raw = bytes(read_exact(f, desc_size, "descriptor"))
+    params_raw = bytes(read_exact(f, params_size, "Params block"))
+    if _crc(raw[:-4], desc_raw, params_raw) != crc:
+        raise ChecksumError("file header CRC mismatch: the file is corrupted")
+    descriptor = _parse_descriptor(desc_raw, num_layers, num_tokens, num_channels)
+    params = parse_params(params_raw, method, num_layers, num_channels, sink_tokens, dtype, bool(flags & FLAG_ROTATED))
+    bins = np.zeros((num_layers, 2), np.int32)
     header = FileHeader(num_tokens, num_layers, num_channels, chunk_tokens, num_chunks, group, dtype, layout,
-                        bins, descriptor, method, prob_bits, cdf_coding)
+                        bins, descriptor, method, prob_bits, cdf_coding, FORMAT_VERSION_2, flags, sink_tokens, params)
     return header, FILE_HEADER.size + rest
 
 
@@ -303,7 +396,8 @@ def slab_chunks(h: FileHeader, first_chunk: int, scales: np.ndarray, packed: np.
 def chunk_parts(chunk: Chunk) -> list:
     """The chunk record as a list of byte buffers (header first), without joining them."""
     sections = [
-        memoryview(np.ascontiguousarray(chunk.scales, dtype="<u2")).cast("B"),
+        # v1: bfloat16 scales; v2: raw bytes (uint8)
+        memoryview(np.ascontiguousarray(chunk.scales, dtype=np.uint8 if chunk.scales.dtype == np.uint8 else "<u2")).cast("B"),
         memoryview(np.ascontiguousarray(chunk.codes, dtype=np.uint8)).cast("B"),
         memoryview(np.ascontiguousarray(chunk.lengths, dtype="<u2")).cast("B"),
         memoryview(np.ascontiguousarray(chunk.payload, dtype=np.uint8)).cast("B"),
@@ -376,6 +470,12 @@ def parse_chunk(h: FileHeader, rec: ChunkRecord, code_width: int) -> Chunk:
         raise UnsupportedVersionError(f"chunk {index} has reserved bits set")
     L = h.num_layers
     o = 0
+    if h.version == FORMAT_VERSION_2:  # the "scales" section holds the raw low bytes (lossless) or nothing
+        raw = np.frombuffer(data, np.uint8, scales_size, 0)
+        lengths = np.frombuffer(data, "<u2", lengths_size // 2, scales_size).reshape(L, 2, h.groups).astype(np.int32)
+        _check_lengths(h, index, lengths, token_count, payload_size)
+        payload = np.frombuffer(data, np.uint8, payload_size, scales_size + lengths_size)
+        return Chunk(index, rec.first_token, token_count, raw, np.empty(0, np.uint8), lengths, payload)
     scales = np.frombuffer(data, "<u2", scales_size // 2, o).reshape(L, 2, token_count).astype(np.uint16)
     o += scales_size
     codes = np.frombuffer(data, np.uint8, cdf_size, o)
@@ -384,14 +484,18 @@ def parse_chunk(h: FileHeader, rec: ChunkRecord, code_width: int) -> Chunk:
     o += cdf_size
     lengths = np.frombuffer(data, "<u2", lengths_size // 2, o).reshape(L, 2, h.groups).astype(np.int32)
     o += lengths_size
-    if int(lengths.sum()) != payload_size:
-        raise SizeError(f"chunk {index} stream lengths add up to {int(lengths.sum())}, not {payload_size}")
-    if int(lengths.max(initial=0)) > max_stream_bytes(token_count * h.group):
-        raise SizeError(f"chunk {index} has a stream longer than its bound")
+    _check_lengths(h, index, lengths, token_count, payload_size)
     if (scales & 0x8000).any() or ((scales & 0x7F80) == 0x7F80).any():
         raise SizeError(f"chunk {index} has a negative or non-finite scale")
     payload = np.frombuffer(data, np.uint8, payload_size, o)
     return Chunk(index, rec.first_token, token_count, scales, codes, lengths, payload)
+
+
+def _check_lengths(h: FileHeader, index: int, lengths: np.ndarray, token_count: int, payload_size: int) -> None:
+    if int(lengths.sum()) != payload_size:
+        raise SizeError(f"chunk {index} stream lengths add up to {int(lengths.sum())}, not {payload_size}")
+    if int(lengths.max(initial=0)) > max_stream_bytes(token_count * h.group):
+        raise SizeError(f"chunk {index} has a stream longer than its bound")
 
 
 def read_chunk(f: BinaryIO, h: FileHeader, index: int, remaining: int | None, code_width: int) -> tuple[Chunk, int]:

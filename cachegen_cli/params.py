@@ -1,0 +1,180 @@
+"""The Params block of a version-2 .cgen file: what every chunk shares.
+
+    method 2 (transform):  calibration SHA-256 | steps | offsets | sink tokens | tables
+    method 3 (lossless):   tables
+
+A table per (layer, K/V, channel) replaces version 1's per-chunk CDF codes: one
+mode byte, the smallest coded value, the alphabet size and one 4-bit code per
+symbol (docs/format.md, "Params").  This module packs and parses the block;
+the reader checks every value against the header before anything uses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import SizeError, TruncatedError, UnsupportedVersionError
+from .kernels.transform import MODE_DELTA, MODE_DIRECT, TRANSFORM_QMAX
+
+METHOD_TRANSFORM = 2
+METHOD_LOSSLESS = 3
+MAX_TABLE_ALPHABET = 256
+ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+@dataclass
+class Params:
+    """Arrays of the Params block ([L, 2, ...] indexed by layer and K/V)."""
+
+    method: int
+    modes: np.ndarray  # uint8 [L, 2, C]
+    lo: np.ndarray  # int64 [L, 2, C]
+    alphabet: np.ndarray  # int64 [L, 2, C]
+    codes: np.ndarray  # uint8 [L, 2, C, width]  4-bit codes, zero past each alphabet
+    calibration: bytes = bytes(32)  # SHA-256 of the rotation; zeros when none
+    steps: np.ndarray | None = None  # uint16 [L, 2] bfloat16 bits          (method 2)
+    offsets: np.ndarray | None = None  # uint16 [L, 2, C] bfloat16 bits     (method 2)
+    sink: np.ndarray | None = None  # uint8 [L, 2, S, C, itemsize] raw words (method 2)
+
+    @property
+    def width(self) -> int:
+        return int(self.codes.shape[-1])
+
+
+def bf16_values(bits: np.ndarray) -> np.ndarray:
+    """float64 values of bfloat16 bit patterns."""
+    return (np.asarray(bits, np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def tables_size(alphabet: np.ndarray) -> int:
+    return int((3 + (alphabet + 1) // 2).sum())
+
+
+def params_size(method: int, num_layers: int, num_channels: int, sink_tokens: int, itemsize: int,
+                alphabet: np.ndarray) -> int:
+    size = tables_size(alphabet)
+    if method == METHOD_TRANSFORM:
+        size += 32 + 4 * num_layers + 4 * num_layers * num_channels + 2 * num_layers * sink_tokens * num_channels * itemsize
+    return size
+
+
+def pack_params(p: Params) -> bytes:
+    parts: list[bytes] = []
+    if p.method == METHOD_TRANSFORM:
+        parts += [p.calibration, np.ascontiguousarray(p.steps, "<u2").tobytes(),
+                  np.ascontiguousarray(p.offsets, "<u2").tobytes(), np.ascontiguousarray(p.sink, np.uint8).tobytes()]
+    parts.append(pack_tables(p.modes, p.lo, p.alphabet, p.codes, p.method))
+    return b"".join(parts)
+
+
+def pack_tables(modes: np.ndarray, lo: np.ndarray, alphabet: np.ndarray, codes: np.ndarray, method: int) -> bytes:
+    """Each table: mode, lo (int8 for method 2, uint8 for method 3), alphabet - 1, nibbles."""
+    modes = modes.reshape(-1)
+    lo = lo.reshape(-1)
+    alphabet = alphabet.reshape(-1)
+    codes = codes.reshape(alphabet.size, -1)
+    nb = (alphabet + 1) // 2
+    out = np.zeros(int((3 + nb).sum()), np.uint8)
+    starts = np.zeros(alphabet.size + 1, np.int64)
+    np.cumsum(3 + nb, out=starts[1:])
+    s = starts[:-1]
+    out[s] = modes
+    out[s + 1] = (lo & 0xFF).astype(np.uint8)
+    out[s + 2] = (alphabet - 1).astype(np.uint8)
+    width = codes.shape[1]
+    padded = np.zeros((alphabet.size, width + (width & 1)), np.uint8)
+    padded[:, :width] = codes
+    pairs = padded[:, 0::2] | (padded[:, 1::2] << 4)  # [N, ceil(width/2)]
+    col = np.arange(pairs.shape[1])
+    take = col[None, :] < nb[:, None]
+    dest = (s + 3)[:, None] + col[None, :]
+    out[dest[take]] = pairs[take]
+    return out.tobytes()
+
+
+def parse_params(raw: bytes, method: int, num_layers: int, num_channels: int, sink_tokens: int, dtype: str,
+                 rotated: bool) -> Params:
+    """Parse and check a Params block of exactly len(raw) bytes."""
+    L, C = num_layers, num_channels
+    itemsize = ITEMSIZE[dtype]
+    o = 0
+    calibration = bytes(32)
+    steps = offsets = sink = None
+    if method == METHOD_TRANSFORM:
+        fixed = 32 + 4 * L + 4 * L * C + 2 * L * sink_tokens * C * itemsize
+        if fixed > len(raw):
+            raise SizeError("the Params block is shorter than its fixed part")
+        calibration = bytes(raw[:32])
+        if rotated == (calibration == bytes(32)):
+            raise SizeError("the calibration hash disagrees with the header's rotation flag")
+        o = 32
+        steps = np.frombuffer(raw, "<u2", 2 * L, o).reshape(L, 2).astype(np.uint16)
+        o += 4 * L
+        offsets = np.frombuffer(raw, "<u2", 2 * L * C, o).reshape(L, 2, C).astype(np.uint16)
+        o += 4 * L * C
+        n = 2 * L * sink_tokens * C * itemsize
+        sink = np.frombuffer(raw, np.uint8, n, o).reshape(L, 2, sink_tokens, C, itemsize).copy()
+        o += n
+        if (steps & 0x8000).any() or ((steps & 0x7F80) == 0x7F80).any() or (steps == 0).any():
+            raise SizeError("a quantization step is not positive and finite")
+        if ((offsets & 0x7F80) == 0x7F80).any():
+            raise SizeError("an offset is not finite")
+    elif method != METHOD_LOSSLESS:
+        raise UnsupportedVersionError(f"unknown quantization method {method}")
+    modes, lo, alphabet, codes = parse_tables(raw, o, L * 2 * C, method)
+    shape = (L, 2, C)
+    return Params(method, modes.reshape(shape), lo.reshape(shape), alphabet.reshape(shape),
+                  codes.reshape(shape + (codes.shape[-1],)), calibration, steps, offsets, sink)
+
+
+def parse_tables(raw: bytes, start: int, count: int, method: int):
+    """Walk ``count`` tables from ``start``; they must end exactly at the end of ``raw``."""
+    buf = np.frombuffer(raw, np.uint8)
+    n = len(buf)
+    modes = np.empty(count, np.uint8)
+    lo = np.empty(count, np.int64)
+    alphabet = np.empty(count, np.int64)
+    starts = np.empty(count, np.int64)
+    o = start
+    # Tables have variable sizes: walk them in order (a few per microsecond in Python is
+    # plenty for 10^4..10^5 tables), checking each header before stepping over it.
+    for i in range(count):
+        if o + 3 > n:
+            raise TruncatedError(f"the Params block ends inside table {i}")
+        modes[i] = buf[o]
+        lo[i] = buf[o + 1]
+        alphabet[i] = int(buf[o + 2]) + 1
+        starts[i] = o + 3
+        o += 3 + (int(alphabet[i]) + 1) // 2
+    if o > n:
+        raise TruncatedError("the Params block ends inside the last table")
+    if o != n:
+        raise SizeError("bytes left over after the tables of the Params block")
+    if method == METHOD_TRANSFORM:
+        lo = np.where(lo >= 128, lo - 256, lo)
+        bad_mode = (modes != MODE_DIRECT) & (modes != MODE_DELTA)
+        top = lo + alphabet - 1
+        if (lo < -TRANSFORM_QMAX).any() or (top > TRANSFORM_QMAX).any() or (alphabet > 255).any():
+            raise SizeError("a table's range exceeds the levels of method 2")
+    else:
+        bad_mode = modes != MODE_DIRECT
+        if (lo + alphabet > 256).any():
+            raise SizeError("a table's range exceeds a byte")
+    if bad_mode.any():
+        raise UnsupportedVersionError(f"unknown table mode {int(modes[bad_mode][0])}")
+    width = int(alphabet.max(initial=1))
+    nbw = (width + 1) // 2
+    col = np.arange(nbw)
+    nb = (alphabet + 1) // 2
+    take = col[None, :] < nb[:, None]
+    idx = np.where(take, starts[:, None] + col[None, :], 0)
+    pairs = np.where(take, buf[idx], 0).astype(np.uint8)
+    codes = np.empty((count, 2 * nbw), np.uint8)
+    codes[:, 0::2] = pairs & 0x0F
+    codes[:, 1::2] = pairs >> 4
+    odd = (alphabet & 1) == 1
+    if (codes[np.flatnonzero(odd), alphabet[odd]] != 0).any():
+        raise SizeError("a padding nibble of a table is not zero")
+    return modes, lo, alphabet, np.ascontiguousarray(codes[:, :width])

@@ -1,0 +1,238 @@
+"""Format version 2: the transform (method 2) and lossless (method 3) codecs.
+
+Encoding, on the whole cache (statistics are taken over every token, so the
+tables are shared by all chunks and cost almost nothing next to the payload):
+
+  method 2: [rotate] -> per-coordinate mean and per-(layer, K/V) RMS -> step =
+            relative step x RMS -> levels -> direct or token-delta symbols per
+            channel -> counts -> 4-bit-coded tables -> range-coded streams
+  method 3: split each word into its top byte (coded) and low byte(s) (raw)
+
+Chunks keep version 1's stream layout (chunk x layer x K/V x channel group), so a
+chunk still decodes on its own given the file's header; the first ``sink_tokens``
+tokens (attention sinks, with values far larger than the rest) are stored
+verbatim in the header and quantized as zeros.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from . import container
+from .calibration import Calibration, CalibrationError
+from .config import TransformConfig
+from .container import Chunk, FileHeader
+from .errors import ConfigError
+from .kernels import cpu as cpu_kernels
+from .kernels import cpu_transform as k2
+from .kernels.coding_params import max_stream_bytes
+from .kernels.transform import MODE_DELTA, MODE_DIRECT, TRANSFORM_QMAX
+from .kvio import KVCache
+from .params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, Params, bf16_values
+
+_WORDS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def _bf16_bits(values: np.ndarray) -> np.ndarray:
+    """bfloat16 bits (round to nearest even) of float64 values, as torch rounds."""
+    t = torch.from_numpy(np.ascontiguousarray(values, np.float64)).to(torch.float32).to(torch.bfloat16)
+    return t.view(torch.int16).numpy().view(np.uint16).copy()
+
+
+def _source_words(data: torch.Tensor) -> np.ndarray:
+    """The cache's raw words [L, 2, T, C] (uint16 or uint32)."""
+    w = data.contiguous().view(_WORDS[data.dtype]).numpy()
+    return w.view(np.uint16 if w.dtype == np.int16 else np.uint32)
+
+
+@dataclass
+class EncodedV2:
+    header: FileHeader
+    chunks: list[Chunk]
+
+
+def make_header_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, params: Params, sink: int) -> FileHeader:
+    rotated = params.calibration != bytes(32)
+    return FileHeader(
+        num_tokens=cache.num_tokens, num_layers=cache.num_layers, num_channels=cache.num_channels,
+        chunk_tokens=chunk_tokens, num_chunks=-(-cache.num_tokens // chunk_tokens),
+        group=container.choose_group(chunk_tokens, cache.num_channels), dtype=cache.dtype_name,
+        layout=cache.layout, bins=np.zeros((cache.num_layers, 2), np.int32), descriptor=cache.descriptor(),
+        method=params.method, cdf_coding=container.CDF_CODING_SHARED, version=container.FORMAT_VERSION_2,
+        flags=container.FLAG_ROTATED if rotated else 0, sink_tokens=sink, params=params)
+
+
+def _choose_tables(q: np.ndarray, chunk_tokens: int, allow_delta: bool, method: int):
+    """Per table: mode, lo and alphabet from the levels' direct and delta ranges."""
+    L, _, T, C = q.shape
+    stats = np.empty((L, 2, C, 6), np.int64)
+    k2.level_stats(q, chunk_tokens, stats)
+    mn, mx, ab, dmn, dmx, dab = (stats[..., i] for i in range(6))
+    modes = np.full((L, 2, C), MODE_DIRECT, np.uint8)
+    lo = mn.copy()
+    alphabet = mx - mn + 1
+    if allow_delta:
+        # Delta pays when it shrinks the symbols' total magnitude (a cheap, integer
+        # proxy for their entropy) and its range fits the table's int8 lo.
+        use = (dab < ab) & (dmn >= -TRANSFORM_QMAX) & (dmx <= TRANSFORM_QMAX)
+        modes[use] = MODE_DELTA
+        lo = np.where(use, dmn, mn)
+        alphabet = np.where(use, dmx - dmn + 1, alphabet)
+    if T == 0:
+        lo[:] = 0
+        alphabet[:] = 1
+    return modes, lo.astype(np.int64), alphabet.astype(np.int64)
+
+
+def _code(h: FileHeader, q: np.ndarray, modes, lo, alphabet):
+    """Symbols, tables and range-coded streams of the levels q; returns (codes, lengths, payload, offsets)."""
+    L, _, T, C = q.shape
+    ct, G = h.chunk_tokens, h.group
+    width = int(alphabet.max(initial=1))
+    sym = np.empty(q.shape, np.uint8)
+    counts = np.empty((L, 2, C, width), np.int64)
+    k2.levels_to_symbols(q, modes, lo, ct, sym, counts)
+    codes = np.empty((L, 2, C, width), np.uint8)
+    cum = np.empty((L, 2, C, width + 1), np.int32)
+    k2.build_tables(counts, alphabet, codes, cum)
+    K = h.num_chunks
+    n_streams = K * h.streams_per_chunk
+    lengths = np.empty(n_streams, np.int32)
+    parts = []
+    # Streams are coded a slab of chunks at a time: the slots hold every stream's worst case.
+    per = max(1, (256 << 20) // max(1, h.streams_per_chunk * max_stream_bytes(ct * G)))
+    for k0 in range(0, K, per):
+        k1 = min(K, k0 + per)
+        t0, t1 = k0 * ct, min(T, k1 * ct)
+        s0, s1 = k0 * h.streams_per_chunk, k1 * h.streams_per_chunk
+        slots = np.empty((s1 - s0, max_stream_bytes(ct * G)), np.uint8)
+        k2.encode_table_streams(sym[:, :, t0:t1], cum, ct, G, slots, lengths[s0:s1])
+        offs = np.zeros(s1 - s0 + 1, np.int64)
+        np.cumsum(lengths[s0:s1], out=offs[1:])
+        payload = np.empty(int(offs[-1]), np.uint8)
+        cpu_kernels.pack_streams(slots, lengths[s0:s1], offs, payload)
+        parts.append(payload)
+    payload = np.concatenate(parts) if parts else np.empty(0, np.uint8)
+    offsets = np.zeros(n_streams + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return codes, lengths, payload, offsets
+
+
+def _chunks(h: FileHeader, lengths, payload, offsets, raw: np.ndarray | None) -> list[Chunk]:
+    L, ct = h.num_layers, h.chunk_tokens
+    per = h.streams_per_chunk
+    lengths = lengths.reshape(h.num_chunks, L, 2, h.groups)
+    out = []
+    empty = np.empty(0, np.uint8)
+    for k in range(h.num_chunks):
+        t0, t1 = k * ct, min(h.num_tokens, (k + 1) * ct)
+        body = empty if raw is None else np.ascontiguousarray(raw[:, :, t0:t1]).reshape(-1)
+        out.append(Chunk(k, t0, t1 - t0, body, empty, lengths[k], payload[offsets[k * per] : offsets[(k + 1) * per]]))
+    return out
+
+
+def encode_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
+              calibration: Calibration | None = None) -> EncodedV2:
+    """Encode a whole cache with method 2 or 3; returns the header and the chunks."""
+    L, T, C = cache.num_layers, cache.num_tokens, cache.num_channels
+    if cfg.method == "lossless":
+        words = _source_words(cache.data)
+        nraw = ITEMSIZE[cache.dtype_name] - 1
+        q = np.empty(words.shape, np.int16)
+        raw = np.empty(words.shape + (nraw,), np.uint8)
+        k2.split_words(words, nraw, q, raw)
+        modes, lo, alphabet = _choose_tables(q, chunk_tokens, False, METHOD_LOSSLESS)
+        params = Params(METHOD_LOSSLESS, modes, lo, alphabet, np.zeros((L, 2, C, 1), np.uint8))
+        h = make_header_v2(cache, cfg, chunk_tokens, params, 0)
+        codes, lengths, payload, offsets = _code(h, q, modes, lo, alphabet)
+        params.codes = codes
+        return EncodedV2(h, _chunks(h, lengths, payload, offsets, raw))
+
+    x = cache.data.to(torch.float32).contiguous().numpy() if cache.data.dtype != torch.float32 else cache.data.contiguous().numpy()
+    sink = min(cfg.sink_tokens, T)
+    rot = np.zeros((0, 0, 0, 0), np.float32)
+    digest = bytes(32)
+    if calibration is not None:
+        calibration.check_shape(L, C)
+        rot = calibration.rotation
+        digest = calibration.sha256
+    sums = np.empty((L, 2, C), np.float64)
+    sumsq = np.empty((L, 2, C), np.float64)
+    k2.transform_stats(x, rot, sink, sums, sumsq)
+    n = T - sink
+    mean = sums / n if n > 0 else np.zeros_like(sums)
+    offsets_bits = _bf16_bits(mean)
+    m = bf16_values(offsets_bits)
+    # Residual energy around the stored (rounded) means: sum (y - m)^2 = sumsq - 2 m sum + n m^2.
+    resid = np.maximum(sumsq - 2.0 * m * sums + n * m * m, 0.0).sum(axis=2)
+    rms = np.sqrt(resid / max(n * C, 1))
+    rel = cfg.steps_table(L)
+    step = rel * rms
+    # A plane with no spread (all values equal to their means) gets any positive step: 1.
+    step = np.where(step > 1e-30, step, 1.0)
+    steps_bits = _bf16_bits(np.minimum(step, 3.0e38))
+    steps = bf16_values(steps_bits)
+    q = np.empty((L, 2, T, C), np.int16)
+    k2.transform_quantize(x, rot, sink, m.astype(np.float32), steps, TRANSFORM_QMAX, q)
+    del x
+    modes, lo, alphabet = _choose_tables(q, chunk_tokens, cfg.token_delta, METHOD_TRANSFORM)
+    itemsize = ITEMSIZE[cache.dtype_name]
+    sink_raw = cache.data[:, :, :sink].contiguous().view(torch.uint8).numpy().reshape(L, 2, sink, C, itemsize).copy()
+    params = Params(METHOD_TRANSFORM, modes, lo, alphabet, np.zeros((L, 2, C, 1), np.uint8), digest,
+                    steps_bits, offsets_bits, sink_raw)
+    h = make_header_v2(cache, cfg, chunk_tokens, params, sink)
+    codes, lengths, payload, offsets = _code(h, q, modes, lo, alphabet)
+    params.codes = codes
+    return EncodedV2(h, _chunks(h, lengths, payload, offsets, None))
+
+
+def decode_v2(h: FileHeader, chunks: list[Chunk], dtype: torch.dtype,
+              calibration: Calibration | None = None) -> torch.Tensor:
+    """Decode all chunks of a version-2 file into [L, 2, T, C] of ``dtype``."""
+    p = h.params
+    L, T, C = h.num_layers, h.num_tokens, h.num_channels
+    rot = np.zeros((0, 0, 0, 0), np.float32)
+    if h.rotated:
+        if calibration is None:
+            raise CalibrationError(
+                f"this file was encoded with calibration {p.calibration.hex()[:16]}…; pass that calibration file "
+                "(--calibration)")
+        calibration.check_shape(L, C)
+        if calibration.sha256 != p.calibration:
+            raise CalibrationError(
+                f"the calibration file ({calibration.sha256.hex()[:16]}…) is not the one this file was encoded "
+                f"with ({p.calibration.hex()[:16]}…)")
+        rot = calibration.rotation
+    width = p.width
+    cum = np.empty((L, 2, C, width + 1), np.int32)
+    k2.cum_from_table_codes(p.codes, p.alphabet, cum)
+    lengths = (np.concatenate([c.lengths.reshape(-1) for c in chunks]).astype(np.int32)
+               if chunks else np.empty(0, np.int32))
+    offsets = np.zeros(lengths.size + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    payload = np.concatenate([c.payload for c in chunks]) if chunks else np.empty(0, np.uint8)
+    sym = np.empty((L, 2, T, C), np.uint8)
+    k2.decode_table_streams(payload, offsets, lengths, cum, width, h.chunk_tokens, h.group, sym)
+    q = np.empty((L, 2, T, C), np.int16)
+    k2.symbols_to_levels(sym, p.modes, p.lo, h.chunk_tokens, q)
+    del sym
+    if h.method == METHOD_LOSSLESS:
+        nraw = h.raw_bytes_per_value
+        raw = (np.concatenate([c.scales.reshape(L, 2, c.token_count, C, nraw) for c in chunks], axis=2)
+               if chunks else np.empty((L, 2, 0, C, nraw), np.uint8))
+        words = np.empty((L, 2, T, C), np.uint16 if nraw == 1 else np.uint32)
+        k2.join_words(q, raw, nraw, words)
+        signed = words.view(np.int16 if nraw == 1 else np.int32)
+        return torch.from_numpy(signed).view(dtype)
+    out = np.zeros((L, 2, T, C), np.float32)
+    k2.transform_dequantize(q, rot, h.sink_tokens, bf16_values(p.offsets).astype(np.float32),
+                            bf16_values(p.steps), out)
+    data = torch.from_numpy(out).to(dtype)
+    S = h.sink_tokens
+    if S:
+        sink = torch.from_numpy(np.ascontiguousarray(p.sink).reshape(-1)).view(dtype).reshape(L, 2, S, C)
+        data[:, :, :S] = sink
+    return data

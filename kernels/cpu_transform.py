@@ -1,0 +1,279 @@
+"""CPU kernels (@njit, parallel) of format version 2: the transform and lossless methods
+with tables shared by every chunk of a file.
+
+Array conventions (the whole cache at once):
+  x        float32 [L, 2, T, C]     values
+  rot      float32 [L, 2, C, C]     rotation per (layer, K/V); shape [0, 0, 0, 0] = identity
+  offsets  float32 [L, 2, C]        per-coordinate mean (bfloat16 values)
+  steps    float64 [L, 2]           quantization step (bfloat16 values)
+  q        int16   [L, 2, T, C]     levels (method 2) or top-byte symbols (method 3)
+  modes    uint8   [L, 2, C]        0 direct, 1 token delta (transform.MODE_*)
+  lo       int64   [L, 2, C]        smallest coded value of each table
+  alphabet int64   [L, 2, C]        table sizes (1..256)
+  sym      uint8   [L, 2, T, C]     coded symbols: value - lo
+  counts   int64   [L, 2, C, S]     symbol counts per table, S >= largest alphabet
+  codes    uint8   [L, 2, C, S]     4-bit codes per symbol
+  cum      int32   [L, 2, C, S + 1] integer CDF per table
+Streams are numbered (chunk, layer, K/V, channel group) row-major, as in version 1;
+a stream codes its symbols token by token, channel by channel.  In delta mode a
+channel codes q[t] - q[t-1] within a chunk and q itself at the chunk's first token,
+so every chunk still decodes on its own.
+"""
+
+from . import jit_cache  # noqa: F401  (sets the cache folder before any @njit)
+
+import numpy as np
+from numba import njit, prange
+
+from .cdf import codes_to_cum, counts_to_codes
+from .range_coder import decode_stream, encode_stream
+from .transform import level_value, rotate_row, step_level, symbol_top_byte, top_byte_symbol, unrotate_row
+
+_JIT = dict(cache=True, nogil=True)
+
+
+@njit(parallel=True, **_JIT)
+def transform_stats(x, rot, sink, sums, sumsq):
+    """sums / sumsq [L, 2, C] = sum over tokens >= sink of y and y*y (float64, token order)."""
+    L, _, T, C = x.shape
+    rotated = rot.shape[0] > 0
+    for p in prange(L * 2):
+        l = p // 2
+        kv = p % 2
+        y = np.empty(C, np.float64)
+        s1 = np.zeros(C, np.float64)
+        s2 = np.zeros(C, np.float64)
+        for t in range(sink, T):
+            if rotated:
+                rotate_row(x[l, kv, t], rot[l, kv], y)
+            else:
+                for c in range(C):
+                    y[c] = np.float64(x[l, kv, t, c])
+            for c in range(C):
+                s1[c] += y[c]
+                s2[c] += y[c] * y[c]
+        for c in range(C):
+            sums[l, kv, c] = s1[c]
+            sumsq[l, kv, c] = s2[c]
+
+
+@njit(parallel=True, **_JIT)
+def transform_quantize(x, rot, sink, offsets, steps, qmax, q):
+    """q = round((y - offset) / step) clamped to +-qmax; tokens below ``sink`` get 0."""
+    L, _, T, C = x.shape
+    rotated = rot.shape[0] > 0
+    for row in prange(L * 2 * T):
+        l = row // (2 * T)
+        kv = (row // T) % 2
+        t = row % T
+        if t < sink:
+            for c in range(C):
+                q[l, kv, t, c] = 0
+            continue
+        step = steps[l, kv]
+        if rotated:
+            y = np.empty(C, np.float64)
+            rotate_row(x[l, kv, t], rot[l, kv], y)
+            for c in range(C):
+                q[l, kv, t, c] = step_level(y[c], offsets[l, kv, c], step, qmax)
+        else:
+            for c in range(C):
+                q[l, kv, t, c] = step_level(np.float64(x[l, kv, t, c]), offsets[l, kv, c], step, qmax)
+
+
+@njit(parallel=True, **_JIT)
+def transform_dequantize(q, rot, sink, offsets, steps, out):
+    """out = (q * step + offset) rotated back, float32; tokens below ``sink`` are left alone."""
+    L, _, T, C = q.shape
+    rotated = rot.shape[0] > 0
+    for row in prange(L * 2 * T):
+        l = row // (2 * T)
+        kv = (row // T) % 2
+        t = row % T
+        if t < sink:
+            continue
+        step = steps[l, kv]
+        if rotated:
+            z = np.empty(C, np.float64)
+            for d in range(C):
+                z[d] = np.float64(level_value(q[l, kv, t, d], offsets[l, kv, d], step))
+            unrotate_row(z, rot[l, kv], out[l, kv, t])
+        else:
+            for c in range(C):
+                out[l, kv, t, c] = level_value(q[l, kv, t, c], offsets[l, kv, c], step)
+
+
+@njit(parallel=True, **_JIT)
+def split_words(words, nraw, q, raw):
+    """Lossless split: q = symbol of each word's top byte, raw[..., :nraw] = its low bytes
+    (least significant first).  words: uint16 or uint32 [L, 2, T, C]."""
+    L, _, T, C = words.shape
+    shift = 8 * nraw
+    for row in prange(L * 2 * T):
+        l = row // (2 * T)
+        kv = (row // T) % 2
+        t = row % T
+        for c in range(C):
+            w = np.int64(words[l, kv, t, c])
+            q[l, kv, t, c] = top_byte_symbol(w >> shift)
+            for b in range(nraw):
+                raw[l, kv, t, c, b] = (w >> (8 * b)) & 0xFF
+
+
+@njit(parallel=True, **_JIT)
+def join_words(q, raw, nraw, words):
+    """Inverse of split_words."""
+    L, _, T, C = q.shape
+    shift = 8 * nraw
+    for row in prange(L * 2 * T):
+        l = row // (2 * T)
+        kv = (row // T) % 2
+        t = row % T
+        for c in range(C):
+            w = symbol_top_byte(q[l, kv, t, c]) << shift
+            for b in range(nraw):
+                w |= np.int64(raw[l, kv, t, c, b]) << (8 * b)
+            words[l, kv, t, c] = w
+
+
+@njit(parallel=True, **_JIT)
+def level_stats(q, chunk_tokens, stats):
+    """Per table [L, 2, C]: stats[..., 0:3] = min, max and sum of |value| of the direct
+    values; stats[..., 3:6] the same for the token deltas (a chunk's first token: its value)."""
+    L, _, T, C = q.shape
+    for p in prange(L * 2 * C):
+        l = p // (2 * C)
+        kv = (p // C) % 2
+        c = p % C
+        mn = np.int64(1 << 40)
+        mx = np.int64(-(1 << 40))
+        ab = np.int64(0)
+        dmn = np.int64(1 << 40)
+        dmx = np.int64(-(1 << 40))
+        dab = np.int64(0)
+        prev = np.int64(0)
+        for t in range(T):
+            v = np.int64(q[l, kv, t, c])
+            if t % chunk_tokens == 0:
+                prev = 0
+            d = v - prev
+            prev = v
+            mn = min(mn, v)
+            mx = max(mx, v)
+            ab += abs(v)
+            dmn = min(dmn, d)
+            dmx = max(dmx, d)
+            dab += abs(d)
+        stats[l, kv, c, 0] = mn
+        stats[l, kv, c, 1] = mx
+        stats[l, kv, c, 2] = ab
+        stats[l, kv, c, 3] = dmn
+        stats[l, kv, c, 4] = dmx
+        stats[l, kv, c, 5] = dab
+
+
+@njit(parallel=True, **_JIT)
+def levels_to_symbols(q, modes, lo, chunk_tokens, sym, counts):
+    """sym = (value or token delta) - lo per table; counts[..., s] = occurrences of s."""
+    L, _, T, C = q.shape
+    for p in prange(L * 2 * C):
+        l = p // (2 * C)
+        kv = (p // C) % 2
+        c = p % C
+        row = counts[l, kv, c]
+        row[:] = 0
+        delta = modes[l, kv, c] == 1
+        base = lo[l, kv, c]
+        prev = np.int64(0)
+        for t in range(T):
+            v = np.int64(q[l, kv, t, c])
+            if delta:
+                if t % chunk_tokens == 0:
+                    prev = 0
+                s = v - prev - base
+                prev = v
+            else:
+                s = v - base
+            sym[l, kv, t, c] = s
+            row[s] += 1
+
+
+@njit(parallel=True, **_JIT)
+def symbols_to_levels(sym, modes, lo, chunk_tokens, q):
+    """Inverse of levels_to_symbols."""
+    L, _, T, C = sym.shape
+    for p in prange(L * 2 * C):
+        l = p // (2 * C)
+        kv = (p // C) % 2
+        c = p % C
+        delta = modes[l, kv, c] == 1
+        base = lo[l, kv, c]
+        prev = np.int64(0)
+        for t in range(T):
+            v = np.int64(sym[l, kv, t, c]) + base
+            if delta:
+                if t % chunk_tokens == 0:
+                    prev = 0
+                v += prev
+                prev = v
+            q[l, kv, t, c] = v
+
+
+@njit(parallel=True, **_JIT)
+def build_tables(counts, alphabet, codes, cum):
+    """Encoder side, per table: counts -> 4-bit codes -> CDF."""
+    L, _, C, S = counts.shape
+    for p in prange(L * 2 * C):
+        l = p // (2 * C)
+        kv = (p // C) % 2
+        c = p % C
+        counts_to_codes(counts[l, kv, c], alphabet[l, kv, c], codes[l, kv, c])
+        codes_to_cum(codes[l, kv, c], alphabet[l, kv, c], cum[l, kv, c])
+
+
+@njit(parallel=True, **_JIT)
+def cum_from_table_codes(codes, alphabet, cum):
+    """Decoder side: 4-bit codes -> the CDF build_tables made."""
+    L, _, C, S = codes.shape
+    for p in prange(L * 2 * C):
+        l = p // (2 * C)
+        kv = (p // C) % 2
+        c = p % C
+        codes_to_cum(codes[l, kv, c], alphabet[l, kv, c], cum[l, kv, c])
+
+
+@njit(parallel=True, **_JIT)
+def encode_table_streams(sym, cum, chunk_tokens, group, slots, lengths):
+    """Range-code every stream of the cache into its slot; lengths[s] = bytes used."""
+    L, _, T, C = sym.shape
+    K = (T + chunk_tokens - 1) // chunk_tokens
+    groups = (C + group - 1) // group
+    for s in prange(K * L * 2 * groups):
+        k = s // (L * 2 * groups)
+        l = (s // (2 * groups)) % L
+        kv = (s // groups) % 2
+        g = s % groups
+        t0 = k * chunk_tokens
+        t1 = min(T, t0 + chunk_tokens)
+        c0 = g * group
+        c1 = min(C, c0 + group)
+        lengths[s] = encode_stream(sym[l, kv], t0, t1, c0, c1, cum[l, kv], c0, 1, slots[s])
+
+
+@njit(parallel=True, **_JIT)
+def decode_table_streams(payload, offsets, lengths, cum, width, chunk_tokens, group, sym):
+    """Inverse of encode_table_streams; ``width``: the largest alphabet (cum rows are
+    PROB_TOTAL past a table's own alphabet, so no symbol outside it is ever decoded)."""
+    L, _, T, C = sym.shape
+    K = (T + chunk_tokens - 1) // chunk_tokens
+    groups = (C + group - 1) // group
+    for s in prange(K * L * 2 * groups):
+        k = s // (L * 2 * groups)
+        l = (s // (2 * groups)) % L
+        kv = (s // groups) % 2
+        g = s % groups
+        t0 = k * chunk_tokens
+        t1 = min(T, t0 + chunk_tokens)
+        c0 = g * group
+        c1 = min(C, c0 + group)
+        decode_stream(payload, offsets[s], lengths[s], t0, t1, c0, c1, cum[l, kv], c0, 1, width, sym[l, kv])

@@ -1,0 +1,92 @@
+"""Device functions of the transform methods (format version 2): rotation, uniform
+step quantization, the lossless byte split, and the token-delta symbol map.
+
+Method 2 ("transform"): each (layer, K/V) row of C channels x is optionally
+rotated, y = x R (R orthonormal, from a calibration file; identity without one),
+then every coordinate is quantized with one step for the whole (layer, K/V):
+level q = round((y - m) / step), m the coordinate's mean over the cache.
+Method 3 ("lossless"): each 16- or 32-bit word is split into its top byte, which
+is entropy coded (sign moved to the low bit so that a channel's symbols span a
+narrow range), and its low byte(s), stored raw.
+
+Why the arithmetic looks the way it does: the CPU and a GPU must compute the
+same levels bit for bit.  A float32 x float32 product is exact in float64, so
+the rotation's products are exact and a fused multiply-add changes nothing; the
+sums run in a fixed order; (y - m) / step is one correctly rounded float64
+division; rounding compares the exact fractional part with 0.5.  Decoding
+rounds q * step + m to float32 (q * step is exact), so the inverse rotation's
+products are exact too.
+"""
+
+import numpy as np
+from numba.extending import register_jitable
+
+#: Largest |level| of method 2: levels are stored as int16 but coded as symbols
+#: in a uint8 alphabet of at most 255 entries.
+TRANSFORM_QMAX = 127
+
+MODE_DIRECT = 0
+MODE_DELTA = 1
+
+
+@register_jitable
+def rotate_row(xrow, rot_plane, y):
+    """y[d] = sum over c (in order) of x[c] * R[c, d], in float64 (every product exact)."""
+    C = xrow.shape[0]
+    for d in range(C):
+        y[d] = 0.0
+    for c in range(C):
+        xc = np.float64(np.float32(xrow[c]))
+        if xc != 0.0:
+            for d in range(C):
+                y[d] += xc * np.float64(rot_plane[c, d])
+
+
+@register_jitable
+def unrotate_row(z, rot_plane, out_row):
+    """out[c] = float32(sum over d (in order) of z[d] * R[c, d]); z holds float32 values."""
+    C = z.shape[0]
+    for c in range(C):
+        acc = 0.0
+        for d in range(C):
+            acc += z[d] * np.float64(rot_plane[c, d])
+        out_row[c] = np.float32(acc)
+
+
+@register_jitable
+def step_level(y, offset, step, qmax):
+    """Level of one coordinate: round_half_away((y - offset) / step), clamped to +-qmax."""
+    v = (np.float64(y) - np.float64(offset)) / np.float64(step)
+    q = np.int64(v)  # toward zero; |v| may be huge only when clamped below
+    if v >= 9.0e15 or v <= -9.0e15:
+        return qmax if v > 0 else -qmax
+    frac = v - np.float64(q)  # exact
+    if frac >= 0.5:
+        q += 1
+    elif frac <= -0.5:
+        q -= 1
+    if q > qmax:
+        q = qmax
+    elif q < -qmax:
+        q = -qmax
+    return q
+
+
+@register_jitable
+def level_value(q, offset, step):
+    """float32 reconstruction of a level: q * step (exact) + offset, rounded once."""
+    return np.float32(np.float64(q) * np.float64(step) + np.float64(offset))
+
+
+@register_jitable
+def top_byte_symbol(top):
+    """The coded symbol of a word's top byte: sign bit moved to bit 0 (0..255)."""
+    t = np.int64(top) & 0xFF
+    return ((t << 1) & 0xFF) | (t >> 7)
+
+
+@register_jitable
+def symbol_top_byte(sym):
+    """Inverse of top_byte_symbol."""
+    s = np.int64(sym) & 0xFF
+    return (s >> 1) | ((s & 1) << 7)
