@@ -86,6 +86,8 @@ def encode_to_device(
         raise ConfigError("encode_to_device needs a CUDA GPU that torch can use")
     cache = kvio.from_tensors(kv, layout, metadata)
     quant = resolve_quantization(cache.num_layers, quantization=quantization, preset_name=preset, bins=bins)
+    if isinstance(quant, TransformConfig):  # the default quality is format version 2: CPU only
+        codec.v2_device("cuda")
     return gpu_codec.encode_file_device(codec.make_header(cache, quant, chunk_tokens), cache.data)
 
 

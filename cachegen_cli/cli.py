@@ -47,6 +47,13 @@ class Layout(str, Enum):
     per_layer = "per-layer"
 
 
+class Quality(str, Enum):
+    lossless = "lossless"
+    high = "high"
+    balanced = "balanced"
+    small = "small"
+
+
 class Device(str, Enum):
     auto = "auto"
     cpu = "cpu"
@@ -125,9 +132,11 @@ def _human(n: float) -> str:
 def encode(
     input: Path = typer.Argument(..., help="KV cache as .safetensors (stacked or per-layer layout)."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output .cgen path \\[default: INPUT with .cgen]."),
-    preset: Optional[str] = typer.Option(None, "--preset", help="Bins table: lmcache (default), mistral-7b, llama-3.1-8b, qwen-7b, longchat-7b, glm-4-9b."),
-    bins: Optional[str] = typer.Option(None, "--bins", help="Custom bins: '32' for all layers, or 'k:0-10=32,10-=16;v:0-2=32,2-=16'."),
-    config: Optional[Path] = typer.Option(None, "--config", help="TOML or JSON file with key/value bins ranges (see docs/config.md)."),
+    quality: Optional[Quality] = typer.Option(None, "--quality", help="lossless (bit-exact), high, balanced (default) or small; see docs/quality.md."),
+    calibration: Optional[Path] = typer.Option(None, "--calibration", help="Rotation from `cachegen calibrate`: smaller files at the same quality (decode needs it too)."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="LMCache's CacheGen bins table (format v1, also on the GPU): lmcache, mistral-7b, llama-3.1-8b, qwen-7b, longchat-7b, glm-4-9b."),
+    bins: Optional[str] = typer.Option(None, "--bins", help="Custom bins (format v1): '32' for all layers, or 'k:0-10=32,10-=16;v:0-2=32,2-=16'."),
+    config: Optional[Path] = typer.Option(None, "--config", help="TOML or JSON file: a quality, steps per layer (`cachegen tune` writes one) or bins ranges (docs/config.md)."),
     chunk_tokens: Optional[int] = typer.Option(None, "--chunk-tokens", help="Tokens per chunk \\[default: 256]."),
     layout: Layout = typer.Option(Layout.auto, "--layout", help="Input layout."),
     device: Device = typer.Option(Device.auto, "--device", help="Where the kernels run: auto picks the GPU when one is present."),
@@ -136,26 +145,30 @@ def encode(
 ) -> None:
     """Compress a KV cache (.safetensors) to a .cgen file.
 
-    Example: [bold]cachegen encode kv.safetensors -o kv.cgen --preset llama-3.1-8b[/]
+    Examples: [bold]cachegen encode kv.safetensors -o kv.cgen[/] (balanced quality),
+    [bold]cachegen encode kv.safetensors --quality lossless[/],
+    [bold]cachegen encode kv.safetensors --preset lmcache --device cuda[/]
     """
     from .api import default_encoded_path, encode_file
     from .config import DEFAULT_CHUNK_TOKENS, load_config_file
 
     with _errors():
         quantization = None
+        quality_name = quality.value if quality is not None else None
+        chosen = [name for name, v in (("--config", config), ("--quality", quality), ("--preset", preset),
+                                       ("--bins", bins)) if v is not None]
+        if len(chosen) > 1:
+            raise_config(f"give only one of {', '.join(chosen)}")
         if config is not None:
-            if preset is not None or bins is not None:
-                raise_config("give only one of --config, --preset and --bins")
             settings = load_config_file(config)
-            quantization, preset = settings.quantization, settings.preset
+            quantization, preset, quality_name = settings.quantization, settings.preset, settings.quality
             if chunk_tokens is None:
                 chunk_tokens = settings.chunk_tokens
-        elif preset is not None and bins is not None:
-            raise_config("give only one of --preset and --bins")
         dst = output or default_encoded_path(input)
         with _progress("encoding", not quiet) as progress:
             summary = encode_file(
-                input, dst, force=force, preset=preset, bins=bins, quantization=quantization,
+                input, dst, force=force, preset=preset, bins=bins, quantization=quantization, quality=quality_name,
+                calibration=calibration,
                 chunk_tokens=DEFAULT_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens, layout=layout.value,
                 device=device.value, progress=progress,
             )
@@ -181,6 +194,7 @@ def raise_config(message: str) -> None:
 def decode(
     input: Path = typer.Argument(..., help="A .cgen file."),
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output .safetensors \\[default: INPUT.decoded.safetensors]."),
+    calibration: Optional[Path] = typer.Option(None, "--calibration", help="The calibration file the .cgen was encoded with, if any."),
     device: Device = typer.Option(Device.auto, "--device", help="Where the kernels run: auto picks the GPU when one is present."),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success."),
@@ -194,7 +208,7 @@ def decode(
     with _errors():
         dst = output or default_decoded_path(input)
         with _progress("decoding", not quiet) as progress:
-            decode_file(input, dst, force=force, device=device.value, progress=progress)
+            decode_file(input, dst, force=force, device=device.value, calibration=calibration, progress=progress)
         if not quiet:
             out.print(f"{_escape(str(input))} -> {_escape(str(dst))}")
 
@@ -204,6 +218,7 @@ def stats(
     input: Path = typer.Argument(..., help="A .cgen file."),
     reference: Optional[Path] = typer.Option(None, "--reference", "-r", help="The original .safetensors: also report reconstruction error."),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+    calibration: Optional[Path] = typer.Option(None, "--calibration", help="With --reference: the calibration file the .cgen was encoded with."),
     device: Device = typer.Option(Device.auto, "--device", help="Where --reference decoding runs."),
 ) -> None:
     """Sizes, ratio, bits per value, side information and a per-layer table of a .cgen file.
@@ -213,7 +228,7 @@ def stats(
     from .stats import file_stats
 
     with _errors():
-        s = file_stats(input, reference, device.value)
+        s = file_stats(input, reference, device.value, calibration)
         if as_json:
             sys.stdout.write(json.dumps(s, indent=2) + "\n")
             return
@@ -221,7 +236,7 @@ def stats(
 
 
 def _print_stats(s: dict) -> None:
-    out.print(f"[bold]{_escape(s['file'])}[/]  cgen v{s['format_version']}, {s['layout']} layout, {s['dtype']}")
+    out.print(f"[bold]{_escape(s['file'])}[/]  cgen v{s['format_version']}, {_escape(s['method'])}, {s['layout']} layout, {s['dtype']}")
     out.print(
         f"{s['num_layers']} layers x {s['num_kv_heads']} KV heads x {s['head_dim']} dims, {s['num_tokens']} tokens "
         f"in {s['num_chunks']} chunks of {s['chunk_tokens']}"
@@ -239,17 +254,22 @@ def _print_stats(s: dict) -> None:
         title="per layer (KB and bits/value include each layer's side information)",
         box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False, padding=(0, 1),
     )
-    for col in ("layer", "K bins", "K KB", "K bits", "V bins", "V KB", "V bits"):
+    first = s["layers"][0] if s["layers"] else {}
+    setting = "bins" if "key_bins" in first else ("step" if "key_step" in first else None)
+    cols = ["layer"] + [f"{kv} {c}" for kv in "KV" for c in ((setting,) if setting else ()) + ("KB", "bits")]
+    for col in cols:
         table.add_column(col, justify="right", no_wrap=True)
     if error:
         for col in ("K rMSE", "V rMSE", "max|err|"):
             table.add_column(col, justify="right", no_wrap=True)
     for i, row in enumerate(s["layers"]):
-        cells = [
-            str(row["layer"]),
-            str(row["key_bins"]), f"{(row['key_payload_bytes'] + row['key_side_bytes']) / 1000:.1f}", f"{row['key_bits_per_value']:.2f}",
-            str(row["value_bins"]), f"{(row['value_payload_bytes'] + row['value_side_bytes']) / 1000:.1f}", f"{row['value_bits_per_value']:.2f}",
-        ]
+        cells = [str(row["layer"])]
+        for name in ("key", "value"):
+            if setting == "bins":
+                cells.append(str(row[f"{name}_bins"]))
+            elif setting == "step":
+                cells.append(f"{row[f'{name}_step']:.3g}")
+            cells += [f"{(row[f'{name}_payload_bytes'] + row[f'{name}_side_bytes']) / 1000:.1f}", f"{row[f'{name}_bits_per_value']:.2f}"]
         if error:
             e = error["layers"][i]
             cells += [f"{e['key_rel_mse']:.1e}", f"{e['value_rel_mse']:.1e}", f"{max(e['key_max_abs'], e['value_max_abs']):.3g}"]
@@ -263,14 +283,48 @@ def _print_stats(s: dict) -> None:
 
 
 @app.command()
+def calibrate(
+    inputs: list[Path] = typer.Argument(..., help="Sample KV caches (.safetensors) of the model, e.g. from `cachegen capture`."),
+    output: Path = typer.Option(..., "-o", "--output", help="Calibration file to write (.safetensors)."),
+    layout: Layout = typer.Option(Layout.auto, "--layout", help="Input layout."),
+    force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output."),
+) -> None:
+    """Learn a decorrelating rotation (PCA per layer and K/V) from sample caches of one model.
+
+    Files encoded with it are smaller at the same quality; decoding needs the same file.
+    Example: [bold]cachegen calibrate a.safetensors b.safetensors -o smollm2.cal.safetensors[/]
+    """
+    from . import calibration as cal
+    from . import kvio
+    from .fileio import check_output
+
+    with _errors():
+        check_output(output, inputs, force)
+        caches = [kvio.read_safetensors(p, layout.value) for p in inputs]
+        fitted = cal.fit([c.data for c in caches])
+        cal.save(fitted, output)
+        out.print(f"{_escape(str(output))}: rotation for {fitted.num_layers} layers x {fitted.num_channels} channels "
+                  f"from {fitted.metadata['sample_tokens']} tokens of {len(inputs)} file(s), sha256 {fitted.sha256.hex()[:16]}")
+
+
+@app.command()
 def presets() -> None:
-    """List the quantization presets.
+    """List the --quality presets and the LMCache-style bins presets.
 
     Example: [bold]cachegen presets[/]
     """
-    from .config import PRESETS, preset
+    from .config import PRESETS, QUALITY_PRESETS, preset
 
-    table = Table(show_edge=False, header_style="bold")
+    qt = Table(show_edge=False, header_style="bold", title="--quality (format v2; default balanced)")
+    for col in ("quality", "method", "K step", "V step", "sink tokens", "token delta"):
+        qt.add_column(col)
+    for name, q in QUALITY_PRESETS.items():
+        lossless = q.method == "lossless"
+        qt.add_row(name, q.method, "-" if lossless else f"{q.key_step[0]:g} x RMS", "-" if lossless else f"{q.value_step[0]:g} x RMS",
+                   "-" if lossless else str(q.sink_tokens), "-" if lossless else ("yes" if q.token_delta else "no"))
+    out.print(qt)
+
+    table = Table(show_edge=False, header_style="bold", title="--preset (format v1, LMCache's CacheGen tables)")
     for col in ("preset", "layers", "K bins", "V bins"):
         table.add_column(col)
     for name, layers in PRESETS.items():

@@ -172,6 +172,7 @@ class TransformConfig:
     value_step: tuple[float, ...] = (1.0,)
     sink_tokens: int = 1
     token_delta: bool = True
+    rounding: float = 0.5  # round away from zero from this fractional part on (encoder only)
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -183,6 +184,8 @@ class TransformConfig:
             for v in steps:
                 if not (isinstance(v, (int, float)) and MIN_STEP <= float(v) <= MAX_STEP):
                     raise ConfigError(f"{label} values must be numbers between {MIN_STEP} and {MAX_STEP}, got {v!r}")
+        if not 0.5 <= float(self.rounding) < 1.0:
+            raise ConfigError(f"rounding must be in [0.5, 1), got {self.rounding}")
         if not 0 <= self.sink_tokens <= MAX_SINK_TOKENS:
             raise ConfigError(f"sink_tokens must be between 0 and {MAX_SINK_TOKENS}, got {self.sink_tokens}")
 

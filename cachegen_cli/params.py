@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import SizeError, TruncatedError, UnsupportedVersionError
-from .kernels.transform import MODE_DELTA, MODE_DIRECT, TRANSFORM_QMAX
+from .kernels.transform import MODE_DELTA, MODE_DIRECT, MODE_SAME, TRANSFORM_QMAX
 
 METHOD_TRANSFORM = 2
 METHOD_LOSSLESS = 3
@@ -37,6 +37,7 @@ class Params:
     steps: np.ndarray | None = None  # uint16 [L, 2] bfloat16 bits          (method 2)
     offsets: np.ndarray | None = None  # uint16 [L, 2, C] bfloat16 bits     (method 2)
     sink: np.ndarray | None = None  # uint8 [L, 2, S, C, itemsize] raw words (method 2)
+    shared: np.ndarray | None = None  # bool [L, 2, C]: uses the table of the previous own-table channel
 
     @property
     def width(self) -> int:
@@ -65,22 +66,32 @@ def pack_params(p: Params) -> bytes:
     if p.method == METHOD_TRANSFORM:
         parts += [p.calibration, np.ascontiguousarray(p.steps, "<u2").tobytes(),
                   np.ascontiguousarray(p.offsets, "<u2").tobytes(), np.ascontiguousarray(p.sink, np.uint8).tobytes()]
-    parts.append(pack_tables(p.modes, p.lo, p.alphabet, p.codes, p.method))
+    shared = p.shared if p.shared is not None else np.zeros(p.modes.shape, np.bool_)
+    parts.append(pack_tables(p.modes, p.lo, p.alphabet, p.codes, shared))
     return b"".join(parts)
 
 
-def pack_tables(modes: np.ndarray, lo: np.ndarray, alphabet: np.ndarray, codes: np.ndarray, method: int) -> bytes:
-    """Each table: mode, lo (int8 for method 2, uint8 for method 3), alphabet - 1, nibbles."""
+def pack_tables(modes: np.ndarray, lo: np.ndarray, alphabet: np.ndarray, codes: np.ndarray,
+                shared: np.ndarray) -> bytes:
+    """Each table: mode, lo (int8 for method 2, uint8 for method 3), alphabet - 1, nibbles;
+    a shared one: the single byte MODE_SAME."""
+    shared = shared.reshape(-1)
     modes = modes.reshape(-1)
     lo = lo.reshape(-1)
     alphabet = alphabet.reshape(-1)
     codes = codes.reshape(alphabet.size, -1)
-    nb = (alphabet + 1) // 2
-    out = np.zeros(int((3 + nb).sum()), np.uint8)
+    nb = np.where(shared, 0, (alphabet + 1) // 2)
+    head = np.where(shared, 1, 3)
+    out = np.zeros(int((head + nb).sum()), np.uint8)
     starts = np.zeros(alphabet.size + 1, np.int64)
-    np.cumsum(3 + nb, out=starts[1:])
+    np.cumsum(head + nb, out=starts[1:])
     s = starts[:-1]
-    out[s] = modes
+    out[s] = np.where(shared, MODE_SAME, modes)
+    own = ~shared
+    s = s[own]
+    lo, alphabet, codes, nb = lo[own], alphabet[own], codes[own], nb[own]
+    if not own.any():
+        return out.tobytes()
     out[s + 1] = (lo & 0xFF).astype(np.uint8)
     out[s + 2] = (alphabet - 1).astype(np.uint8)
     width = codes.shape[1]
@@ -123,14 +134,20 @@ def parse_params(raw: bytes, method: int, num_layers: int, num_channels: int, si
             raise SizeError("an offset is not finite")
     elif method != METHOD_LOSSLESS:
         raise UnsupportedVersionError(f"unknown quantization method {method}")
-    modes, lo, alphabet, codes = parse_tables(raw, o, L * 2 * C, method)
+    modes, lo, alphabet, codes, shared = parse_tables(raw, o, L * 2 * C, method, C)
     shape = (L, 2, C)
-    return Params(method, modes.reshape(shape), lo.reshape(shape), alphabet.reshape(shape),
-                  codes.reshape(shape + (codes.shape[-1],)), calibration, steps, offsets, sink)
+    shared = shared.reshape(shape)
+    arrays = [modes.reshape(shape), lo.reshape(shape), alphabet.reshape(shape), codes.reshape(shape + (codes.shape[-1],))]
+    if shared.any():
+        from .transform_codec import expand_shared
+
+        arrays = expand_shared(shared, *arrays)
+    return Params(method, *arrays, calibration, steps, offsets, sink, shared)
 
 
-def parse_tables(raw: bytes, start: int, count: int, method: int):
-    """Walk ``count`` tables from ``start``; they must end exactly at the end of ``raw``."""
+def parse_tables(raw: bytes, start: int, count: int, method: int, per_plane: int):
+    """Walk ``count`` tables from ``start`` (``per_plane`` per (layer, K/V)); they must end
+    exactly at the end of ``raw``."""
     buf = np.frombuffer(raw, np.uint8)
     n = len(buf)
     modes = np.empty(count, np.uint8)
@@ -140,7 +157,17 @@ def parse_tables(raw: bytes, start: int, count: int, method: int):
     o = start
     # Tables have variable sizes: walk them in order (a few per microsecond in Python is
     # plenty for 10^4..10^5 tables), checking each header before stepping over it.
+    shared = np.zeros(count, np.bool_)
     for i in range(count):
+        if o >= n:
+            raise TruncatedError(f"the Params block ends inside table {i}")
+        if buf[o] == MODE_SAME:  # filled in from the previous own table by the caller
+            if i % per_plane == 0:
+                raise SizeError("the first table of a (layer, K/V) cannot refer to a previous one")
+            shared[i] = True
+            modes[i], lo[i], alphabet[i], starts[i] = MODE_DIRECT, 0, 1, o
+            o += 1
+            continue
         if o + 3 > n:
             raise TruncatedError(f"the Params block ends inside table {i}")
         modes[i] = buf[o]
@@ -167,14 +194,14 @@ def parse_tables(raw: bytes, start: int, count: int, method: int):
     width = int(alphabet.max(initial=1))
     nbw = (width + 1) // 2
     col = np.arange(nbw)
-    nb = (alphabet + 1) // 2
+    nb = np.where(shared, 0, (alphabet + 1) // 2)
     take = col[None, :] < nb[:, None]
     idx = np.where(take, starts[:, None] + col[None, :], 0)
     pairs = np.where(take, buf[idx], 0).astype(np.uint8)
     codes = np.empty((count, 2 * nbw), np.uint8)
     codes[:, 0::2] = pairs & 0x0F
     codes[:, 1::2] = pairs >> 4
-    odd = (alphabet & 1) == 1
+    odd = ((alphabet & 1) == 1) & ~shared
     if (codes[np.flatnonzero(odd), alphabet[odd]] != 0).any():
         raise SizeError("a padding nibble of a table is not zero")
-    return modes, lo, alphabet, np.ascontiguousarray(codes[:, :width])
+    return modes, lo, alphabet, np.ascontiguousarray(codes[:, :width]), shared

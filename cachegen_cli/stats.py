@@ -17,7 +17,8 @@ from .errors import InputError
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
-def file_stats(path: str | Path, reference: str | Path | None = None, device: str = "cpu") -> dict:
+def file_stats(path: str | Path, reference: str | Path | None = None, device: str = "cpu",
+               calibration=None) -> dict:
     path = Path(path)
     if not path.is_file():
         raise kvio.InputNotFoundError(f"no such file: {path}")
@@ -31,23 +32,39 @@ def file_stats(path: str | Path, reference: str | Path | None = None, device: st
     values = L * 2 * h.num_tokens * h.num_channels
     original = values * _ITEMSIZE[h.dtype]
     total_payload = int(payload.sum())
-    side = size - total_payload
-    # Side information attributable to each (layer, K/V): its scales, CDF codes and stream lengths.
-    cdf_per_chunk = h.num_channels * ((h.alphabets + 1) // 2)
-    side_lk = 2 * h.num_tokens + h.num_chunks * (cdf_per_chunk + 2 * h.groups)
+    if h.version == 1:
+        # Side information attributable to each (layer, K/V): its scales, CDF codes and stream lengths.
+        cdf_per_chunk = h.num_channels * ((h.alphabets + 1) // 2)
+        side_lk = 2 * h.num_tokens + h.num_chunks * (cdf_per_chunk + 2 * h.groups)
+    else:
+        # Its tables (and, method 2, step, offsets and sink tokens) and its stream lengths; the raw
+        # low bytes of the lossless method count as payload of their layer.
+        p = h.params
+        side_lk = (3 + (p.alphabet + 1) // 2).sum(axis=2) + h.num_chunks * 2 * h.groups
+        if p.method == 2:
+            side_lk = side_lk + 2 + 2 * h.num_channels + h.sink_tokens * h.num_channels * _ITEMSIZE[h.dtype]
+        raw = h.num_tokens * h.num_channels * h.raw_bytes_per_value
+        payload = payload + raw
+        total_payload = int(payload.sum())
     layers = []
     for l in range(L):
         row = {"layer": l}
         for kv, name in enumerate(("key", "value")):
             n = h.num_tokens * h.num_channels
-            row[f"{name}_bins"] = int(h.bins[l, kv])
+            if h.version == 1:
+                row[f"{name}_bins"] = int(h.bins[l, kv])
+            elif h.params.method == 2:
+                row[f"{name}_step"] = float(_bf16(h.params.steps[l, kv]))
             row[f"{name}_payload_bytes"] = int(payload[l, kv])
             row[f"{name}_side_bytes"] = int(side_lk[l, kv])
             row[f"{name}_bits_per_value"] = (8 * (int(payload[l, kv]) + int(side_lk[l, kv])) / n) if n else 0.0
         layers.append(row)
+    side = size - total_payload
     out = {
         "file": str(path),
-        "format_version": 1,
+        "format_version": h.version,
+        "method": {1: "per-token abs-max (LMCache table)", 2: "transform" + (" + rotation" if h.rotated else ""),
+                   3: "lossless"}[h.method],
         "layout": h.layout,
         "dtype": h.dtype,
         "num_layers": L,
@@ -68,15 +85,22 @@ def file_stats(path: str | Path, reference: str | Path | None = None, device: st
     }
     if reference is not None:
         out["reference"] = str(reference)
-        out["error"] = reconstruction_error(path, reference, device)
+        out["error"] = reconstruction_error(path, reference, device, calibration)
     return out
 
 
-def reconstruction_error(path: Path, reference: str | Path, device: str = "cpu") -> dict:
+def _bf16(bits) -> float:
+    return float(np.array([int(bits) << 16], np.uint32).view(np.float32)[0])
+
+
+def reconstruction_error(path: Path, reference: str | Path, device: str = "cpu", calibration=None) -> dict:
     """Per layer and K/V: relative MSE ||x - x'||^2 / ||x||^2 and max |x - x'|."""
+    from .api import _calibration
+
     ref = kvio.read_safetensors(reference)
+    cal = _calibration(calibration)
     with open(path, "rb") as f:
-        h, decoded = codec.decode_from_stream(f, device=device)
+        h, decoded = codec.decode_from_stream(f, device=device, calibration=cal)
     if tuple(ref.data.shape) != tuple(decoded.shape):
         raise InputError(
             f"reference has shape {list(ref.data.shape)} (layers, 2, tokens, channels), "

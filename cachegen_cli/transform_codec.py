@@ -98,6 +98,14 @@ def _code(h: FileHeader, q: np.ndarray, modes, lo, alphabet):
     codes = np.empty((L, 2, C, width), np.uint8)
     cum = np.empty((L, 2, C, width + 1), np.int32)
     k2.build_tables(counts, alphabet, codes, cum)
+    # Neighbouring channels often have near-identical statistics (after a rotation they are
+    # ordered by variance): a channel that codes about as well with the previous table
+    # sends a one-byte reference instead of its own table.
+    shared = np.zeros((L, 2, C), np.bool_)
+    k2.share_tables(counts, lo, alphabet, modes, cum, 3 + (alphabet + 1) // 2, shared)
+    if shared.any():
+        modes, lo, alphabet, codes, cum = expand_shared(shared, modes, lo, alphabet, codes, cum)
+        k2.levels_to_symbols(q, modes, lo, ct, sym, np.empty((L, 2, C, width), np.int64))
     K = h.num_chunks
     n_streams = K * h.streams_per_chunk
     lengths = np.empty(n_streams, np.int32)
@@ -118,7 +126,20 @@ def _code(h: FileHeader, q: np.ndarray, modes, lo, alphabet):
     payload = np.concatenate(parts) if parts else np.empty(0, np.uint8)
     offsets = np.zeros(n_streams + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    return codes, lengths, payload, offsets
+    return codes, lengths, payload, offsets, shared, modes, lo, alphabet
+
+
+def expand_shared(shared, *arrays):
+    """Copy, along the channel axis of [L, 2, C, ...] arrays, each shared channel's entries
+    from the last channel before it in its (layer, K/V) that has its own table."""
+    C = shared.shape[2]
+    idx = np.where(shared, 0, np.arange(C)[None, None, :])
+    np.maximum.accumulate(idx, axis=2, out=idx)
+    out = []
+    for a in arrays:
+        take = idx.reshape(idx.shape + (1,) * (a.ndim - 3))
+        out.append(np.ascontiguousarray(np.take_along_axis(a, np.broadcast_to(take, idx.shape + a.shape[3:]), axis=2)))
+    return out
 
 
 def _chunks(h: FileHeader, lengths, payload, offsets, raw: np.ndarray | None) -> list[Chunk]:
@@ -147,8 +168,8 @@ def encode_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
         modes, lo, alphabet = _choose_tables(q, chunk_tokens, False, METHOD_LOSSLESS)
         params = Params(METHOD_LOSSLESS, modes, lo, alphabet, np.zeros((L, 2, C, 1), np.uint8))
         h = make_header_v2(cache, cfg, chunk_tokens, params, 0)
-        codes, lengths, payload, offsets = _code(h, q, modes, lo, alphabet)
-        params.codes = codes
+        codes, lengths, payload, offsets, shared, modes, lo, alphabet = _code(h, q, modes, lo, alphabet)
+        params.codes, params.shared, params.modes, params.lo, params.alphabet = codes, shared, modes, lo, alphabet
         return EncodedV2(h, _chunks(h, lengths, payload, offsets, raw))
 
     x = cache.data.to(torch.float32).contiguous().numpy() if cache.data.dtype != torch.float32 else cache.data.contiguous().numpy()
@@ -176,7 +197,7 @@ def encode_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
     steps_bits = _bf16_bits(np.minimum(step, 3.0e38))
     steps = bf16_values(steps_bits)
     q = np.empty((L, 2, T, C), np.int16)
-    k2.transform_quantize(x, rot, sink, m.astype(np.float32), steps, TRANSFORM_QMAX, q)
+    k2.transform_quantize(x, rot, sink, m.astype(np.float32), steps, TRANSFORM_QMAX, float(cfg.rounding), q)
     del x
     modes, lo, alphabet = _choose_tables(q, chunk_tokens, cfg.token_delta, METHOD_TRANSFORM)
     itemsize = ITEMSIZE[cache.dtype_name]
@@ -184,8 +205,8 @@ def encode_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
     params = Params(METHOD_TRANSFORM, modes, lo, alphabet, np.zeros((L, 2, C, 1), np.uint8), digest,
                     steps_bits, offsets_bits, sink_raw)
     h = make_header_v2(cache, cfg, chunk_tokens, params, sink)
-    codes, lengths, payload, offsets = _code(h, q, modes, lo, alphabet)
-    params.codes = codes
+    codes, lengths, payload, offsets, shared, modes, lo, alphabet = _code(h, q, modes, lo, alphabet)
+    params.codes, params.shared, params.modes, params.lo, params.alphabet = codes, shared, modes, lo, alphabet
     return EncodedV2(h, _chunks(h, lengths, payload, offsets, None))
 
 

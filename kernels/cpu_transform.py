@@ -26,6 +26,7 @@ import numpy as np
 from numba import njit, prange
 
 from .cdf import codes_to_cum, counts_to_codes
+from .coding_params import PROB_BITS
 from .range_coder import decode_stream, encode_stream
 from .transform import level_value, rotate_row, step_level, symbol_top_byte, top_byte_symbol, unrotate_row
 
@@ -58,8 +59,9 @@ def transform_stats(x, rot, sink, sums, sumsq):
 
 
 @njit(parallel=True, **_JIT)
-def transform_quantize(x, rot, sink, offsets, steps, qmax, q):
-    """q = round((y - offset) / step) clamped to +-qmax; tokens below ``sink`` get 0."""
+def transform_quantize(x, rot, sink, offsets, steps, qmax, threshold, q):
+    """q = (y - offset) / step rounded (transform.step_level) and clamped to +-qmax; tokens
+    below ``sink`` get 0."""
     L, _, T, C = x.shape
     rotated = rot.shape[0] > 0
     for row in prange(L * 2 * T):
@@ -75,10 +77,10 @@ def transform_quantize(x, rot, sink, offsets, steps, qmax, q):
             y = np.empty(C, np.float64)
             rotate_row(x[l, kv, t], rot[l, kv], y)
             for c in range(C):
-                q[l, kv, t, c] = step_level(y[c], offsets[l, kv, c], step, qmax)
+                q[l, kv, t, c] = step_level(y[c], offsets[l, kv, c], step, qmax, threshold)
         else:
             for c in range(C):
-                q[l, kv, t, c] = step_level(np.float64(x[l, kv, t, c]), offsets[l, kv, c], step, qmax)
+                q[l, kv, t, c] = step_level(np.float64(x[l, kv, t, c]), offsets[l, kv, c], step, qmax, threshold)
 
 
 @njit(parallel=True, **_JIT)
@@ -229,6 +231,38 @@ def build_tables(counts, alphabet, codes, cum):
         c = p % C
         counts_to_codes(counts[l, kv, c], alphabet[l, kv, c], codes[l, kv, c])
         codes_to_cum(codes[l, kv, c], alphabet[l, kv, c], cum[l, kv, c])
+
+
+@njit(parallel=True, **_JIT)
+def share_tables(counts, lo, alphabet, modes, cum, table_bytes, shared):
+    """Encoder side, per (layer, K/V) plane in channel order: shared[c] = True when coding
+    channel c with the table of the last channel that kept its own (same mode, a range that
+    covers c's symbols) costs fewer bits than sending c's own table (``table_bytes`` each).
+    Costs use the integer CDFs: a symbol of frequency f costs PROB_BITS - log2(f) bits."""
+    L, _, C, S = counts.shape
+    for p in prange(L * 2):
+        l = p // 2
+        kv = p % 2
+        ref = -1
+        for c in range(C):
+            shared[l, kv, c] = False
+            a = alphabet[l, kv, c]
+            if ref >= 0 and modes[l, kv, c] == modes[l, kv, ref]:
+                shift = lo[l, kv, c] - lo[l, kv, ref]
+                if shift >= 0 and shift + a <= alphabet[l, kv, ref]:
+                    own = 8.0 * table_bytes[l, kv, c]
+                    other = 8.0  # the one-byte "same table" entry
+                    for sym in range(a):
+                        n = counts[l, kv, c, sym]
+                        if n > 0:
+                            f_own = cum[l, kv, c, sym + 1] - cum[l, kv, c, sym]
+                            f_ref = cum[l, kv, ref, sym + shift + 1] - cum[l, kv, ref, sym + shift]
+                            own += n * (PROB_BITS - np.log2(np.float64(f_own)))
+                            other += n * (PROB_BITS - np.log2(np.float64(f_ref)))
+                    if other < own:
+                        shared[l, kv, c] = True
+                        continue
+            ref = c
 
 
 @njit(parallel=True, **_JIT)

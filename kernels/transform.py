@@ -27,6 +27,7 @@ TRANSFORM_QMAX = 127
 
 MODE_DIRECT = 0
 MODE_DELTA = 1
+MODE_SAME = 2  # in a file's tables only: "the table of the previous channel with its own"
 
 
 @register_jitable
@@ -54,16 +55,19 @@ def unrotate_row(z, rot_plane, out_row):
 
 
 @register_jitable
-def step_level(y, offset, step, qmax):
-    """Level of one coordinate: round_half_away((y - offset) / step), clamped to +-qmax."""
+def step_level(y, offset, step, qmax, threshold):
+    """Level of one coordinate: (y - offset) / step rounded away from zero when its fractional
+    part reaches ``threshold`` (0.5: to nearest), clamped to +-qmax.  A threshold above 0.5
+    is a dead-zone quantizer: values just past a midpoint go to the level nearer zero, which
+    costs a little error and saves more rate (the decoder does not need to know)."""
     v = (np.float64(y) - np.float64(offset)) / np.float64(step)
     q = np.int64(v)  # toward zero; |v| may be huge only when clamped below
     if v >= 9.0e15 or v <= -9.0e15:
         return qmax if v > 0 else -qmax
     frac = v - np.float64(q)  # exact
-    if frac >= 0.5:
+    if frac >= threshold:
         q += 1
-    elif frac <= -0.5:
+    elif frac <= -threshold:
         q -= 1
     if q > qmax:
         q = qmax

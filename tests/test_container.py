@@ -32,7 +32,7 @@ def tiny_kv() -> torch.Tensor:
 
 
 def tiny_blob() -> bytes:
-    return cg.encode(tiny_kv(), chunk_tokens=4, metadata={"source": "tiny"})
+    return cg.encode(tiny_kv(), preset="lmcache", chunk_tokens=4, metadata={"source": "tiny"})
 
 
 def test_tiny_file_bytes_are_pinned():

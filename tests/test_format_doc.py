@@ -43,7 +43,7 @@ def table(heading: str) -> tuple[struct.Struct, list[str]]:
 
 def test_file_parsed_with_struct_from_the_doc_tables():
     kv = realistic_kv(layers=3, tokens=21, heads=2, head_dim=4)
-    blob = cg.encode(kv, chunk_tokens=8, metadata={"who": "doc test"})
+    blob = cg.encode(kv, preset="lmcache", chunk_tokens=8, metadata={"who": "doc test"})
 
     header, names = table("## FileHeader (64 bytes)")
     assert header.size == 64
@@ -92,6 +92,6 @@ def test_header_snippet_in_the_doc_runs(tmp_path, monkeypatch):
     """The 10-line struct snippet in docs/format.md reads a header without cachegen."""
     text = DOC.read_text()
     snippet = text[text.index("## Reading a header without cachegen") :].split("```python")[1].split("```")[0]
-    (tmp_path / "kv.cgen").write_bytes(cg.encode(realistic_kv(layers=2, tokens=5)))
+    (tmp_path / "kv.cgen").write_bytes(cg.encode(realistic_kv(layers=2, tokens=5), preset="lmcache"))
     monkeypatch.chdir(tmp_path)
     exec(compile(snippet, "format.md", "exec"), {})
