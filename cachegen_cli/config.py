@@ -211,8 +211,8 @@ MAX_SINK_TOKENS = 1024
 QUALITY_PRESETS: dict[str, TransformConfig] = {
     "lossless": TransformConfig("lossless", name="lossless"),
     "high": TransformConfig("transform", (0.25,), (0.25,), name="high"),
-    "balanced": TransformConfig("transform", (0.6,), (0.6,), name="balanced"),
-    "small": TransformConfig("transform", (1.0,), (1.0,), name="small"),
+    "balanced": TransformConfig("transform", (0.5,), (0.5,), name="balanced"),
+    "small": TransformConfig("transform", (0.9,), (0.9,), name="small"),
 }
 
 

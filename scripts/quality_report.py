@@ -40,8 +40,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import cachegen_cli as cg  # noqa: E402
-from cachegen_cli import capture, evaluate  # noqa: E402
-from cachegen_cli.config import PRESETS  # noqa: E402
+from cachegen_cli import calibration, capture, evaluate  # noqa: E402
+from cachegen_cli.config import PRESETS, QUALITY_PRESETS  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+from lmcache_reference import lmcache_cachegen_size  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "build" / "quality" / "results.json"
@@ -92,26 +95,50 @@ def methods() -> list[dict]:
         out.append({"key": f"preset:{name}", "label": label, "family": "preset", "preset": name})
     for b in UNIFORM_BINS:
         out.append({"key": f"bins:{b}", "label": f"cachegen --bins {b}", "family": "bins", "bins": str(b)})
+    out.append({"key": "lmcache", "label": "LMCache CacheGen, its own output (same quantization as --preset lmcache)",
+                "family": "lmcache"})
+    for q in QUALITY_PRESETS:
+        out.append({"key": f"quality:{q}", "label": f"cachegen --quality {q}", "family": "quality", "quality": q})
+    for q in QUALITY_PRESETS:
+        if q != "lossless":
+            out.append({"key": f"quality:{q}+cal", "label": f"cachegen --quality {q} --calibration (other texts)",
+                        "family": "quality", "quality": q, "calibrated": True})
     return out
 
 
-def run_method(ref: evaluate.Reference, m: dict, tensors: dict, meta: dict, seen: dict) -> dict:
+def run_method(ref: evaluate.Reference, m: dict, tensors: dict, meta: dict, seen: dict, cal=None,
+               rows: dict | None = None) -> dict:
     """Compress, decode and score one method; ``seen`` maps the sha256 of .cgen bytes already scored
     to their row (byte-identical files decode to identical caches, so their scores are reused)."""
     values = ref.cache.numel()
     t0 = time.perf_counter()
     extra = {}
+    if m["family"] == "lmcache":
+        # Same quantization as --preset lmcache, so the same decoded cache and scores; the size is
+        # the exact byte count of LMCache's pickled output (benchmarks/lmcache_reference.py).
+        L, _, T, C = ref.cache.shape
+        stacked = ref.cache.reshape(L, 2, T, ref.num_kv_heads, ref.head_dim)
+        size = lmcache_cachegen_size(stacked, chunk_tokens=CHUNK_TOKENS)
+        base = rows["preset:lmcache"]
+        bits = size["bits_per_value"]
+        return {**base, "method": m["key"], "bits_per_value": bits, "ratio": 16.0 / bits,
+                "bytes": size["total"], "same_scores_as": "preset:lmcache"}
     if m["family"] == "original":
         data, bits = ref.cache, 16.0
     elif m["family"] == "absmax":
         data = evaluate.absmax_roundtrip(ref.cache, m["bits"])
         bits = evaluate.absmax_bits_per_value(m["bits"], ref.cache.shape[-1])
     else:
-        kw = {"preset": m["preset"]} if m["family"] == "preset" else {"bins": m["bins"]}
+        if m["family"] == "quality":
+            kw = {"quality": m["quality"], "calibration": cal if m.get("calibrated") else None}
+        else:
+            kw = {"preset": m["preset"]} if m["family"] == "preset" else {"bins": m["bins"]}
         blob = cg.encode(tensors, chunk_tokens=CHUNK_TOKENS, metadata=meta, device="cpu", **kw)
-        data = evaluate.tensors_to_internal(cg.decode(blob, device="cpu"))
+        data = evaluate.tensors_to_internal(cg.decode(blob, device="cpu", calibration=kw.get("calibration")))
         bits = 8 * len(blob) / values
-        extra = {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+        extra = {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest(), "side_fraction": side_fraction(blob)}
+        if m.get("quality") == "lossless":
+            extra["bit_exact"] = bool(torch.equal(data.view(torch.int16), ref.cache.view(torch.int16)))
         if extra["sha256"] in seen:
             return {**seen[extra["sha256"]], "same_file_as": seen[extra["sha256"]]["method"], "method": m["key"]}
     codec_s = time.perf_counter() - t0
@@ -124,7 +151,19 @@ def run_method(ref: evaluate.Reference, m: dict, tensors: dict, meta: dict, seen
     return row
 
 
-def run_case(model, tokenizer, text_name: str, text: str, ctx: int, log) -> dict:
+def side_fraction(blob: bytes) -> float:
+    """Share of the file that is not range-coded payload (or raw low bytes): headers, tables,
+    scales, offsets, sink tokens, stream lengths, index."""
+    from cachegen_cli import codec
+
+    f, _ = codec.open_input(blob)
+    h, _, offsets, size = codec.read_header_and_index(f)
+    payload = sum(int(c.payload.size) + (int(c.scales.size) if h.version == 2 else 0)
+                  for c in codec.iter_chunks(f, h, offsets, size))
+    return (len(blob) - payload) / len(blob)
+
+
+def build_ref(model, tokenizer, text_name: str, text: str, ctx: int, log):
     ids = capture.tokenize(tokenizer, text)
     need = ctx + CONTINUATION + 1
     if len(ids) < need:
@@ -133,18 +172,27 @@ def run_case(model, tokenizer, text_name: str, text: str, ctx: int, log) -> dict
     ref = evaluate.build_reference(model, ids[:ctx], ids[ctx:need], GENERATE, torch.bfloat16)
     ref_s = time.perf_counter() - t0
     log(f"  {text_name}/{ctx}: reference in {ref_s:.1f} s (prefill {ref.seconds['prefill']:.1f} s)")
+    return ids, ref, ref_s
+
+
+def run_case(model, text_name: str, text: str, ctx: int, log, ids, ref, ref_s, cal, old: dict | None) -> dict:
+    """Score every method on one text and context; rows already in ``old`` are kept."""
     layers = evaluate.layers_from_internal(ref.cache, ref.num_kv_heads, ref.head_dim, torch.bfloat16)
     tensors = capture.layers_to_tensors(layers, "stacked", torch.bfloat16)
     meta = {"model": capture.model_id(model), "text_sha256": capture.text_sha256(text), "num_tokens": str(ctx)}
-    live = evaluate.score(ref, ref.live_cache)  # what rounding the float32 cache to bf16 costs
-    rows: dict = {}
-    seen: dict = {}
+    live = evaluate.score(ref, ref.live_cache) if old is None else None  # what rounding to bf16 costs
+    rows: dict = dict(old["rows"]) if old else {}
+    seen: dict = {r["sha256"]: r for r in rows.values() if "sha256" in r and "same_file_as" not in r}
     for m in methods():
+        if m["key"] in rows:
+            continue
         t0 = time.perf_counter()
-        rows[m["key"]] = run_method(ref, m, tensors, meta, seen)
+        rows[m["key"]] = run_method(ref, m, tensors, meta, seen, cal, rows)
         r = rows[m["key"]]
         log(f"    {m['key']:<20} {r['bits_per_value']:6.3f} bits  ppl x{r['ppl_ratio']:.4f}  KL {r['kl_mean']:.2e}  "
             f"top1 {r['top1_agreement']:.3f}  greedy {r['greedy_agreement']:.2f}  ({time.perf_counter() - t0:.1f} s)")
+    if old is not None:
+        return {**old, "rows": rows}
     return {
         "text": text_name, "context": ctx, "text_tokens": len(ids), "reference_seconds": ref_s,
         "prefill_seconds": ref.seconds["prefill"], "ppl_original": live["ppl_original"],
@@ -186,13 +234,15 @@ def write_page(results: dict, info: dict, out_md: pathlib.Path, out_png: pathlib
     texts = [t for t in TEXTS if any(c["text"] == t for c in cases.values())]
     L = []
     L.append("# Model-level quality: size against what the model says\n")
-    L.append(f"Generated by `{info['command']}` on {info['date']}.  ")
+    runs = info.get("runs") or [{"command": info["command"], "date": info["date"]}]
+    L.append("Generated by " + "; then ".join(f"`{r['command']}` on {r['date']}" for r in runs)
+             + " (a `--resume` run adds the rows missing from the saved results and keeps the others).  ")
     L.append(f"Machine: {info['machine']}.  ")
     L.append(f"Versions: {info['versions']}.  ")
     L.append(f"Model: `{info['model']}` (sha256 `{info['model_sha256'][:16]}…`), run in float32 on the CPU.  ")
     L.append(f"Wall time of the run: {info['wall_seconds'] / 60:.1f} min.\n")
-    L.append("Every number and the plot on this page come from that one run of `scripts/quality_report.py`; "
-             "rerun it to regenerate the page.\n")
+    L.append("Every number and the plot on this page come from those runs of `scripts/quality_report.py`; "
+             "rerun it (without `--resume`) to regenerate everything.\n")
     L.append("## What is measured\n")
     L.append(
         "For each text and context length N, the model's KV cache of the first N tokens is rebuilt by one "
@@ -235,13 +285,15 @@ def write_page(results: dict, info: dict, out_md: pathlib.Path, out_png: pathlib
         here = [c for c in cases.values() if c["context"] == n]
         L.append(f"### {n}-token context ({len(here)} text{'s' if len(here) != 1 else ''}: "
                  f"{', '.join(c['text'] for c in here)})\n")
-        L.append("| method | bits/value | ratio | ppl ratio | KL | top-1 | greedy |")
-        L.append("|---|---:|---:|---:|---:|---:|---:|")
+        L.append("| method | bits/value | ratio | size / LMCache's | side info | ppl ratio | KL | top-1 | greedy |")
+        L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for m in ms:
             rs = [c["rows"][m["key"]] for c in here]
             mean = lambda k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
             bits = mean("bits_per_value")
-            L.append(f"| {m['label']} | {bits:.3f} | {16 / bits:.2f}× | {mean('ppl_ratio'):.4f} | "
+            vs = sum(c["rows"][m["key"]]["bits_per_value"] / c["rows"]["lmcache"]["bits_per_value"] for c in here) / len(here)
+            side = f"{100 * mean('side_fraction'):.1f}%" if all("side_fraction" in r for r in rs) else "—"
+            L.append(f"| {m['label']} | {bits:.3f} | {16 / bits:.2f}× | {vs:.3f} | {side} | {mean('ppl_ratio'):.4f} | "
                      f"{_fmt_kl(mean('kl_mean'))} | {mean('top1_agreement'):.3f} | {mean('greedy_agreement'):.2f} |")
         L.append("")
         f32 = [c["float32_vs_bf16"] for c in here]
@@ -252,6 +304,10 @@ def write_page(results: dict, info: dict, out_md: pathlib.Path, out_png: pathlib
     L.append("## Observations (computed from the tables above)\n")
     for n in contexts:
         L.extend(_observations(n, [c for c in cases.values() if c["context"] == n]))
+    L.append("")
+    L.append("### Format version 2 (`--quality`) against the issue's bars\n")
+    for n in contexts:
+        L.extend(_v2_observations(n, [c for c in cases.values() if c["context"] == n], ms))
     L.append("")
     L.append("## Per text\n")
     for n in contexts:
@@ -281,6 +337,41 @@ def write_page(results: dict, info: dict, out_md: pathlib.Path, out_png: pathlib
              "log scale.\n")
     out_md.write_text("\n".join(L) + "\n", encoding="utf-8")
     _plot(results, out_png)
+
+
+def _v2_observations(n: int, here: list[dict], ms: list[dict]) -> list[str]:
+    """Issue 5's acceptance bars, checked on the means (and per text where it says so)."""
+    def mean(key: str, field: str) -> float:
+        return sum(c["rows"][key][field] for c in here) / len(here)
+
+    def vs(key: str) -> float:
+        return sum(c["rows"][key]["bits_per_value"] / c["rows"]["lmcache"]["bits_per_value"] for c in here) / len(here)
+
+    lm_kl = mean("lmcache", "kl_mean")
+    v2 = [m["key"] for m in ms if m["family"] == "quality" and m["quality"] != "lossless"]
+    ok = [k for k in v2 if mean(k, "kl_mean") <= lm_kl]
+    out = [f"- **{n} tokens.** LMCache's CacheGen: {mean('lmcache', 'bits_per_value'):.2f} bits/value, KL {lm_kl:.2e}."]
+    if ok:
+        best = min(ok, key=lambda k: mean(k, "bits_per_value"))
+        per_text = all(c["rows"][best]["kl_mean"] <= c["rows"]["lmcache"]["kl_mean"] for c in here)
+        out.append(f"  Smallest `--quality` row with a mean KL at or below it: **{best.split(':')[1]}** at "
+                   f"{mean(best, 'bits_per_value'):.2f} bits/value ({16 / mean(best, 'bits_per_value'):.1f}× smaller than "
+                   f"bf16), **{vs(best):.3f}× LMCache's size**, KL {mean(best, 'kl_mean'):.2e}, top-1 "
+                   f"{mean(best, 'top1_agreement'):.3f} (KL at or below LMCache's on every text: {'yes' if per_text else 'no'}).")
+    else:
+        out.append("  No `--quality` row reaches LMCache's mean KL.")
+    h = "quality:high"
+    for key in (h, h + "+cal"):
+        out.append(f"  `{key.split(':')[1]}`: KL {mean(key, 'kl_mean'):.2e}, top-1 {mean(key, 'top1_agreement'):.3f}, "
+                   f"{16 / mean(key, 'bits_per_value'):.2f}× smaller than bf16 (bar: KL ≤ 0.005, top-1 ≥ 0.97, ≥ 4×: "
+                   + ("met" if mean(key, "kl_mean") <= 0.005 and mean(key, "top1_agreement") >= 0.97
+                      and 16 / mean(key, "bits_per_value") >= 4 else "not met") + ").")
+    lossless = [c["rows"]["quality:lossless"] for c in here]
+    out.append(f"  `lossless`: bit-exact on {sum(r.get('bit_exact', False) for r in lossless)} of {len(lossless)} caches, "
+               f"{16 / mean('quality:lossless', 'bits_per_value'):.2f}× smaller than bf16 (bar: 1.3×).")
+    sides = [c["rows"][k]["side_fraction"] for c in here for k in v2]
+    out.append(f"  Side information of the `--quality` rows (256-token chunks): {100 * min(sides):.1f}–{100 * max(sides):.1f}% of the file.")
+    return out
 
 
 def _observations(n: int, here: list[dict]) -> list[str]:
@@ -329,6 +420,12 @@ def _plot(results: dict, out_png: pathlib.Path) -> None:
         lab = f"{c['text']}, {c['context']} tok"
         ax1.plot(xs, [max(r["kl_mean"], 1e-7) for r in bins], ls, color=col, marker=".", label=lab)
         ax2.plot(xs, [r["top1_agreement"] for r in bins], ls, color=col, marker=".", label=lab)
+        v2 = [c["rows"][f"quality:{q}"] for q in ("high", "balanced", "small")]
+        ax1.plot([r["bits_per_value"] for r in v2], [max(r["kl_mean"], 1e-7) for r in v2], ":", color=col, marker="o", mfc="none")
+        ax2.plot([r["bits_per_value"] for r in v2], [r["top1_agreement"] for r in v2], ":", color=col, marker="o", mfc="none")
+        v2c = [c["rows"][f"quality:{q}+cal"] for q in ("high", "balanced", "small")]
+        ax1.plot([r["bits_per_value"] for r in v2c], [max(r["kl_mean"], 1e-7) for r in v2c], ":", color=col, marker="^")
+        ax2.plot([r["bits_per_value"] for r in v2c], [r["top1_agreement"] for r in v2c], ":", color=col, marker="^")
         for mk, marker in (("preset:lmcache", "*"), ("int4", "s"), ("int8", "D")):
             r = c["rows"][mk]
             ax1.plot(r["bits_per_value"], max(r["kl_mean"], 1e-7), marker, color=col, ms=9 if marker == "*" else 6,
@@ -347,9 +444,11 @@ def _plot(results: dict, out_png: pathlib.Path) -> None:
     handles, labels = ax1.get_legend_handles_labels()
     handles += [Line2D([], [], color="k", marker="*", ls="none", ms=9, label="--preset lmcache"),
                 Line2D([], [], color="k", marker="s", mfc="none", ls="none", label="int4 abs-max"),
-                Line2D([], [], color="k", marker="D", mfc="none", ls="none", label="int8 abs-max")]
+                Line2D([], [], color="k", marker="D", mfc="none", ls="none", label="int8 abs-max"),
+                Line2D([], [], color="k", marker="o", mfc="none", ls=":", label="--quality high/balanced/small"),
+                Line2D([], [], color="k", marker="^", ls=":", label="... with --calibration")]
     ax1.legend(handles=handles, fontsize=8)
-    fig.suptitle("SmolLM2-135M-Instruct: quality of the decoded KV cache (cachegen --bins 3…255 as lines)")
+    fig.suptitle("SmolLM2-135M-Instruct: quality of the decoded KV cache (format v1 --bins 3…255 as lines; v2 --quality dotted)")
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
@@ -388,6 +487,7 @@ def main(argv=None) -> int:
         "contexts": args.contexts, "texts": info.get("texts", {}),
     })
     elapsed_before = info.get("wall_seconds", 0.0) if args.resume else 0.0
+    info["runs"] = (info.get("runs", []) if args.resume else []) + [{"command": info["command"], "date": info["date"]}]
     loaded_texts = {}
     for name in args.texts:
         kind, loader = TEXTS[name]
@@ -395,13 +495,25 @@ def main(argv=None) -> int:
         loaded_texts[name] = text
         info["texts"][name] = {"kind": kind, "source": source_desc, "sha256": capture.text_sha256(text),
                                "tokens": len(capture.tokenize(tokenizer, text))}
+    keys = [m["key"] for m in methods()]
     for n in args.contexts:  # all texts at the shorter context first: they are the quick ones
-        for name, text in loaded_texts.items():
+        todo = [name for name in loaded_texts
+                if not all(k in results["cases"].get(f"{name}|{n}", {}).get("rows", {}) for k in keys)]
+        for name in loaded_texts:
+            if name not in todo:
+                log(f"  {name}|{n}: kept from {RESULTS.name}")
+        if not todo:
+            continue
+        # Every text's cache at this length: the calibrated rows use a rotation fitted on the
+        # *other* texts' caches (leave one out), as a user would calibrate on their own samples.
+        refs = {name: build_ref(model, tokenizer, name, text, n, log) for name, text in loaded_texts.items()}
+        for name in todo:
             key = f"{name}|{n}"
-            if key in results["cases"]:
-                log(f"  {key}: kept from {RESULTS.name}")
-                continue
-            results["cases"][key] = run_case(model, tokenizer, name, text, n, log)
+            others = [refs[o][1].cache for o in refs if o != name]
+            cal = calibration.fit(others) if others else None
+            ids, ref, ref_s = refs[name]
+            results["cases"][key] = run_case(model, name, loaded_texts[name], n, log, ids, ref, ref_s, cal,
+                                             results["cases"].get(key))
             info["wall_seconds"] = elapsed_before + time.perf_counter() - t_start
             results["info"] = info
             RESULTS.write_text(json.dumps(results, indent=1))

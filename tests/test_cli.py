@@ -107,7 +107,7 @@ def test_truncated_cgen(kv_file, tmp_path, cut):
 
 
 def test_corrupted_and_foreign_cgen(kv_file, tmp_path):
-    assert run("encode", kv_file).exit_code == 0
+    assert run("encode", kv_file, "--preset", "lmcache").exit_code == 0  # the middle byte lies in a v1 payload
     blob = bytearray((tmp_path / "kv.cgen").read_bytes())
     blob[len(blob) // 2] ^= 0x40
     (tmp_path / "corrupt.cgen").write_bytes(blob)
@@ -185,3 +185,54 @@ def test_progress_bar_does_not_break_output(tmp_path):
     r = run("encode", path, "--chunk-tokens", "4")  # 16 chunks: progress bar path
     assert r.exit_code == 0, r.output
     assert run("decode", tmp_path / "long.cgen").exit_code == 0
+
+
+def test_quality_lossless_and_options(kv_file, tmp_path):
+    r = run("encode", kv_file, "--quality", "lossless", "-o", tmp_path / "l.cgen")
+    assert r.exit_code == 0, r.output
+    assert run("decode", tmp_path / "l.cgen", "-o", tmp_path / "l.safetensors").exit_code == 0
+    a, b = load_file(kv_file)["kv"], load_file(tmp_path / "l.safetensors")["kv"]
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    r = run("stats", tmp_path / "l.cgen")
+    assert r.exit_code == 0 and "cgen v2, lossless" in r.stdout
+    r = run("encode", kv_file, "--quality", "high", "--preset", "lmcache", "-o", tmp_path / "x.cgen")
+    one_line_error(r, "only one of --quality, --preset")
+    assert r.exit_code == 2
+    r = run("encode", kv_file, "--quality", "medium")
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    one_line_error(run("encode", kv_file, "--quality", "small", "--device", "cuda", "-o", tmp_path / "y.cgen"), "CPU")
+    assert not (tmp_path / "x.cgen").exists() and not (tmp_path / "y.cgen").exists()
+
+
+def test_calibrate_encode_decode(kv_file, tmp_path):
+    other = tmp_path / "other.safetensors"
+    save_file({"kv": realistic_kv(layers=3, tokens=30, seed=4)}, other)
+    cal = tmp_path / "cal.safetensors"
+    r = run("calibrate", other, "-o", cal)
+    assert r.exit_code == 0, r.output
+    assert "rotation for 3 layers x 16 channels" in r.stdout
+    one_line_error(run("calibrate", other, "-o", cal), "already exists")
+    r = run("encode", kv_file, "--calibration", cal, "-o", tmp_path / "r.cgen")
+    assert r.exit_code == 0, r.output
+    before = listing(tmp_path)
+    one_line_error(run("decode", tmp_path / "r.cgen", "-o", tmp_path / "r.safetensors"), "--calibration")
+    one_line_error(run("decode", tmp_path / "r.cgen", "--calibration", kv_file, "-o", tmp_path / "r.safetensors"),
+                   "calibration")
+    assert listing(tmp_path) == before
+    r = run("decode", tmp_path / "r.cgen", "--calibration", cal, "-o", tmp_path / "r.safetensors")
+    assert r.exit_code == 0, r.output
+    r = run("stats", tmp_path / "r.cgen", "--reference", kv_file, "--calibration", cal)
+    assert r.exit_code == 0 and "transform + rotation" in r.stdout, r.output
+
+
+def test_config_file_with_steps(kv_file, tmp_path):
+    toml = tmp_path / "steps.toml"
+    toml.write_text('method = "transform"\nkey_step = [0.5, 0.6, 0.7]\nvalue_step = 0.4\nsink_tokens = 2\n')
+    r = run("encode", kv_file, "--config", toml, "-o", tmp_path / "s.cgen")
+    assert r.exit_code == 0, r.output
+    toml.write_text('quality = "small"\n')
+    assert run("encode", kv_file, "--config", toml, "-o", tmp_path / "q.cgen").exit_code == 0
+    toml.write_text('quality = "small"\npreset = "lmcache"\n')
+    one_line_error(run("encode", kv_file, "--config", toml, "-o", tmp_path / "b.cgen"), "only one of")
+    toml.write_text('method = "transform"\nkey_step = [0.5, 0.6]\n')
+    one_line_error(run("encode", kv_file, "--config", toml, "-o", tmp_path / "b.cgen"), "one per layer")
