@@ -94,8 +94,8 @@ def save(cal: Calibration, path: str | Path) -> None:
 
 
 def load(path: str | Path) -> Calibration:
-    from safetensors import SafetensorError
-    from safetensors.numpy import load as load_np
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import load as load_torch
 
     path = Path(path)
     if not path.is_file():
@@ -104,20 +104,19 @@ def load(path: str | Path) -> Calibration:
         raise CalibrationError(f"calibration file {path} is larger than {MAX_CALIBRATION_BYTES >> 30} GiB")
     raw = path.read_bytes()
     try:
-        tensors = load_np(raw)
-        from safetensors import safe_open  # metadata
-
-        with safe_open(str(path), "np") as f:
+        tensors = load_torch(raw)
+        with safe_open(str(path), "pt") as f:
             metadata = f.metadata() or {}
-    except (SafetensorError, ValueError, OSError) as exc:
+    except (SafetensorError, ValueError, OSError, KeyError) as exc:
         raise CalibrationError(f"{path} is not a safetensors calibration file ({str(exc).splitlines()[0]})") from None
     if metadata.get("format") != FORMAT_NAME:
         raise CalibrationError(f"{path} is not a cachegen calibration file (no format={FORMAT_NAME} metadata)")
     if metadata.get("version") != FORMAT_VERSION:
         raise CalibrationError(f"{path}: calibration version {metadata.get('version')!r} is not supported")
     rot = tensors.get("rotation")
-    if rot is None or rot.dtype != np.float32 or rot.ndim != 4 or rot.shape[1] != 2 or rot.shape[2] != rot.shape[3]:
+    if rot is None or rot.dtype != torch.float32 or rot.dim() != 4 or rot.shape[1] != 2 or rot.shape[2] != rot.shape[3]:
         raise CalibrationError(f"{path}: needs a float32 tensor 'rotation' [layers, 2, C, C]")
+    rot = rot.numpy()
     if not np.isfinite(rot).all():
         raise CalibrationError(f"{path}: the rotation holds NaN or Inf")
     rot = np.ascontiguousarray(rot)

@@ -285,7 +285,8 @@ def load_config_file(path: str | Path) -> EncodeSettings:
         if not isinstance(delta, bool):
             raise ConfigError(f"config file {path}: token_delta must be true or false")
         cfg = TransformConfig(method, _steps_from(data.get("key_step", 1.0), "key_step"),
-                              _steps_from(data.get("value_step", 1.0), "value_step"), sink, delta, path.name)
+                              _steps_from(data.get("value_step", 1.0), "value_step"), sink_tokens=sink,
+                              token_delta=delta, name=path.name)
         return EncodeSettings(quantization=cfg, chunk_tokens=chunk)
     if "preset" in data:
         if "key" in data or "value" in data:
