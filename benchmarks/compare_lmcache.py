@@ -26,8 +26,8 @@ from lmcache_reference import lmcache_cachegen_size  # noqa: E402
 def compare(path: Path, chunk_tokens: int = 256) -> dict:
     cache = kvio.read_safetensors(path)
     tensors = kvio.to_tensors(cache.data, cache.descriptor())
-    blob = cg.encode(tensors, chunk_tokens=chunk_tokens)
-    decoded = kvio.from_tensors(cg.decode(blob)).data.double()
+    blob = cg.encode(tensors, preset="lmcache", chunk_tokens=chunk_tokens, device="cpu")
+    decoded = kvio.from_tensors(cg.decode(blob, device="cpu")).data.double()
     x = cache.data.double()
     ours_mse = float(((decoded - x) ** 2).sum() / (x**2).sum())
     stacked = cache.data.reshape(cache.num_layers, 2, cache.num_tokens, cache.num_kv_heads, cache.head_dim)
