@@ -29,6 +29,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "sample_data" / "smollm2_pydoc_520.safetensors"
+#: LMCache's table (format version 1), which the GPU kernels implement; the library's default
+#: quality is format version 2, CPU only.
+PRESET = "lmcache"
 
 
 def build_cache(tokens: int, layers: int = 32, heads: int = 8, head_dim: int = 128) -> torch.Tensor:
@@ -147,18 +150,66 @@ def gpu_kernel_times(kv_gpu: torch.Tensor, repeats: int) -> dict:
     return {"stages_s": stages, "encode_s": total_encode, "decode_s": total_decode}
 
 
+def device_stage_times(kv: torch.Tensor, on_device: torch.Tensor, repeats: int) -> dict:
+    """Per-stage milliseconds of encode_to_device and of decode(GPU bytes), from CUDA events
+    recorded after each stage's launches (gpu_codec.STAGE_HOOK); medians over the repeats."""
+    import cachegen_cli as cg
+    from cachegen_cli import gpu_codec
+
+    out = {}
+    for label, fn in (("encode", lambda: cg.encode_to_device(kv, preset=PRESET)), ("decode", lambda: cg.decode(on_device, device="cuda"))):
+        runs = []
+        for _ in range(repeats):
+            marks = []
+
+            def hook(name, marks=marks):
+                e = torch.cuda.Event(enable_timing=True)
+                e.record()
+                marks.append((name, e))
+
+            gpu_codec.STAGE_HOOK = hook
+            try:
+                fn()
+            finally:
+                gpu_codec.STAGE_HOOK = None
+            torch.cuda.synchronize()
+            runs.append({name: marks[i - 1][1].elapsed_time(e) for i, (name, e) in enumerate(marks) if i})
+        out[label] = {name: statistics.median(r[name] for r in runs) for name in runs[0]}
+    return out
+
+
 def end_to_end(kv: torch.Tensor, device: str, repeats: int) -> dict:
     import cachegen_cli as cg
 
     sync = torch.cuda.synchronize if device == "cuda" else None
-    blob = cg.encode(kv, device=device)
-    enc = median_time(lambda: cg.encode(kv, device=device), repeats, sync)
-    dec = median_time(lambda: cg.decode(blob, device=device), repeats, sync)
-    out = {"encode_s": enc, "decode_s": dec, "compressed_bytes": len(blob), "blob": blob}
+    out = {}
     if device == "cuda":
-        on_device = cg.encode_to_device(kv)
+        import io
+
+        from cachegen_cli import codec, kvio
+        from cachegen_cli.config import lmcache_rule
+
+        # The GPU-resident paths first, before the host-bytes paths churn host memory; they
+        # take ~10 ms, so twice the repeats.
+        on_device = cg.encode_to_device(kv, preset=PRESET)
+        out["encode_to_device_s"] = median_time(lambda: cg.encode_to_device(kv, preset=PRESET), 2 * repeats, sync)
+        out["decode_device_s"] = median_time(lambda: cg.decode(on_device, device="cuda"), 2 * repeats, sync)
+        out["device_stages_ms"] = device_stage_times(kv, on_device, 2 * repeats)
+    blob = cg.encode(kv, device=device, preset=PRESET)
+    out["encode_s"] = median_time(lambda: cg.encode(kv, device=device, preset=PRESET), repeats, sync)
+    out["decode_s"] = median_time(lambda: cg.decode(blob, device=device), repeats, sync)
+    out["compressed_bytes"] = len(blob)
+    out["blob"] = blob
+    if device == "cuda":
         out["identical_device_bytes"] = on_device.cpu().numpy().tobytes() == blob
-        out["encode_to_device_s"] = median_time(lambda: cg.encode_to_device(kv), repeats, sync)
+        # The earlier GPU path (per-slab kernels, host-side records) as an independent check.
+        cache = kvio.from_tensors(kv)
+        old = io.BytesIO()
+        codec.encode_to_stream(cache, old, lmcache_rule(cache.num_layers), 256, device="cuda")
+        out["identical_to_slab_path"] = old.getvalue() == blob
+        decoded = cg.decode(on_device, device="cuda")["kv"]
+        _, reference = codec.decode_from_stream(io.BytesIO(blob), device="cuda")  # host-checked path
+        out["decode_matches_slab_path"] = bool(torch.equal(decoded.reshape(reference.shape), reference))
     return out
 
 
@@ -169,7 +220,7 @@ def file_to_file(kv: torch.Tensor, device: str, repeats: int) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         src, dst, back = Path(tmp) / "kv.safetensors", Path(tmp) / "kv.cgen", Path(tmp) / "back.safetensors"
         save_file({"kv": kv.cpu()}, str(src))
-        enc = median_time(lambda: cg.encode_file(src, dst, force=True, device=device), repeats)
+        enc = median_time(lambda: cg.encode_file(src, dst, force=True, device=device, preset=PRESET), repeats)
         dec = median_time(lambda: cg.decode_file(dst, back, force=True, device=device), repeats)
     return {"encode_s": enc, "decode_s": dec}
 
@@ -183,7 +234,33 @@ def main() -> None:
     p.add_argument("--check-identical", action="store_true", help="also encode the GPU cache on the CPU and compare bytes")
     p.add_argument("--json", type=Path)
     p.add_argument("--profile", action="store_true", help="print where the host time of one in-memory encode and decode goes")
+    p.add_argument("--device-only", action="store_true",
+                   help="only time encode_to_device and decode(GPU bytes) (e.g. to compare kernel settings)")
+    p.add_argument("--once", action="store_true",
+                   help="only run encode_to_device and decode(GPU bytes) once each (for a profiler such as ncu)")
     args = p.parse_args()
+    if args.device_only:  # the two in-memory GPU paths and their stages, nothing else
+        import cachegen_cli as cg
+
+        kv = build_cache(args.tokens).cuda()
+        nbytes = kv.numel() * kv.element_size()
+        sync = torch.cuda.synchronize
+        on_device = cg.encode_to_device(kv, preset=PRESET)
+        enc = median_time(lambda: cg.encode_to_device(kv, preset=PRESET), args.repeats, sync)
+        dec = median_time(lambda: cg.decode(on_device, device="cuda"), args.repeats, sync)
+        stages = device_stage_times(kv, on_device, args.repeats)
+        print(f"# {' '.join(sys.argv)}: encode_to_device {nbytes / enc / 1e9:.1f} GB/s ({enc * 1e3:.2f} ms), "
+              f"decode(GPU bytes) {nbytes / dec / 1e9:.1f} GB/s ({dec * 1e3:.2f} ms); stages (ms): "
+              + "; ".join(f"{label}: " + ", ".join(f"{n} {t:.2f}" for n, t in st.items()) for label, st in stages.items()))
+        return
+    if args.once:
+        import cachegen_cli as cg
+
+        kv = build_cache(args.tokens).cuda()
+        blob = cg.encode_to_device(kv, preset=PRESET)
+        cg.decode(blob, device="cuda")
+        torch.cuda.synchronize()
+        return
     import numba
 
     from cachegen_cli.codec import resolve_device
@@ -225,7 +302,7 @@ def main() -> None:
 
             import cachegen_cli as cg
 
-            for label, stmt in (("encode", lambda: cg.encode(kv_dev, device=device)),
+            for label, stmt in (("encode", lambda: cg.encode(kv_dev, device=device, preset=PRESET)),
                                 ("decode", lambda: cg.decode(blob, device=device))):
                 prof = cProfile.Profile()
                 prof.runcall(stmt)
@@ -235,15 +312,15 @@ def main() -> None:
         res["ratio"] = nbytes / e2e["compressed_bytes"]
         rows.append((device, "in memory (host bytes)", nbytes / e2e["encode_s"], nbytes / e2e["decode_s"], copy_bw))
         if "encode_to_device_s" in e2e:
-            rows.append((device, "in memory, bytes on the GPU (encode_to_device)", nbytes / e2e["encode_to_device_s"],
-                         nbytes / e2e["decode_s"], copy_bw))
+            rows.append((device, "in memory, GPU tensor -> GPU bytes -> GPU tensor (encode_to_device, decode)",
+                         nbytes / e2e["encode_to_device_s"], nbytes / e2e["decode_device_s"], copy_bw))
         f2f = file_to_file(kv, device, max(1, args.repeats // 2))
         res["file_to_file"] = f2f
         rows.append((device, "file to file", nbytes / f2f["encode_s"], nbytes / f2f["decode_s"], copy_bw))
         if device == "cuda" and args.check_identical:
             import cachegen_cli as cg
 
-            res["identical_to_cpu"] = cg.encode(kv, device="cpu") == blob
+            res["identical_to_cpu"] = cg.encode(kv, device="cpu", preset=PRESET) == blob
         results[device] = res
     print(f"# {info['date']}  CPU: {info['cpu']} ({info['cpu_threads']} threads)  GPU: {info.get('gpu', '-')}  torch {info['torch']}")
     print(f"# {info['command']}")
@@ -251,7 +328,9 @@ def main() -> None:
         r = results[device]
         print(f"# {device}: Llama-3.1-8B-shaped cache, {r['tokens']} tokens, {r['bytes'] / 1e9:.3f} GB bf16, "
               f"ratio {r['ratio']:.2f}x" + (f", identical to CPU bytes: {r['identical_to_cpu']}" if "identical_to_cpu" in r else "")
-              + (f", encode_to_device bytes identical: {r['end_to_end']['identical_device_bytes']}" if "identical_device_bytes" in r["end_to_end"] else ""))
+              + (f", encode_to_device bytes identical: {r['end_to_end']['identical_device_bytes']}" if "identical_device_bytes" in r["end_to_end"] else "")
+              + (f", identical to the slab path's bytes: {r['end_to_end']['identical_to_slab_path']}, decode equals the slab path's: "
+                 f"{r['end_to_end']['decode_matches_slab_path']}" if "identical_to_slab_path" in r["end_to_end"] else ""))
     print("| device | path | encode GB/s | decode GB/s | per core (CPU) / of copy bw (GPU) |")
     print("|---|---|---:|---:|---:|")
     for device, path, enc, dec, bw in rows:
@@ -260,9 +339,14 @@ def main() -> None:
         print(f"| {device} | {path} | {enc / 1e9:.3f} | {dec / 1e9:.3f} | {extra} |")
     if "cuda" in results:
         st = results["cuda"]["kernels"]["stages_s"]
-        print("| GPU stage | ms |\n|---|---:|")
+        print("| GPU stage (kernels only) | ms |\n|---|---:|")
         for name, t in st.items():
             print(f"| {name} | {t * 1e3:.3f} |")
+        for label, st in results["cuda"]["end_to_end"]["device_stages_ms"].items():
+            print(f"| {label} in memory on the GPU: stage | ms |\n|---|---:|")
+            for name, t in st.items():
+                print(f"| {name} | {t:.3f} |")
+            print(f"| (sum) | {sum(st.values()):.3f} |")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2, default=str))
 

@@ -260,85 +260,441 @@ def decode_blob(h: FileHeader, blob: memoryview, chunk_offsets: list[int], chunk
 
 
 # ---------------------------------------------------------------- .cgen bytes that stay on the GPU
+#
+# encode_file_device: a cache tensor -> the whole .cgen file in a uint8 device tensor;
+# decode_device: such a tensor -> the [L, 2, T, C] cache.  Both run a fixed number of
+# launches whatever the chunk count (no per-chunk Python loop), and cross to the host
+# only small things: encoding, the chunks' payload sizes (one synchronisation: they
+# place the records); decoding, the header, index and chunk headers it checks (a few
+# hundred bytes each), then one [5, K] table of per-chunk results of the checks done on
+# the device (CRC-32s, stream-length sums and maxima, padding nibbles, scales).
+#
+# Under numba's CUDA simulator (tests) the same code runs on CPU tensors: the kernels
+# get numpy views of them.
 
 
-def encode_records(h: FileHeader, x: torch.Tensor, first_chunk: int) -> tuple[torch.Tensor, list[int]]:
-    """Encode x [L, 2, T_slab, C] into the chunk records of the .cgen format, assembled on
-    the GPU with their CRC-32s: returns (uint8 CUDA tensor of the records back to back,
-    record sizes).  One host synchronisation, for the payload sizes; the only bytes
-    that cross to the host are those sizes."""
+def device_bytes(data) -> torch.Tensor:
+    """.cgen bytes (bytes-like or a uint8 tensor) as a contiguous uint8 CUDA tensor."""
+    if isinstance(data, torch.Tensor):
+        return data.to("cuda").contiguous()
+    if not len(data):
+        return torch.zeros(0, dtype=torch.uint8, device="cuda")
+    return upload_blob(data)
+
+
+def to_host_bytes(blob: torch.Tensor) -> bytes:
+    """A uint8 device tensor as ``bytes``, through the reused page-locked buffer (a
+    pageable copy runs at a fraction of the link's speed)."""
+    n = int(blob.numel())
+    staging = _STAGING.get(n)
+    staging.copy_(blob)  # synchronous: waits for the kernels that wrote blob
+    return staging.numpy().tobytes()
+
+
+#: Set by benchmarks/bench.py to a callable taking a stage name: called after each stage's
+#: launches of encode_file_device / decode_device, so CUDA events can time the stages.
+STAGE_HOOK = None
+
+
+def _mark(name: str) -> None:
+    if STAGE_HOOK is not None:
+        STAGE_HOOK(name)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda") if torch_cuda_ok() else torch.device("cpu")
+
+
+def _nb(t: torch.Tensor):
+    """The array a kernel takes for a tensor: a numba view of a CUDA tensor (no sync), or
+    a numpy view of a CPU tensor (simulator)."""
+    if t.is_cuda:
+        return _kernels().as_device(t)
+    return t.numpy()
+
+
+_WS: dict = {}
+#: encode_file_device / decode_device reuse _WS's buffers: one call at a time.
+_LOCK = __import__("threading").RLock()
+
+
+def _ws(name: str, shape, dtype, dev: torch.device, view=None):
+    """A device buffer kept between calls, and its numba view (``view``: a dtype to view it
+    as).  Making the view of a fresh torch tensor costs tens of microseconds of Python per
+    array per launch, and while the GPU waits for the host that time is the GPU's too."""
+    key = (tuple(shape), dtype, str(dev))
+    e = _WS.get(name)
+    if e is None or e["key"] != key:
+        e = _WS[name] = {"key": key, "t": torch.empty(shape, dtype=dtype, device=dev), "nb": {}}
+    nb = e["nb"].get(view)
+    if nb is None:
+        nb = e["nb"][view] = _nb(e["t"] if view is None else e["t"].view(view))
+    return e["t"], nb
+
+
+_CONSTS: dict = {}
+
+
+def _consts(h: FileHeader, dev: torch.device) -> dict:
+    """Per-shape device constants: maxq, each (layer, K/V) plane's offset inside a chunk's
+    CDF-codes section, and where the padding nibbles of that section are."""
+    key = (np.ascontiguousarray(h.bins, np.int32).tobytes(), h.num_channels, str(dev))
+    c = _CONSTS.get(key)
+    if c is None:
+        nb = ((h.alphabets + 1) // 2).astype(np.int64).reshape(-1)
+        plane_off = np.zeros(nb.size, np.int64)
+        np.cumsum(nb[:-1] * h.num_channels, out=plane_off[1:])
+        _, _, padded = container.nibble_maps(h, int(h.alphabets.max()))
+        c = {
+            "maxq": torch.as_tensor(np.ascontiguousarray(h.maxq, np.int32), device=dev),
+            "plane_off": torch.as_tensor(plane_off.reshape(h.num_layers, 2), device=dev),
+            "padded": torch.as_tensor(np.asarray(padded, np.int64), device=dev),
+        }
+        c["maxq_nb"], c["plane_off_nb"] = _nb(c["maxq"]), _nb(c["plane_off"])
+        _CONSTS.clear()
+        _CONSTS[key] = c
+    return c
+
+
+_CHUNK_HEADER_DTYPE = np.dtype([("magic", "S4"), ("index", "<u4"), ("first_token", "<u4"), ("token_count", "<u4"),
+                                ("scales_size", "<u4"), ("cdf_size", "<u4"), ("lengths_size", "<u4"),
+                                ("payload_size", "<u4"), ("reserved", "<u4"), ("crc", "<u4")])
+assert _CHUNK_HEADER_DTYPE.itemsize == container.CHUNK_HEADER.size
+
+
+def _upload(parts: list[np.ndarray], dev: torch.device, heads_row: int = 0) -> list[torch.Tensor]:
+    """Several small host int64 arrays to the device in one copy; returns device views.
+    With heads_row, the last part is returned as uint8 rows of that many bytes."""
+    flat = np.concatenate([np.asarray(p, np.int64).reshape(-1) for p in parts]) if parts else np.zeros(0, np.int64)
+    d = torch.from_numpy(flat).to(dev)
+    out, o = [], 0
+    for p in parts:
+        n = int(np.asarray(p).size)
+        out.append(d[o : o + n])
+        o += n
+    if heads_row:
+        out[-1] = out[-1].view(torch.uint8).view(-1, heads_row)
+    return out
+
+
+#: Integer dtypes of 2, 4 and 8 bytes: viewing [..., C] bytes as [..., C / G] words of G bytes.
+_WORD_VIEWS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _int64_words(blob: torch.Tensor):
+    """The first len // 8 bytes of a uint8 tensor viewed as int64, for the kernels' 8-byte
+    reads, or None when it does not start 8-byte aligned."""
+    n = int(blob.numel()) // 8 * 8
+    if n == 0 or blob.data_ptr() % 8:
+        return None
+    return _nb(blob[:n].view(torch.int64))
+
+
+def _quantize_device(h: FileHeader, x: torch.Tensor, maxq, scales, symbols_name: str, symbols_shape) -> None:
+    """Quantize x into _WS[symbols_name] (uint8 of symbols_shape) and scales (numba views)."""
     k = _kernels()
-    a = k.as_device
-    dev = torch.device("cuda")
+    C = x.shape[3]
+    dev = x.device
+    if x.dtype in _WORD_FORMATS and C % 4 == 0:
+        words = x.contiguous().view(torch.int16).view(torch.int64)
+        out = _ws(symbols_name, symbols_shape, torch.uint8, dev, torch.int32)[1]
+        k.quantize_quads(_nb(words), _WORD_FORMATS[x.dtype], maxq, scales, out)
+    elif x.dtype in _WORD_FORMATS and C % 2 == 0:
+        words = x.contiguous().view(torch.int16).view(torch.int32)
+        out = _ws(symbols_name, symbols_shape, torch.uint8, dev, torch.int16)[1]
+        k.quantize_pairs(_nb(words), _WORD_FORMATS[x.dtype], maxq, scales, out)
+    elif x.dtype in _WORD_FORMATS:
+        out = _ws(symbols_name, symbols_shape, torch.uint8, dev)[1]
+        k.quantize_bits(_nb(x.contiguous().view(torch.int16)), _WORD_FORMATS[x.dtype], maxq, scales, out)
+    else:
+        out = _ws(symbols_name, symbols_shape, torch.uint8, dev)[1]
+        k.quantize(_nb(x.to(torch.float32).contiguous()), maxq, scales, out)
+
+
+def _encode_records(h: FileHeader, x: torch.Tensor, first_chunk: int, alloc) -> np.ndarray:
+    """The chunk records of x [L, 2, T_slab, C] (whole chunks from ``first_chunk`` on),
+    written to the buffer that ``alloc(total_bytes)`` returns as (tensor, offset).
+    Returns the records' sizes."""
+    k = _kernels()
+    dev = x.device
     L, _, T, C = x.shape
     ct, G = h.chunk_tokens, h.group
     K = -(-T // ct)
-    S = int(h.alphabets.max())
     per = h.streams_per_chunk
     n = K * per
-    maxq = torch.as_tensor(h.maxq, device=dev)
-    scales = torch.empty((L, 2, T), dtype=torch.int16, device=dev)  # bf16 scale bits are < 0x8000
-    symbols = torch.empty((L, 2, T, C), dtype=torch.uint8, device=dev)
-    if x.dtype in _WORD_FORMATS:
-        words = x.to(device=dev).contiguous().view(torch.int16)
-        k.quantize_bits(a(words), _WORD_FORMATS[x.dtype], a(maxq), a(scales), a(symbols))
+    width = int(h.alphabets.max()) + 1  # CDF row length
+    consts = _consts(h, dev)
+    maxq, plane_off = consts["maxq_nb"], consts["plane_off_nb"]
+    scales_t, scales = _ws("enc.scales", (L, 2, T), torch.int16, dev)  # bf16 scale bits are < 0x8000
+    _mark("start")
+    _quantize_device(h, x, maxq, scales, "enc.symbols", (L, 2, T, C))
+    symbols_t, symbols = _ws("enc.symbols", (L, 2, T, C), torch.uint8, dev)
+    _mark("quantize")
+    cdf_size = h.section_sizes(ct)[1]
+    codes_at_t, codes_at = _ws("enc.codes_at", (K,), torch.int64, dev)
+    codes_at_t.copy_(torch.arange(K, dtype=torch.int64, device=dev) * cdf_size)
+    packed_t, packed = _ws("enc.packed", (K * cdf_size,), torch.uint8, dev)
+    k.stats_packed(symbols, ct, maxq, plane_off, codes_at, packed, width - 1)
+    _mark("histogram + codes")
+    slots_t, slots = _ws("enc.slots", (n, max_stream_bytes(ct * G)), torch.uint8, dev)
+    lengths_t, lengths = _ws("enc.lengths", (n,), torch.int32, dev)
+    words = None
+    if G in _WORD_VIEWS and C % G == 0:  # one load per token for the coder
+        words = _ws("enc.symbols", (L, 2, T, C), torch.uint8, dev, _WORD_VIEWS[G])[1]
+    k.encode_streams_packed(symbols, packed, codes_at, plane_off, maxq, ct, G, width, slots, lengths,
+                            symbol_words=words)
+    _mark("range coding")
+    incl_t, incl = _ws("enc.incl", (n,), torch.int64, dev)
+    torch.cumsum(lengths_t, 0, dtype=torch.int64, out=incl_t)
+    ends = incl_t[per - 1 :: per].cpu().numpy()  # the one synchronisation: payload sizes place the records
+    _mark("payload sizes to the host (sync)")
+    payload = np.diff(ends, prepend=0)
+    tks = np.minimum(ct, T - np.arange(K, dtype=np.int64) * ct)
+    ssz = 4 * L * tks
+    lsz = 2 * per
+    sizes = container.CHUNK_HEADER.size + ssz + cdf_size + lsz + payload
+    buf, base = alloc(int(sizes.sum()))
+    rec_at = base + np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
+    heads = np.zeros(K, _CHUNK_HEADER_DTYPE)
+    heads["magic"] = container.CHUNK_MAGIC
+    heads["index"] = first_chunk + np.arange(K)
+    heads["first_token"] = (first_chunk + np.arange(K)) * ct
+    heads["token_count"] = tks
+    heads["scales_size"] = ssz
+    heads["cdf_size"] = cdf_size
+    heads["lengths_size"] = lsz
+    heads["payload_size"] = payload
+    # delta[k]: where chunk k's payload starts in buf, less the payload bytes of the chunks before it
+    delta = rec_at + container.CHUNK_HEADER.size + ssz + cdf_size + lsz - (ends - payload)
+    seg_first = k.chunk_crc_segments(rec_at, sizes)
+    rec_at_d, delta_d, sizes_d, seg_first_d, heads_d = (_nb(t) for t in _upload(
+        [rec_at, delta, sizes, seg_first, heads.view(np.int64)], dev, heads_row=container.CHUNK_HEADER.size))
+    buf_nb = _nb(buf)
+    _mark("record layout on the host + upload")
+    k.assemble_records(buf_nb, rec_at_d, heads_d, scales, packed, cdf_size, lengths, per, ct, slots, incl, delta_d)
+    _mark("assemble the records")
+    crc_t, crc = _ws("enc.crc", (K,), torch.int64, dev)
+    crc_t.zero_()
+    k.crc32_chunks(buf_nb, _int64_words(buf), rec_at_d, sizes_d, seg_first_d, crc, int(seg_first[-1]))
+    k.put_crcs(buf_nb, rec_at_d, crc)
+    _mark("chunk CRC-32s")
+    return sizes
+
+
+def encode_file_device(h: FileHeader, data: torch.Tensor) -> torch.Tensor:
+    """The whole .cgen file of ``data`` [L, 2, T, C] (the header's cache) as a uint8 tensor
+    on the GPU (CPU under the simulator), byte for byte what the CPU writes."""
+    with _LOCK:
+        return _encode_file_device(h, data)
+
+
+def _encode_file_device(h: FileHeader, data: torch.Tensor) -> torch.Tensor:
+    from . import codec
+
+    dev = _device()
+    data = data.to(dev)
+    head = container.pack_file_header(h)
+    tail_len = 12 + 8 * h.num_chunks + container.TRAILER.size
+    slabs = list(codec.iter_slabs(h, codec.GPU_SLAB_BYTES))
+    single = len(slabs) == 1
+    out = None
+    parts: list[torch.Tensor] = []
+    offsets: list[int] = []
+    pos = len(head)
+
+    def alloc(nbytes: int):
+        nonlocal out
+        if single:  # write the records straight into the file
+            out = torch.empty(len(head) + nbytes + tail_len, dtype=torch.uint8, device=dev)
+            return out, len(head)
+        parts.append(torch.empty(nbytes, dtype=torch.uint8, device=dev))
+        return parts[-1], 0
+
+    for slab in slabs:
+        sizes = _encode_records(h, data[:, :, slab.t0 : slab.t1, :], slab.first_chunk, alloc)
+        at = pos + np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        offsets.extend(int(v) for v in at)
+        pos += int(sizes.sum())
+    tail = container.pack_index(offsets) + container.pack_trailer(pos)
+    ends = torch.frombuffer(bytearray(head + tail), dtype=torch.uint8).to(dev)
+    if out is None:
+        return torch.cat([ends[: len(head)], *parts, ends[len(head) :]])
+    out[: len(head)] = ends[: len(head)]
+    out[len(out) - len(tail) :] = ends[len(head) :]
+    return out
+
+
+class _DeviceReader:
+    """read / seek / tell over a uint8 device tensor, for the container's header and index
+    parsers: each read copies only the bytes asked for."""
+
+    #: Bytes copied at once from each end of the file: the header, bins and descriptor, and
+    #: the index and trailer, usually fit, so parsing them costs one synchronisation.
+    PREFETCH = 1 << 16
+
+    def __init__(self, blob: torch.Tensor) -> None:
+        self.blob = blob
+        self.size = n = int(blob.numel())
+        self.pos = 0
+        p = self.PREFETCH
+        if n <= 2 * p:
+            self.pieces = [(0, blob.cpu().numpy().tobytes())]
+        else:
+            both = torch.cat([blob[:p], blob[n - p :]]).cpu().numpy().tobytes()
+            self.pieces = [(0, both[:p]), (n - p, both[p:])]
+
+    def read(self, n: int = -1) -> bytes:
+        end = self.size if n is None or n < 0 else min(self.size, self.pos + n)
+        start, self.pos = self.pos, end
+        if end <= start:
+            return b""
+        for at, piece in self.pieces:
+            if at <= start and end <= at + len(piece):
+                return piece[start - at : end - at]
+        return self.blob[start:end].cpu().numpy().tobytes()
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = {0: 0, 1: self.pos, 2: self.size}[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+
+def _check_chunk_headers(h: FileHeader, reader: _DeviceReader, offsets: np.ndarray, raw: np.ndarray,
+                         index_offset: int) -> np.ndarray:
+    """Check every chunk header (a structured array) as container.read_chunk_record and the
+    reader's placement checks do; on the first bad one, re-read it through the container to
+    raise its exact error.  Returns the records' sizes."""
+    K = len(offsets)
+    i = np.arange(K, dtype=np.int64)
+    tks = np.minimum(h.chunk_tokens, h.num_tokens - i * h.chunk_tokens)
+    _, cdf_size, lengths_size = h.section_sizes(1)
+    want_scales = 4 * h.num_layers * tks
+    payload = raw["payload_size"].astype(np.int64)
+    sizes = (container.CHUNK_HEADER.size + raw["scales_size"].astype(np.int64) + raw["cdf_size"] + raw["lengths_size"]
+             + payload)
+    bound = h.streams_per_chunk * (2 * tks * h.group + 8)
+    ends = offsets + sizes
+    ok = ((raw["magic"] == container.CHUNK_MAGIC) & (raw["index"] == i) & (raw["first_token"] == i * h.chunk_tokens)
+          & (raw["token_count"] == tks) & (raw["scales_size"] == want_scales) & (raw["cdf_size"] == cdf_size)
+          & (raw["lengths_size"] == lengths_size) & (payload <= bound) & (ends <= index_offset))
+    placed = np.append(offsets[1:], index_offset) == ends
+    bad = np.flatnonzero(~(ok & placed))
+    if bad.size:
+        j = int(bad[0])
+        if ok[j]:  # the record itself is fine but the next one is not where it ends
+            if j + 1 < K:
+                raise container.SizeError(f"chunk {j + 1} is at byte {int(ends[j])}, the index says {int(offsets[j + 1])}")
+            raise container.SizeError("bytes between the last chunk and the index")
+        reader.seek(int(offsets[j]))
+        container.read_chunk_record(reader, h, j, index_offset - int(offsets[j]))
+        raise container.SizeError(f"chunk {j} has an invalid header")
+    return sizes
+
+
+def decode_device(blob: torch.Tensor) -> tuple[FileHeader, torch.Tensor]:
+    """Decode a whole .cgen file held in a uint8 device tensor (a CPU tensor under the
+    simulator) into its [L, 2, T, C] cache on the same device, in the file's dtype.
+
+    Every check of docs/format.md's reader rules is made: the header, index and chunk
+    headers on the host (only their bytes are copied), the CRC-32s, stream lengths,
+    padding nibbles and scales on the device; errors are raised before returning."""
+    with _LOCK:
+        return _decode_device(blob)
+
+
+def _decode_device(blob: torch.Tensor) -> tuple[FileHeader, torch.Tensor]:
+    from . import codec
+    from .errors import ChecksumError, UnsupportedVersionError
+    from .kvio import DTYPE_BY_NAME
+
+    k = _kernels()
+    dev = blob.device
+    _mark("start")
+    reader = _DeviceReader(blob)
+    h, header_end, offsets_l, size = codec.read_header_and_index(reader)
+    L, C, T, K = h.num_layers, h.num_channels, h.num_tokens, h.num_chunks
+    dtype = DTYPE_BY_NAME[h.dtype]
+    if K == 0:
+        if size - container.TRAILER.size - 12 != header_end:
+            raise container.SizeError("bytes between the last chunk and the index")
+        return h, torch.empty((L, 2, 0, C), dtype=dtype, device=dev)
+    offsets = np.asarray(offsets_l, np.int64)
+    index_offset = size - container.TRAILER.size - (12 + 8 * K)
+    hb = container.CHUNK_HEADER.size
+    at = torch.from_numpy((offsets[:, None] + np.arange(hb, dtype=np.int64)[None, :]).reshape(-1)).to(dev)
+    raw = np.frombuffer(blob[at].cpu().numpy().tobytes(), _CHUNK_HEADER_DTYPE)
+    sizes = _check_chunk_headers(h, reader, offsets, raw, index_offset)
+    scales_at = offsets + hb
+    codes_at = scales_at + raw["scales_size"]
+    lengths_at = codes_at + raw["cdf_size"]
+    payload_at = lengths_at + raw["lengths_size"]
+    seg_first = k.chunk_crc_segments(offsets, sizes)
+    per = h.streams_per_chunk
+    n = K * per
+    G = h.group
+    offs_t, sizes_t, seg_first_t, scales_at_t, codes_at_t, lengths_at_t, payload_at_t = _upload(
+        [offsets, sizes, seg_first, scales_at, codes_at, lengths_at, payload_at], dev)
+    consts = _consts(h, dev)
+    maxq, plane_off = consts["maxq_nb"], consts["plane_off_nb"]
+    blob_nb, blob_words = _nb(blob), _int64_words(blob)
+    _mark("header, index, chunk headers (host)")
+    # The decode first, so that the launches of the checks below queue while it runs.
+    lens_t, lens = _ws("dec.lens", (n,), torch.int32, dev)
+    steps_t, steps = _ws("dec.steps", (L, 2, T), torch.float32, dev)
+    scales_bad_t, scales_bad = _ws("dec.scales_bad", (K,), torch.int32, dev)
+    scales_bad_t.zero_()
+    k.prepare_decode(blob_nb, _nb(lengths_at_t), per, lens, _nb(scales_at_t), h.chunk_tokens, maxq, steps, scales_bad)
+    incl_t, incl = _ws("dec.incl", (n,), torch.int64, dev)
+    torch.cumsum(lens_t, 0, dtype=torch.int64, out=incl_t)
+    _mark("stream lengths + scales")
+    width = int(h.alphabets.max()) + 1
+    if dtype == torch.bfloat16:
+        out = torch.empty((L, 2, T, C), dtype=torch.bfloat16, device=dev)
+        bits, fmt = out.view(torch.int16), 1
     else:
-        k.quantize(a(x.to(device=dev, dtype=torch.float32).contiguous()), a(maxq), a(scales), a(symbols))
-    codes = torch.empty((K, L, 2, C, S), dtype=torch.uint8, device=dev)
-    cum = torch.empty((K, L, 2, C, S + 1), dtype=torch.int32, device=dev)
-    k.histogram_cdf(a(symbols), ct, a(maxq), a(codes), a(cum))
-    slots = torch.empty((n, max_stream_bytes(ct * G)), dtype=torch.uint8, device=dev)
-    lengths = torch.empty(n, dtype=torch.int32, device=dev)
-    k.encode_streams(a(symbols), a(cum), ct, G, a(slots), a(lengths))
-    low, high = _device_nibble_maps(h, S)
-    flat = torch.cat([codes.reshape(K, -1), torch.zeros((K, 1), dtype=torch.uint8, device=dev)], dim=1)
-    packed = flat[:, low] | (flat[:, high] << 4)
-    payload_sizes = lengths.view(K, per).sum(dim=1, dtype=torch.int64).cpu().numpy()  # the sync
-    tks = [min(ct, T - i * ct) for i in range(K)]
-    sections = np.array([h.section_sizes(tk) for tk in tks], np.int64).reshape(K, 3)
-    sizes = container.CHUNK_HEADER.size + sections.sum(axis=1) + payload_sizes
-    rec_off = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64)
-    rec = torch.empty(int(sizes.sum()), dtype=torch.uint8, device=dev)
-    heads = b"".join(
-        container.CHUNK_HEADER.pack(container.CHUNK_MAGIC, first_chunk + i, (first_chunk + i) * ct, tks[i],
-                                    *(int(v) for v in sections[i]), int(payload_sizes[i]), 0, 0)
-        for i in range(K)
-    )
-    head_at = (rec_off[:, None] + np.arange(container.CHUNK_HEADER.size)[None, :]).reshape(-1)
-    rec[torch.as_tensor(head_at, device=dev)] = torch.frombuffer(bytearray(heads), dtype=torch.uint8).to(dev)
-    length_bytes = lengths.view(torch.uint8).view(n, 4)[:, :2].reshape(K, per * 2)  # u16 little-endian
-    payload_at = np.empty(K, np.int64)
-    for i in range(K):
-        o = int(rec_off[i]) + container.CHUNK_HEADER.size
-        t0 = i * ct
-        part = scales[:, :, t0 : t0 + tks[i]].contiguous().view(torch.uint8).reshape(-1)
-        rec[o : o + part.numel()] = part
-        o += part.numel()
-        rec[o : o + packed.shape[1]] = packed[i]
-        o += packed.shape[1]
-        rec[o : o + per * 2] = length_bytes[i]
-        payload_at[i] = o + per * 2
-    exclusive = (torch.cumsum(lengths.to(torch.int64), 0) - lengths).view(K, per)
-    where = (exclusive - exclusive[:, :1] + torch.as_tensor(payload_at, device=dev)[:, None]).reshape(-1)
-    k.pack_streams(a(slots), a(lengths), a(where), a(rec))
-    # CRC-32 of each record: bytes 0..35 of its header, then everything after the CRC field.
-    seg = k.CRC_SEGMENT_BYTES
-    starts, lens, first, count = [], [], [], []
-    for i in range(K):
-        first.append(len(starts))
-        starts.append(rec_off[i])
-        lens.append(container.CHUNK_HEADER.size - 4)
-        body0 = rec_off[i] + container.CHUNK_HEADER.size
-        body_len = int(sizes[i]) - container.CHUNK_HEADER.size
-        cuts = np.arange(0, body_len, seg, dtype=np.int64)
-        starts.extend((body0 + cuts).tolist())
-        lens.extend(np.minimum(seg, body_len - cuts).tolist())
-        count.append(len(starts) - first[-1])
-    as_dev = lambda v: torch.as_tensor(np.asarray(v, np.int64), device=dev)
-    crc = torch.empty(K, dtype=torch.int64, device=dev)
-    k.crc32_records(a(rec), a(as_dev(starts)), a(as_dev(lens)), a(as_dev(first)), a(as_dev(count)),
-                    a(torch.empty(len(starts), dtype=torch.int64, device=dev)), a(crc))
-    crc_bytes = ((crc[:, None] >> torch.tensor([0, 8, 16, 24], device=dev)[None, :]) & 0xFF).to(torch.uint8)
-    crc_at = (rec_off[:, None] + 36 + np.arange(4)[None, :]).reshape(-1)
-    rec[torch.as_tensor(crc_at, device=dev)] = crc_bytes.reshape(-1)
-    return rec, [int(v) for v in sizes]
+        out = torch.empty((L, 2, T, C), dtype=torch.float32, device=dev)
+        bits, fmt = out.view(torch.int32), 0
+    out_words = None
+    if fmt == 1 and blob_words is not None and G in (1, 2, 4) and C % G == 0:
+        out_words = _nb(bits.view({1: torch.int16, 2: torch.int32, 4: torch.int64}[G]))
+    k.decode_values(blob_nb, lens, incl, _nb(payload_at_t), _nb(codes_at_t), plane_off, maxq, steps, h.chunk_tokens,
+                    G, width, None if out_words is not None else _nb(bits), fmt, blob_words=blob_words,
+                    out_words=out_words)
+    _mark("range decoding + dequantize")
+    crc_t, crc = _ws("dec.crc", (K,), torch.int64, dev)
+    crc_t.zero_()
+    k.crc32_chunks(blob_nb, blob_words, _nb(offs_t), _nb(sizes_t), _nb(seg_first_t), crc, int(seg_first[-1]))
+    # The per-chunk results of the checks, in one copy (the one synchronisation).
+    by_chunk = lens_t.view(K, per)
+    stream_sum = incl_t[per - 1 :: per] - torch.cat([incl_t.new_zeros(1), incl_t[per - 1 : -1 : per]])
+    padded = consts["padded"]
+    if padded.numel():
+        pad_bad = (blob[codes_at_t[:, None] + padded[None, :]] >> 4).amax(dim=1).to(torch.int64)
+    else:
+        pad_bad = torch.zeros(K, dtype=torch.int64, device=dev)
+    checks = torch.stack([crc_t, pad_bad, stream_sum, by_chunk.amax(dim=1).to(torch.int64),
+                          scales_bad_t.to(torch.int64)]).cpu().numpy()
+    _mark("chunk CRC-32s, checks to the host (sync)")
+    bound = 2 * raw["token_count"].astype(np.int64) * h.group + max_stream_bytes(0)
+    failures = np.stack([checks[0] != raw["crc"], raw["reserved"] != 0, checks[1] != 0, checks[2] != raw["payload_size"],
+                         checks[3] > bound, checks[4] != 0])
+    bad = np.flatnonzero(failures.any(axis=0))
+    if bad.size:  # the first bad chunk, its first failed check in the CPU reader's order
+        i = int(bad[0])
+        what = int(np.flatnonzero(failures[:, i])[0])
+        if what == 0:
+            raise ChecksumError(f"chunk {i} CRC mismatch: the file is corrupted")
+        if what == 1:
+            raise UnsupportedVersionError(f"chunk {i} has reserved bits set")
+        raise container.SizeError([
+            f"chunk {i}: a padding nibble of the CDF codes is not zero",
+            f"chunk {i} stream lengths add up to {int(checks[2, i])}, not {int(raw['payload_size'][i])}",
+            f"chunk {i} has a stream longer than its bound",
+            f"chunk {i} has a negative or non-finite scale",
+        ][what - 2])
+    if dtype not in (torch.bfloat16, torch.float32):
+        out = out.to(dtype)
+    return h, out

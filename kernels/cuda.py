@@ -45,7 +45,7 @@ from .quantize import (  # noqa: E402
     quant_inverse_step,
     quantize_value,
 )
-from .range_coder import decode_stream, encode_stream  # noqa: E402
+from .range_coder import _add_carry, decode_stream, encode_stream  # noqa: E402
 
 ROW_THREADS = 128  # threads per quantization row: a power of two for the tree reduction
 BLOCK = 128
@@ -485,3 +485,930 @@ def crc32_records(data, seg_start, seg_len, rec_first, rec_count, seg_crc, out, 
     _crc_combine_kernel[_grid(rec_first.shape[0], 32), 32, stream](
         as_device(seg_crc), as_device(seg_len), as_device(rec_first), as_device(rec_count), as_device(out)
     )
+
+
+# ================================================================ end-to-end device path
+#
+# The kernels below serve gpu_codec.encode_file_device / decode_device: a bf16 CUDA
+# tensor <-> .cgen bytes in a uint8 CUDA tensor.  They differ from the stage kernels
+# above in what they read and write, never in the arithmetic that decides the bytes:
+#   - quantize_pairs reads two 16-bit words per 32-bit load and bit-casts instead of
+#     float_from_bits16's float64 arithmetic (same float32 values), one warp per row;
+#   - stats_packed writes the CDF-codes section in its file format (nibbles), and the
+#     coders build their CDF rows from those nibbles in shared memory (codes_to_cum,
+#     as cum_from_codes does), so no [K, L, 2, C, S + 1] int32 table exists;
+#   - decode_values dequantizes as it decodes, writing bfloat16 (or float32) bits:
+#     no symbols array and no separate dequantize pass;
+#   - the container's records are assembled by three kernels (sections, streams,
+#     CRC-32s) instead of per-chunk copies.
+
+from numba import config as _numba_config  # noqa: E402
+
+from .cdf import codes_to_cum as _codes_to_cum  # noqa: E402
+from .coding_params import MASK32, PROB_BITS, PROB_TOTAL, RANGE_INIT, RANGE_TOP  # noqa: E402
+from .crc import multmodp, x8nmodp  # noqa: E402
+
+SIM = bool(_numba_config.ENABLE_CUDASIM)
+
+if SIM:  # numba's simulator has neither libdevice bit casts nor warp shuffles
+
+    @cuda.jit(device=True)
+    def _f32_bits(v):
+        """The bits of a float32 as a signed 32-bit integer (in an int64)."""
+        return np.int64(np.array(v, np.float32).view(np.int32))
+
+    @cuda.jit(device=True)
+    def _bits_f32(b):
+        """The float32 whose bits are the low 32 bits of b."""
+        return np.array(np.int64(b) & MASK32, np.uint32).view(np.float32)[()]
+
+    @cuda.jit(device=True)
+    def _warp_max(v, scratch, warp, lane):
+        """Maximum of v over the 32 threads of a warp (every thread of the block calls it)."""
+        scratch[warp, lane] = v
+        cuda.syncthreads()
+        m = scratch[warp, 0]
+        for i in range(1, 32):
+            if scratch[warp, i] > m:
+                m = scratch[warp, i]
+        cuda.syncthreads()
+        return m
+
+else:
+    from numba.cuda import libdevice
+
+    @cuda.jit(device=True)
+    def _f32_bits(v):
+        return np.int64(libdevice.float_as_int(np.float32(v)))
+
+    @cuda.jit(device=True)
+    def _bits_f32(b):
+        b = np.int64(b) & MASK32
+        if b >= 0x80000000:
+            b -= np.int64(1) << 32
+        return libdevice.int_as_float(np.int32(b))
+
+    @cuda.jit(device=True)
+    def _warp_max(v, scratch, warp, lane):
+        off = 16
+        while off > 0:
+            o = cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
+            if o > v:
+                v = o
+            off //= 2
+        return v
+
+
+_PLACEHOLDERS: dict = {}
+
+
+def _placeholder(shape, dtype):
+    """A small device array for a kernel argument the chosen variant never touches, made
+    once: a cudaMalloc / cudaFree per call would cost more than some of the kernels."""
+    key = (shape, np.dtype(dtype).str)
+    arr = _PLACEHOLDERS.get(key)
+    if arr is None:
+        arr = _PLACEHOLDERS[key] = cuda.device_array(shape, dtype)
+    return arr
+
+
+@cuda.jit(device=True)
+def _pair_value(w, half, fmt):
+    """float32 value of the 16-bit word number ``half`` (0 = the lowest bits = the lowest
+    channel) of the 32- or 64-bit word w: bfloat16 (fmt 1) by a bit cast, float16 (fmt 2)
+    by exact arithmetic."""
+    bits = (np.int64(w) >> (16 * half)) & 0xFFFF
+    if fmt == 1:
+        return _bits_f32(bits << 16)
+    return float_from_bits16(bits, fmt)
+
+
+QUANT_ROWS = 8  # rows (warps) per block of quantize_pairs
+
+
+@cuda.jit
+def _quantize_pairs_kernel(words, fmt, maxq, scales, pairs):
+    L, _, T, C2 = words.shape
+    warp = cuda.threadIdx.x // 32
+    lane = cuda.threadIdx.x % 32
+    scratch = cuda.shared.array((QUANT_ROWS, 32), np.float32)
+    n = L * 2 * T
+    row = cuda.blockIdx.x * QUANT_ROWS + warp
+    l, kv, t = _row_coords(min(row, n - 1), T)
+    local = np.float32(0.0)
+    if row < n:
+        for i in range(lane, C2, 32):
+            w = words[l, kv, t, i]
+            a = abs(_pair_value(w, 0, fmt))
+            b = abs(_pair_value(w, 1, fmt))
+            if a > local:
+                local = a
+            if b > local:
+                local = b
+    top = _warp_max(local, scratch, warp, lane)  # every thread of the block takes part
+    if row >= n:
+        return
+    bits = bf16_bits_round_up(top)
+    if lane == 0:
+        scales[l, kv, t] = bits
+    m = np.int64(maxq[l, kv])
+    inv = quant_inverse_step(bits, m)
+    for i in range(lane, C2, 32):
+        w = words[l, kv, t, i]
+        p = quantize_value(_pair_value(w, 0, fmt), inv, m) | (quantize_value(_pair_value(w, 1, fmt), inv, m) << 8)
+        if p >= 32768:
+            p -= 65536
+        pairs[l, kv, t, i] = p
+
+
+@cuda.jit
+def _quantize_quads_kernel(words, fmt, maxq, scales, quads):
+    L, _, T, C4 = words.shape
+    warp = cuda.threadIdx.x // 32
+    lane = cuda.threadIdx.x % 32
+    scratch = cuda.shared.array((QUANT_ROWS, 32), np.float32)
+    n = L * 2 * T
+    row = cuda.blockIdx.x * QUANT_ROWS + warp
+    plane = min(row, n - 1) // T  # one division: (layer, K/V) and token from it
+    t = min(row, n - 1) - plane * T
+    l = plane >> 1
+    kv = plane & 1
+    local = np.float32(0.0)
+    if row < n:
+        # Two independent 8-byte loads per iteration: more reads in flight per thread.
+        for i in range(lane, C4, 64):
+            w0 = words[l, kv, t, i]
+            w1 = np.int64(0)
+            if i + 32 < C4:
+                w1 = words[l, kv, t, i + 32]
+            for q in range(4):
+                a = abs(_pair_value(w0, q, fmt))
+                b = abs(_pair_value(w1, q, fmt))
+                if a > local:
+                    local = a
+                if b > local:
+                    local = b
+    top = _warp_max(local, scratch, warp, lane)  # every thread of the block takes part
+    if row >= n:
+        return
+    bits = bf16_bits_round_up(top)
+    if lane == 0:
+        scales[l, kv, t] = bits
+    m = np.int64(maxq[l, kv])
+    inv = quant_inverse_step(bits, m)
+    for i in range(lane, C4, 32):
+        w = words[l, kv, t, i]
+        p = np.int64(0)
+        for q in range(4):
+            p |= quantize_value(_pair_value(w, q, fmt), inv, m) << (8 * q)
+        if p >= 0x80000000:
+            p -= np.int64(1) << 32
+        quads[l, kv, t, i] = p
+
+
+def quantize_quads(words, fmt, maxq, scales, quads, stream=0):
+    """quantize_pairs() for a channel count that is a multiple of 4: the cache as int64
+    words [L, 2, T, C / 4] (four 16-bit values, the lowest channel in the low bits), the
+    symbols as int32 [L, 2, T, C / 4].  Half the load instructions of quantize_pairs."""
+    L, _, T, C4 = words.shape
+    n = L * 2 * T
+    if n == 0 or C4 == 0:
+        return
+    _quantize_quads_kernel[_grid(n, QUANT_ROWS), 32 * QUANT_ROWS, stream](
+        as_device(words), np.int64(fmt), as_device(maxq), as_device(scales), as_device(quads)
+    )
+
+
+def quantize_pairs(words, fmt, maxq, scales, pairs, stream=0):
+    """quantize_bits() for an even channel count, reading the cache as int32 words
+    [L, 2, T, C / 2] (two bfloat16 / float16 values each, the lower channel in the low
+    half) and writing the symbols as int16 pairs [L, 2, T, C / 2] (lower channel in the low
+    byte).  Same scales and symbols as quantize()."""
+    L, _, T, C2 = words.shape
+    n = L * 2 * T
+    if n == 0 or C2 == 0:
+        return
+    _quantize_pairs_kernel[_grid(n, QUANT_ROWS), 32 * QUANT_ROWS, stream](
+        as_device(words), np.int64(fmt), as_device(maxq), as_device(scales), as_device(pairs)
+    )
+
+
+# ---------------------------------------------------------------- CDF codes in the file's nibble format
+
+
+@cuda.jit(device=True)
+def _cum_row_from_packed(packed, at, alphabet, table, r):
+    """table[r] = the integer CDF of the channel whose ceil(A/2) code bytes start at
+    packed[at].  The codes are unpacked into table[r, 1:] and codes_to_cum turns them into
+    the CDF in place (it reads code s before it writes entry s + 1)."""
+    for j in range((alphabet + 1) // 2):
+        b = np.int64(packed[at + j])
+        table[r, 1 + 2 * j] = b & 15
+        if 2 * j + 1 < alphabet:
+            table[r, 2 + 2 * j] = b >> 4
+    _codes_to_cum(table[r, 1:], alphabet, table[r])
+
+
+_STATS_PACKED: dict = {}
+
+
+def _stats_packed_kernel(width: int, shared: bool):
+    key = (width, shared)
+    kernel = _STATS_PACKED.get(key)
+    if kernel is not None:
+        return kernel
+    rows = STATS_THREADS if shared else 1
+
+    @cuda.jit
+    def kernel(symbols, chunk_tokens, maxq, plane_off, codes_at, packed, counts):
+        hist = cuda.shared.array((rows, width), np.int32)
+        tid = cuda.threadIdx.x
+        i = cuda.blockIdx.x * cuda.blockDim.x + tid
+        L, _, T, C = symbols.shape
+        K = codes_at.shape[0]
+        if i >= K * L * 2 * C:
+            return
+        k, l, kv, c = _channel_coords(i, L, C)
+        if shared:
+            row = hist[tid]
+        else:
+            row = counts[i]
+        for s in range(width):
+            row[s] = 0
+        t0 = k * chunk_tokens
+        t1 = min(T, t0 + chunk_tokens)
+        for t in range(t0, t1):
+            row[symbols[l, kv, t, c]] += 1
+        alphabet = 2 * np.int64(maxq[l, kv]) + 1
+        counts_to_codes(row, alphabet, row)  # in place: reads count s before writing code s
+        nb = (alphabet + 1) // 2
+        at = codes_at[k] + plane_off[l, kv] + c * nb
+        for j in range(nb):
+            hi = np.int64(0)
+            if 2 * j + 1 < alphabet:
+                hi = np.int64(row[2 * j + 1])
+            packed[at + j] = np.int64(row[2 * j]) | (hi << 4)
+
+    _STATS_PACKED[key] = kernel
+    return kernel
+
+
+def stats_packed(symbols, chunk_tokens, maxq, plane_off, codes_at, packed, width, stream=0):
+    """Histogram -> 4-bit codes of every (chunk, layer, K/V, channel), written as the
+    CDF-codes sections: chunk k's at packed[codes_at[k]:], plane (l, kv) at plane_off[l, kv]
+    within it (docs/format.md).  width >= the largest alphabet."""
+    L, _, T, C = symbols.shape
+    K = codes_at.shape[0]
+    n = K * L * 2 * C
+    if n == 0:
+        return
+    width = width | 1  # odd row stride: the threads' rows spread over the shared-memory banks
+    shared = STATS_THREADS * width * 4 <= 40 * 1024
+    counts = _placeholder((1, 1), np.int32) if shared else cuda.device_array((n, width), np.int32, stream=stream)
+    _stats_packed_kernel(width, shared)[_grid(n, STATS_THREADS), STATS_THREADS, stream](
+        as_device(symbols), np.int64(chunk_tokens), as_device(maxq), as_device(plane_off), as_device(codes_at),
+        as_device(packed), counts,
+    )
+
+
+# ---------------------------------------------------------------- coders that read the nibble codes
+
+
+@cuda.jit(device=True)
+def _decode_values(data, start, length, t0, t1, c0, c1, cum, row0, row_step, alphabet, m, steps, out, fmt):
+    """decode_stream (range_coder.py), the same arithmetic, but each symbol is dequantized
+    at once: out[t, c] = the bits of float32(float32(symbol - m) * steps[t]), as bfloat16
+    rounded to nearest even (fmt 1, int16 out) or as float32 (fmt 0, int32 out)."""
+    pos = 0
+    code = np.int64(0)
+    for _ in range(4):
+        b = np.int64(0)
+        if pos < length:
+            b = np.int64(data[start + pos])
+        pos += 1
+        code = (code << 8) | b
+    rng = np.int64(RANGE_INIT)
+    for t in range(t0, t1):
+        step = steps[t]
+        for c in range(c0, c1):
+            r = rng >> PROB_BITS
+            q = np.int64(np.float64(code) / np.float64(r))
+            if q >= PROB_TOTAL:
+                q = PROB_TOTAL - 1
+            j = row0 + (c - c0) * row_step
+            lo = 0
+            hi = alphabet
+            while hi - lo > 1:
+                mid = (lo + hi) >> 1
+                if cum[j, mid] <= q:
+                    lo = mid
+                else:
+                    hi = mid
+            base = np.int64(cum[j, lo])
+            code -= r * base
+            rng = r * (np.int64(cum[j, lo + 1]) - base)
+            while rng < RANGE_TOP:
+                b = np.int64(0)
+                if pos < length:
+                    b = np.int64(data[start + pos])
+                pos += 1
+                code = ((code << 8) | b) & MASK32
+                rng <<= 8
+            bits = _f32_bits(dequantize_value(lo, step, m))
+            if fmt == 1:  # float32 -> bfloat16, round to nearest even (finite values)
+                u = bits & MASK32
+                bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+                if bits >= 32768:
+                    bits -= 65536
+            out[t, c] = bits
+
+
+@cuda.jit(device=True)
+def _encode_stream_words(words, t0, t1, g, group, cum, row0, row_step, out):
+    """encode_stream (range_coder.py), the same arithmetic and bytes, for a stream whose
+    ``group`` channels are one word per token: words = the plane's symbols viewed with
+    ``group`` bytes per item, column g.  One load per token instead of one per symbol, and
+    the next token's word is loaded before the current one is coded, so its latency
+    overlaps the coding (the coder's stores stop the compiler from moving loads itself)."""
+    low = np.int64(0)
+    rng = np.int64(RANGE_INIT)
+    n = 0
+    nxt = np.int64(0)
+    if t0 < t1:
+        nxt = np.int64(words[t0, g])
+    for t in range(t0, t1):
+        w = nxt
+        if t + 1 < t1:
+            nxt = np.int64(words[t + 1, g])
+        for q in range(group):
+            s = (w >> (8 * q)) & 0xFF
+            j = row0 + q * row_step
+            base = np.int64(cum[j, s])
+            r = rng >> PROB_BITS
+            low += r * base
+            rng = r * (np.int64(cum[j, s + 1]) - base)
+            if low > MASK32:
+                _add_carry(out, n)
+                low &= MASK32
+            while rng < RANGE_TOP:
+                out[n] = (low >> 24) & 0xFF
+                n += 1
+                low = (low << 8) & MASK32
+                rng <<= 8
+    # Flush: the shortest prefix of some value in [low, low + rng) (as encode_stream).
+    nbytes = 4
+    value = low
+    for k in range(5):
+        unit = np.int64(1) << (32 - 8 * k)
+        candidate = (low + unit - 1) & ~(unit - 1)
+        if candidate < low + rng:
+            nbytes = k
+            value = candidate
+            break
+    if value > MASK32:
+        _add_carry(out, n)
+        value &= MASK32
+    for j in range(nbytes):
+        out[n] = (value >> (24 - 8 * j)) & 0xFF
+        n += 1
+    while n > 0 and out[n - 1] == 0:
+        n -= 1
+    return n
+
+
+@cuda.jit(device=True)
+def _decode_words(data, words, nwords, start, length, t0, t1, g, group, cum, row0, row_step, alphabet, m, steps,
+                  out):
+    """_decode_values for bfloat16 output and a stream whose ``group`` channels (group <= 4)
+    are one output word per token (out = the plane's bfloat16 bits viewed with 2 x group bytes
+    per item, column g): one store per token; and the stream's bytes are read 8 at a time
+    (words = the file as int64, nwords of them; the next word is loaded ahead), instead of a
+    dependent one-byte load for every byte.  Same symbols and values as _decode_values."""
+    end = start + length
+    widx = np.int64(-2)
+    cur = np.int64(0)
+    nxt = np.int64(0)
+    a = start
+    code = np.int64(0)
+    for _ in range(4):
+        b = np.int64(0)
+        if a < end:
+            wi = a >> 3
+            if wi < nwords:
+                if wi != widx:
+                    if wi == widx + 1:
+                        cur = nxt
+                    else:
+                        cur = np.int64(words[wi])
+                    widx = wi
+                    if wi + 1 < nwords:
+                        nxt = np.int64(words[wi + 1])
+                b = (cur >> (8 * (a & 7))) & 0xFF
+            else:
+                b = np.int64(data[a])
+        a += 1
+        code = (code << 8) | b
+    rng = np.int64(RANGE_INIT)
+    for t in range(t0, t1):
+        step = steps[t]
+        packed = np.int64(0)
+        for q in range(group):
+            r = rng >> PROB_BITS
+            qq = np.int64(np.float64(code) / np.float64(r))
+            if qq >= PROB_TOTAL:
+                qq = PROB_TOTAL - 1
+            j = row0 + q * row_step
+            lo = 0
+            hi = alphabet
+            while hi - lo > 1:
+                mid = (lo + hi) >> 1
+                if cum[j, mid] <= qq:
+                    lo = mid
+                else:
+                    hi = mid
+            base = np.int64(cum[j, lo])
+            code -= r * base
+            rng = r * (np.int64(cum[j, lo + 1]) - base)
+            while rng < RANGE_TOP:
+                b = np.int64(0)
+                if a < end:
+                    wi = a >> 3
+                    if wi < nwords:
+                        if wi != widx:
+                            if wi == widx + 1:
+                                cur = nxt
+                            else:
+                                cur = np.int64(words[wi])
+                            widx = wi
+                            if wi + 1 < nwords:
+                                nxt = np.int64(words[wi + 1])
+                        b = (cur >> (8 * (a & 7))) & 0xFF
+                    else:
+                        b = np.int64(data[a])
+                a += 1
+                code = ((code << 8) | b) & MASK32
+                rng <<= 8
+            u = _f32_bits(dequantize_value(lo, step, m)) & MASK32  # to bfloat16, nearest even
+            packed |= (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF) << (16 * q)
+        out[t, g] = _signed(packed, group)
+
+
+@cuda.jit(device=True)
+def _signed(v, group):
+    """v (2 x group bytes) as the signed integer of that width, for the int16 / int32 stores."""
+    if group == 1 and v >= 32768:
+        return v - 65536
+    if group == 2 and v >= 0x80000000:
+        return v - (np.int64(1) << 32)
+    return v
+
+
+_PACKED_CODERS: dict = {}
+
+#: A register cap for the range-coder kernels (CACHEGEN_CUDA_CODER_REGISTERS, for tuning
+#: runs; unset = the compiler's choice).  At ~120 registers a thread they run 512 threads an
+#: SM; a cap trades spills for more warps to hide the coder's dependent latencies.
+import os as _os  # noqa: E402
+
+CODER_REGISTERS = int(_os.environ.get("CACHEGEN_CUDA_CODER_REGISTERS", "0") or 0)
+
+
+def _coder_jit(fn):
+    return cuda.jit(max_registers=CODER_REGISTERS)(fn) if CODER_REGISTERS else cuda.jit(fn)
+
+
+def _packed_coders(threads: int, group: int, width: int):
+    """Encode / fused-decode kernels, one thread per stream, whose CDF rows come from the
+    nibble codes: in shared memory as in _coder_kernels (threads > 0), else in global scratch
+    rows of their own (gcum, group rows per stream)."""
+    key = (threads, group, width)
+    kernels = _PACKED_CODERS.get(key)
+    if kernels is not None:
+        return kernels
+    rows = max(threads * group, 1)
+    shared = threads > 0
+    step = max(threads, 1)
+    cols = width | 1
+
+    @_coder_jit
+    def encode_kernel(symbols, packed, codes_at, plane_off, maxq, chunk_tokens, slots, lengths, gcum):
+        tables = cuda.shared.array((rows, cols), np.uint16)
+        s = cuda.grid(1)
+        L, _, T, C = symbols.shape
+        K = codes_at.shape[0]
+        groups = (C + group - 1) // group
+        if s >= K * L * 2 * groups:
+            return
+        k, l, kv, t0, t1, c0, c1 = _stream_coords_dev(s, groups, L, group, chunk_tokens, T, C)
+        alphabet = 2 * np.int64(maxq[l, kv]) + 1
+        nb = (alphabet + 1) // 2
+        at = codes_at[k] + plane_off[l, kv] + c0 * nb
+        if shared:
+            tid = cuda.threadIdx.x
+            for j in range(c1 - c0):
+                _cum_row_from_packed(packed, at + j * nb, alphabet, tables, j * step + tid)
+            lengths[s] = encode_stream(symbols[l, kv], t0, t1, c0, c1, tables, tid, step, slots[s])
+        else:
+            r0 = s * group
+            for j in range(c1 - c0):
+                _cum_row_from_packed(packed, at + j * nb, alphabet, gcum, r0 + j)
+            lengths[s] = encode_stream(symbols[l, kv], t0, t1, c0, c1, gcum, r0, 1, slots[s])
+
+    @_coder_jit
+    def decode_kernel(blob, lens, incl, payload_at, codes_at, plane_off, maxq, steps, chunk_tokens, out, fmt, gcum):
+        tables = cuda.shared.array((rows, cols), np.uint16)
+        s = cuda.grid(1)
+        L, _, T, C = out.shape
+        K = codes_at.shape[0]
+        groups = (C + group - 1) // group
+        if s >= K * L * 2 * groups:
+            return
+        k, l, kv, t0, t1, c0, c1 = _stream_coords_dev(s, groups, L, group, chunk_tokens, T, C)
+        alphabet = 2 * np.int64(maxq[l, kv]) + 1
+        nb = (alphabet + 1) // 2
+        at = codes_at[k] + plane_off[l, kv] + c0 * nb
+        # Where the stream starts: its chunk's payload plus the lengths before it in the
+        # chunk (incl: inclusive prefix sums over all streams).  Clamped to the file, so a
+        # corrupted length table (reported after the CRC check) never reads past it.
+        first = k * (L * 2 * groups)
+        start = payload_at[k] + (incl[s] - lens[s]) - (incl[first] - lens[first])
+        size = np.int64(blob.shape[0])
+        length = np.int64(lens[s])
+        if start > size:
+            start = size
+        if length > size - start:
+            length = size - start
+        m = np.int64(maxq[l, kv])
+        if shared:
+            tid = cuda.threadIdx.x
+            for j in range(c1 - c0):
+                _cum_row_from_packed(blob, at + j * nb, alphabet, tables, j * step + tid)
+            _decode_values(blob, start, length, t0, t1, c0, c1, tables, tid, step, alphabet, m, steps[l, kv],
+                           out[l, kv], fmt)
+        else:
+            r0 = s * group
+            for j in range(c1 - c0):
+                _cum_row_from_packed(blob, at + j * nb, alphabet, gcum, r0 + j)
+            _decode_values(blob, start, length, t0, t1, c0, c1, gcum, r0, 1, alphabet, m, steps[l, kv],
+                           out[l, kv], fmt)
+
+    @_coder_jit
+    def encode_words_kernel(symwords, packed, codes_at, plane_off, maxq, chunk_tokens, slots, lengths, gcum):
+        # encode_kernel for C % group == 0: symwords = the symbols with group bytes per item
+        tables = cuda.shared.array((rows, cols), np.uint16)
+        s = cuda.grid(1)
+        L, _, T, groups = symwords.shape
+        C = groups * group
+        K = codes_at.shape[0]
+        if s >= K * L * 2 * groups:
+            return
+        k, l, kv, t0, t1, c0, c1 = _stream_coords_dev(s, groups, L, group, chunk_tokens, T, C)
+        g = c0 // group
+        alphabet = 2 * np.int64(maxq[l, kv]) + 1
+        nb = (alphabet + 1) // 2
+        at = codes_at[k] + plane_off[l, kv] + c0 * nb
+        if shared:
+            tid = cuda.threadIdx.x
+            for j in range(group):
+                _cum_row_from_packed(packed, at + j * nb, alphabet, tables, j * step + tid)
+            lengths[s] = _encode_stream_words(symwords[l, kv], t0, t1, g, group, tables, tid, step, slots[s])
+        else:
+            r0 = s * group
+            for j in range(group):
+                _cum_row_from_packed(packed, at + j * nb, alphabet, gcum, r0 + j)
+            lengths[s] = _encode_stream_words(symwords[l, kv], t0, t1, g, group, gcum, r0, 1, slots[s])
+
+    @_coder_jit
+    def decode_words_kernel(blob, words, lens, incl, payload_at, codes_at, plane_off, maxq, steps, chunk_tokens, out,
+                            gcum):
+        # decode_kernel for bfloat16 output, C % group == 0, group <= 4 and the file 8-byte
+        # aligned: out = the output bits with 2 x group bytes per item, words = blob as int64
+        tables = cuda.shared.array((rows, cols), np.uint16)
+        s = cuda.grid(1)
+        L, _, T, groups = out.shape
+        C = groups * group
+        K = codes_at.shape[0]
+        if s >= K * L * 2 * groups:
+            return
+        k, l, kv, t0, t1, c0, c1 = _stream_coords_dev(s, groups, L, group, chunk_tokens, T, C)
+        g = c0 // group
+        alphabet = 2 * np.int64(maxq[l, kv]) + 1
+        nb = (alphabet + 1) // 2
+        at = codes_at[k] + plane_off[l, kv] + c0 * nb
+        first = k * (L * 2 * groups)
+        start = payload_at[k] + (incl[s] - lens[s]) - (incl[first] - lens[first])
+        size = np.int64(blob.shape[0])
+        length = np.int64(lens[s])
+        if start > size:
+            start = size
+        if length > size - start:
+            length = size - start
+        m = np.int64(maxq[l, kv])
+        nwords = np.int64(words.shape[0])
+        if shared:
+            tid = cuda.threadIdx.x
+            for j in range(group):
+                _cum_row_from_packed(blob, at + j * nb, alphabet, tables, j * step + tid)
+            _decode_words(blob, words, nwords, start, length, t0, t1, g, group, tables, tid, step, alphabet, m,
+                          steps[l, kv], out[l, kv])
+        else:
+            r0 = s * group
+            for j in range(group):
+                _cum_row_from_packed(blob, at + j * nb, alphabet, gcum, r0 + j)
+            _decode_words(blob, words, nwords, start, length, t0, t1, g, group, gcum, r0, 1, alphabet, m,
+                          steps[l, kv], out[l, kv])
+
+    kernels = (encode_kernel, decode_kernel, encode_words_kernel, decode_words_kernel)
+    _PACKED_CODERS[key] = kernels
+    return kernels
+
+
+def _packed_launch(n, group, width, stream):
+    threads = _coder_threads(group, width)
+    if threads:
+        gcum = _placeholder((1, width | 1), np.int32)
+    else:
+        gcum = cuda.device_array((n * group, width | 1), np.int32, stream=stream)
+    return threads, threads or BLOCK, gcum
+
+
+def encode_streams_packed(symbols, packed, codes_at, plane_off, maxq, chunk_tokens, group, width, slots, lengths,
+                          stream=0, symbol_words=None):
+    """encode_streams() with the CDF rows built from the CDF-codes sections (stats_packed's
+    output) instead of a cum table.  width: the CDF row length, largest alphabet + 1.
+    symbol_words: the symbols viewed with ``group`` bytes per item ([L, 2, T, C / group];
+    group 2, 4 or 8 and C % group == 0), for one load per token; None for the general kernel."""
+    n = lengths.shape[0]
+    if n == 0:
+        return
+    threads, block, gcum = _packed_launch(n, group, width, stream)
+    kernels = _packed_coders(threads, group, width)
+    if symbol_words is not None:
+        kernel, src = kernels[2], symbol_words
+    else:
+        kernel, src = kernels[0], symbols
+    kernel[_grid(n, block), block, stream](
+        as_device(src), as_device(packed), as_device(codes_at), as_device(plane_off), as_device(maxq),
+        np.int64(chunk_tokens), as_device(slots), as_device(lengths), gcum,
+    )
+
+
+def decode_values(blob, lens, incl, payload_at, codes_at, plane_off, maxq, steps, chunk_tokens, group, width, out,
+                  fmt, stream=0, blob_words=None, out_words=None):
+    """Decode every stream of a .cgen file held in ``blob`` (uint8, the whole file) and
+    dequantize into out [L, 2, T, C]: bfloat16 bits (fmt 1, int16) or float32 bits (fmt 0,
+    int32).  lens: the streams' lengths, incl their inclusive prefix sums; payload_at /
+    codes_at: where each chunk's payload / CDF codes start in blob; steps: float32 [L, 2, T]
+    from prepare_decode.  With blob_words (blob as int64, blob 8-byte aligned) and out_words
+    (bfloat16 output viewed with 2 x group bytes per item, group 1, 2 or 4, C % group == 0),
+    the kernel that reads 8 stream bytes per load and stores one word per token."""
+    n = lens.shape[0]
+    if n == 0:
+        return
+    threads, block, gcum = _packed_launch(n, group, width, stream)
+    kernels = _packed_coders(threads, group, width)
+    if out_words is not None:
+        kernels[3][_grid(n, block), block, stream](
+            as_device(blob), as_device(blob_words), as_device(lens), as_device(incl), as_device(payload_at),
+            as_device(codes_at), as_device(plane_off), as_device(maxq), as_device(steps), np.int64(chunk_tokens),
+            as_device(out_words), gcum,
+        )
+        return
+    kernels[1][_grid(n, block), block, stream](
+        as_device(blob), as_device(lens), as_device(incl), as_device(payload_at), as_device(codes_at),
+        as_device(plane_off), as_device(maxq), as_device(steps), np.int64(chunk_tokens), as_device(out),
+        np.int64(fmt), gcum,
+    )
+
+
+# ---------------------------------------------------------------- record fields read from / written to the bytes
+
+
+@cuda.jit
+def _prepare_kernel(blob, lengths_at, per, lens, scales_at, chunk_tokens, maxq, steps, chunk_bad):
+    # Threads [0, n) read the streams' lengths, the others the tokens' scales: one launch.
+    i = cuda.grid(1)
+    n = lens.shape[0]
+    if i < n:
+        k = i // per
+        at = lengths_at[k] + 2 * (i - k * per)
+        lens[i] = np.int64(blob[at]) | (np.int64(blob[at + 1]) << 8)
+        return
+    i -= n
+    L, _, T = steps.shape
+    if i >= L * 2 * T:
+        return
+    l, kv, t = _row_coords(i, T)
+    k = t // chunk_tokens
+    tl = t - k * chunk_tokens
+    tk = min(chunk_tokens, T - k * chunk_tokens)
+    at = scales_at[k] + 2 * ((l * 2 + kv) * tk + tl)
+    bits = np.int64(blob[at]) | (np.int64(blob[at + 1]) << 8)
+    if (bits & 0x8000) != 0 or (bits & 0x7F80) == 0x7F80:
+        chunk_bad[k] = 1  # a negative or non-finite scale: the caller reports the chunk
+        bits = np.int64(0)
+    steps[l, kv, t] = dequant_step(bits, np.int64(maxq[l, kv]))
+
+
+def prepare_decode(blob, lengths_at, per, lens, scales_at, chunk_tokens, maxq, steps, chunk_bad, stream=0):
+    """From the .cgen bytes in blob: lens[s] = the u16 length of stream s (chunk k = s // per's
+    table at blob[lengths_at[k]:]); steps[l, kv, t] = dequant_step of token t's scale (its
+    chunk's scales section at blob[scales_at[k]:]); chunk_bad[k] = 1 where a scale is negative
+    or not finite (chunk_bad zeroed by the caller)."""
+    L, _, T = steps.shape
+    n = lens.shape[0] + L * 2 * T
+    if n == 0:
+        return
+    _prepare_kernel[_grid(n), BLOCK, stream](
+        as_device(blob), as_device(lengths_at), np.int64(per), as_device(lens), as_device(scales_at),
+        np.int64(chunk_tokens), as_device(maxq), as_device(steps), as_device(chunk_bad),
+    )
+
+
+CHUNK_HEADER_BYTES = 40
+
+
+@cuda.jit
+def _assemble_kernel(out, rec_at, heads, scales, packed, cdf_size, lengths, per, chunk_tokens, slots, incl, delta,
+                     rest_blocks):
+    # Chunk k = blockIdx.y.  Block columns x < 2L copy plane x's scales (whole 16-bit words);
+    # the next rest_blocks stride over the header, the CDF codes and the stream lengths; the
+    # others copy the chunk's streams, a warp each, so that reads and writes are contiguous.
+    # No divisions: a 64-bit one costs tens of instructions and this kernel is all copying.
+    k = cuda.blockIdx.y
+    x = cuda.blockIdx.x
+    L, _, T = scales.shape
+    planes = 2 * L
+    if x >= planes + rest_blocks:
+        s = (x - planes - rest_blocks) * (cuda.blockDim.x // 32) + cuda.threadIdx.x // 32
+        if s >= per:
+            return
+        s += k * per
+        lane = cuda.threadIdx.x % 32
+        n = np.int64(lengths[s])
+        at = incl[s] - n + delta[k]
+        for i in range(lane, n, 32):
+            out[at + i] = slots[s, i]
+        return
+    t0 = k * chunk_tokens
+    tk = min(chunk_tokens, T - t0)
+    base = rec_at[k]
+    scales_at = base + CHUNK_HEADER_BYTES
+    if x < planes:
+        l = x >> 1
+        kv = x & 1
+        at = scales_at + 2 * x * tk
+        for t in range(cuda.threadIdx.x, tk, cuda.blockDim.x):
+            w = np.int64(scales[l, kv, t0 + t])
+            out[at + 2 * t] = w & 0xFF
+            out[at + 2 * t + 1] = (w >> 8) & 0xFF
+        return
+    codes_at = scales_at + 2 * planes * tk
+    rest = cdf_size + 2 * per
+    j = (x - planes) * cuda.blockDim.x + cuda.threadIdx.x
+    stride = rest_blocks * cuda.blockDim.x
+    while j < rest + CHUNK_HEADER_BYTES:
+        if j < cdf_size:
+            out[codes_at + j] = packed[k * cdf_size + j]
+        elif j < rest:
+            o = j - cdf_size
+            out[codes_at + j] = (np.int64(lengths[k * per + (o >> 1)]) >> (8 * (o & 1))) & 0xFF
+        else:
+            out[base + j - rest] = heads[k, j - rest]
+        j += stride
+
+
+def assemble_records(out, rec_at, heads, scales, packed, cdf_size, lengths, per, chunk_tokens, slots, incl, delta,
+                     stream=0):
+    """Write each chunk record but its CRC field at out[rec_at[k]:]: the header (heads
+    [K, 40]), the scales (int16 [L, 2, T_slab]), the CDF codes (packed, cdf_size bytes per
+    chunk), the stream lengths (u16 little-endian from int32 lengths, per streams per chunk)
+    and the streams (stream s = slots[s, :lengths[s]], written at incl[s] - lengths[s] +
+    delta[s // per]; incl: inclusive prefix sums of lengths).  One launch for all of it."""
+    K = rec_at.shape[0]
+    if K == 0:
+        return
+    L = scales.shape[0]
+    block = 256
+    rest_blocks = min(_grid(cdf_size + 2 * per + CHUNK_HEADER_BYTES, block), 1024)
+    stream_blocks = _grid(32 * per, block)
+    _assemble_kernel[(2 * L + rest_blocks + stream_blocks, K), block, stream](
+        as_device(out), as_device(rec_at), as_device(heads), as_device(scales), as_device(packed), np.int64(cdf_size),
+        as_device(lengths), np.int64(per), np.int64(chunk_tokens), as_device(slots), as_device(incl),
+        as_device(delta), np.int64(rest_blocks),
+    )
+
+
+#: Bytes per CRC segment in crc32_chunks: one thread each.  Small segments give enough
+#: threads to cover the device; every segment's CRC is shifted to its place independently.
+#: Body segments are cut at multiples of this in the buffer, so they start 8-byte aligned.
+CHUNK_CRC_SEGMENT = 2048
+
+
+@cuda.jit(device=True)
+def _crc_span(data, words, aligned, start, n, table):
+    """zlib.crc32(data[start:start + n]); where ``aligned``, the 8-byte-aligned middle is read
+    as int64 words (words = data viewed as int64): an eighth of the load instructions, which
+    is what bounds this kernel (each thread reads its own span, so the lines thrash in L1)."""
+    c = np.int64(0xFFFFFFFF)
+    p = start
+    end = start + n
+    if aligned:
+        while p < end and (p & 7) != 0:
+            c = table[(c ^ np.int64(data[p])) & 0xFF] ^ (c >> 8)
+            p += 1
+        while p + 8 <= end:
+            w = words[p >> 3]
+            for b in range(8):
+                c = table[(c ^ (w >> (8 * b))) & 0xFF] ^ (c >> 8)
+            p += 8
+    while p < end:
+        c = table[(c ^ np.int64(data[p])) & 0xFF] ^ (c >> 8)
+        p += 1
+    return c ^ 0xFFFFFFFF
+
+
+@cuda.jit
+def _crc_chunks_kernel(data, words, aligned, rec_at, rec_len, seg_first, out):
+    table = cuda.shared.array(256, np.int64)
+    for i in range(cuda.threadIdx.x, 256, cuda.blockDim.x):
+        table[i] = CRC_TABLE[i]
+    cuda.syncthreads()
+    i = cuda.grid(1)
+    R = rec_at.shape[0]
+    if i >= seg_first[R]:
+        return
+    lo = 0
+    hi = R
+    while hi - lo > 1:  # the record whose segments hold i
+        mid = (lo + hi) >> 1
+        if seg_first[mid] <= i:
+            lo = mid
+        else:
+            hi = mid
+    j = i - seg_first[lo]
+    b0 = rec_at[lo] + CHUNK_HEADER_BYTES
+    b1 = rec_at[lo] + rec_len[lo]
+    if j == 0:  # bytes 0..35 of the header: everything before the CRC field
+        start = rec_at[lo]
+        n = np.int64(CHUNK_HEADER_BYTES - 4)
+    else:
+        cut = (b0 // CHUNK_CRC_SEGMENT + 1) * CHUNK_CRC_SEGMENT  # the first cut inside the body
+        if j == 1:
+            start = b0
+            n = min(cut, b1) - b0
+        else:
+            start = cut + (j - 2) * CHUNK_CRC_SEGMENT
+            n = min(np.int64(CHUNK_CRC_SEGMENT), b1 - start)
+    after = b1 - (start + n)
+    if j == 0:
+        after = b1 - b0
+    c = _crc_span(data, words, aligned, start, n, table)
+    if after > 0:  # crc(A + B) = crc(A) x^(8|B|) xor crc(B), for every later segment B at once
+        c = multmodp(x8nmodp(after), c)
+    cuda.atomic.xor(out, lo, c)
+
+
+def chunk_crc_segments(rec_at: np.ndarray, rec_len: np.ndarray) -> np.ndarray:
+    """seg_first for crc32_chunks (host side): each record's first segment, then the total.
+    A record has its header segment and its body cut at multiples of CHUNK_CRC_SEGMENT."""
+    b0 = np.asarray(rec_at, np.int64) + CHUNK_HEADER_BYTES
+    b1 = np.asarray(rec_at, np.int64) + np.asarray(rec_len, np.int64)
+    cut = (b0 // CHUNK_CRC_SEGMENT + 1) * CHUNK_CRC_SEGMENT
+    counts = 2 + np.maximum(0, -(-(b1 - cut) // CHUNK_CRC_SEGMENT))
+    first = np.zeros(len(counts) + 1, np.int64)
+    np.cumsum(counts, out=first[1:])
+    return first
+
+
+def crc32_chunks(data, words, rec_at, rec_len, seg_first, out, total_segments, stream=0):
+    """out[k] (int64, zeroed by the caller) = the chunk_crc32 of the record at
+    data[rec_at[k]:rec_at[k] + rec_len[k]]: zlib.crc32 of header bytes 0..35 and the body.
+    words: data viewed as int64 (its first len // 8 words) when data starts 8-byte aligned,
+    else None."""
+    if total_segments == 0:
+        return
+    aligned = words is not None
+    if not aligned:
+        words = _placeholder((1,), np.int64)
+    _crc_chunks_kernel[_grid(total_segments), BLOCK, stream](
+        as_device(data), as_device(words), np.int64(aligned), as_device(rec_at), as_device(rec_len),
+        as_device(seg_first), as_device(out)
+    )
+
+
+@cuda.jit
+def _put_crc_kernel(out, rec_at, crc):
+    i = cuda.grid(1)
+    if i >= 4 * rec_at.shape[0]:
+        return
+    k = i // 4
+    out[rec_at[k] + 36 + i % 4] = (crc[k] >> (8 * (i % 4))) & 0xFF
+
+
+def put_crcs(out, rec_at, crc, stream=0):
+    """Write crc[k] little-endian into the CRC field (bytes 36..39) of record k."""
+    K = rec_at.shape[0]
+    if K == 0:
+        return
+    _put_crc_kernel[_grid(4 * K), BLOCK, stream](as_device(out), as_device(rec_at), as_device(crc))

@@ -53,8 +53,8 @@ def test_api_bytes_identical_on_both_devices():
     import cachegen_cli as cg
 
     kv = realistic_kv(layers=1, tokens=5, heads=1, head_dim=3, dtype=torch.float16, seed=3)
-    cpu_blob = cg.encode(kv, chunk_tokens=2, device="cpu")
-    gpu_blob = cg.encode(kv, chunk_tokens=2, device="cuda")
+    cpu_blob = cg.encode(kv, chunk_tokens=2, device="cpu", preset="lmcache")
+    gpu_blob = cg.encode(kv, chunk_tokens=2, device="cuda", preset="lmcache")
     assert cpu_blob == gpu_blob
     a = cg.decode(cpu_blob, device="cuda")["kv"]
     b = cg.decode(cpu_blob, device="cpu")["kv"]
@@ -120,3 +120,85 @@ def test_tiny_rows_quantize_alike():
     np.testing.assert_array_equal(a[0], b[0])
     np.testing.assert_array_equal(a[1], b[1])
     assert a[1][0, 0, 0, 2] == 7  # an exact zero stays at the middle level
+
+
+# ---------------------------------------------------------------- the whole file on the device
+
+
+def _device_case(kv, chunk_tokens, key_bins=16, value_bins=8):
+    import cachegen_cli as cg
+
+    quant = QuantizationConfig((QuantizationSpec(0, None, key_bins),), (QuantizationSpec(0, None, value_bins),))
+    cache, h = _header(kv, chunk_tokens, key_bins, value_bins)
+    cpu_blob = cg.encode(kv, quantization=quant, chunk_tokens=chunk_tokens, device="cpu")
+    return cache, h, cpu_blob
+
+
+_DEV = "cuda" if gpu_codec.torch_cuda_ok() else "cpu"  # where decode_device's input lives
+
+
+def _as_tensor(blob: bytes) -> torch.Tensor:
+    if not blob:
+        return torch.zeros(0, dtype=torch.uint8, device=_DEV)
+    t = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    return t.clone() if _DEV == "cpu" else t.to(_DEV)  # a fresh allocation: 8-byte aligned
+
+
+@pytest.mark.parametrize(
+    "dtype, tokens, head_dim, chunk_tokens, bins",
+    [
+        (torch.bfloat16, 7, 6, 3, (16, 8)),  # C = 6: the paired-word quantizer; a short last chunk
+        (torch.bfloat16, 5, 8, 2, (32, 16)),  # C = 8: the four-word quantizer; 8 channels a stream, one word a token
+        (torch.bfloat16, 5, 8, 256, (16, 8)),  # 4 channels a stream: decoding reads 8-byte words, stores one per token
+        (torch.bfloat16, 6, 4, 512, (32, 16)),  # 2 channels a stream
+        (torch.float16, 5, 3, 2, (16, 8)),  # odd C: the one-word quantizer
+        (torch.float32, 4, 4, 4, (255, 3)),  # CDF rows too wide for shared memory: global rows
+        (torch.float16, 3, 4, 1, (16, 8)),  # one-token chunks: a stream holds every channel; float16 words
+    ],
+)
+def test_device_file_matches_cpu(dtype, tokens, head_dim, chunk_tokens, bins):
+    """encode_file_device writes the CPU's bytes; decode_device reads them back to the CPU's values."""
+    import cachegen_cli as cg
+
+    kv = realistic_kv(layers=1, tokens=tokens, heads=1, head_dim=head_dim, dtype=dtype, seed=tokens)
+    kv[0, 1, 1] = 0  # an all-zero token
+    cache, h, cpu_blob = _device_case(kv, chunk_tokens, *bins)
+    got = gpu_codec.encode_file_device(h, cache.data)
+    assert got.cpu().numpy().tobytes() == cpu_blob
+    h2, out = gpu_codec.decode_device(_as_tensor(cpu_blob))
+    assert out.dtype == dtype
+    assert torch.equal(out.reshape(kv.shape).cpu(), cg.decode(cpu_blob, device="cpu")["kv"])
+
+
+def test_device_decode_checks_like_the_cpu():
+    """Corrupted bytes give decode_device the CPU reader's error, checks made on the device included."""
+    import struct
+    import zlib
+
+    import cachegen_cli as cg
+    from cachegen_cli import container
+
+    kv = realistic_kv(layers=1, tokens=5, heads=1, head_dim=4, dtype=torch.bfloat16, seed=1)
+    blob = cg.encode(kv, chunk_tokens=2, device="cpu", preset="lmcache")
+    h, end = container.read_file_header(container.BufferReader(blob), len(blob))
+    offsets = container.read_index(container.BufferReader(blob), h, end, len(blob))
+    index_at = len(blob) - 16 - (12 + 8 * h.num_chunks)
+    o = offsets[1]
+    head = container.CHUNK_HEADER.unpack(blob[o : o + 40])
+
+    def edit(pos, xor=0, value=None, fix_crc=False):
+        b = bytearray(blob)
+        b[pos] = value if value is not None else b[pos] ^ xor
+        if fix_crc:  # a consistent CRC, so that the section checks are what fails
+            b[o + 36 : o + 40] = struct.pack("<I", zlib.crc32(bytes(b[o : o + 36]) + bytes(b[o + 40 : o + 40 + sum(head[4:8])])))
+        return bytes(b)
+
+    cases = [b"", blob[:-5], edit(index_at - 2, 1), edit(end + 5, 1), edit(10, 1),
+             edit(o + 40 + head[4] + head[5], 1, fix_crc=True),  # a stream length
+             edit(o + 41, 0x80, fix_crc=True),  # a negative scale
+             edit(o + 32, value=1, fix_crc=True)]  # the reserved field
+    for case in cases:
+        with pytest.raises(Exception) as cpu_error:
+            cg.decode(case, device="cpu")
+        with pytest.raises(type(cpu_error.value), match="^" + str(cpu_error.value).replace("(", r"\(").replace(")", r"\)") + "$"):
+            gpu_codec.decode_device(_as_tensor(case))

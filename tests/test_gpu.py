@@ -17,6 +17,7 @@ pytestmark = pytest.mark.gpu
 
 
 def _both(kv, **kw):
+    kw.setdefault("preset", None if "bins" in kw else "lmcache")  # format version 1: the GPU's
     cpu = cg.encode(kv, device="cpu", **kw)
     gpu = cg.encode(kv, device="cuda", **kw)
     assert cpu == gpu
@@ -53,12 +54,12 @@ def test_zero_channels_and_tokens_and_bins():
 
 def test_cuda_tensors_in_and_out(sample_stacked):
     kv = load_file(str(sample_stacked))["kv"]
-    blob = cg.encode(kv.cuda(), device="cuda")
-    assert blob == cg.encode(kv, device="cpu")
+    blob = cg.encode(kv.cuda(), device="cuda", preset="lmcache")
+    assert blob == cg.encode(kv, device="cpu", preset="lmcache")
     out = cg.decode(blob, device="cuda")["kv"]
     assert out.is_cuda and out.dtype == kv.dtype and out.shape == kv.shape
     tensors = {k: v.cuda() for k, v in per_layer(kv[:4]).items()}
-    assert cg.encode(tensors, device="cuda") == cg.encode(per_layer(kv[:4]), device="cpu")
+    assert cg.encode(tensors, device="cuda", preset="lmcache") == cg.encode(per_layer(kv[:4]), device="cpu", preset="lmcache")
 
 
 @pytest.mark.parametrize("chunk_tokens", [1, 256, 300])
@@ -66,7 +67,30 @@ def test_encode_to_device_same_bytes(sample_stacked, chunk_tokens):
     kv = load_file(str(sample_stacked))["kv"]
     if chunk_tokens == 1:
         kv = kv[:, :, :20].contiguous()
-    on_device = cg.encode_to_device(kv.cuda(), chunk_tokens=chunk_tokens)
+    on_device = cg.encode_to_device(kv.cuda(), chunk_tokens=chunk_tokens, preset="lmcache")
     assert on_device.is_cuda and on_device.dtype == torch.uint8
-    assert on_device.cpu().numpy().tobytes() == cg.encode(kv, device="cpu", chunk_tokens=chunk_tokens)
+    assert on_device.cpu().numpy().tobytes() == cg.encode(kv, device="cpu", chunk_tokens=chunk_tokens, preset="lmcache")
     assert torch.equal(cg.decode(on_device, device="cuda")["kv"].cpu(), cg.decode(on_device, device="cpu")["kv"])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_device_bytes_decode_like_the_cpu(sample_per_layer, dtype):
+    """decode(GPU bytes) checks and decodes on the GPU: the CPU's tensors, per-layer layout too."""
+    tensors = {k: v.to(dtype) for k, v in load_file(str(sample_per_layer)).items()}
+    on_device = cg.encode_to_device({k: v.cuda() for k, v in tensors.items()}, chunk_tokens=64, preset="lmcache")
+    blob = cg.encode(tensors, device="cpu", chunk_tokens=64, preset="lmcache")
+    assert on_device.cpu().numpy().tobytes() == blob
+    a, b = cg.decode(on_device, device="cuda"), cg.decode(blob, device="cpu")
+    assert all(a[k].is_cuda and a[k].dtype == dtype and torch.equal(a[k].cpu(), b[k]) for k in b)
+
+
+def test_device_bytes_corruption_is_caught(sample_stacked):
+    kv = load_file(str(sample_stacked))["kv"][:, :, :300].contiguous()
+    on_device = cg.encode_to_device(kv.cuda(), preset="lmcache")
+    for pos in (70, on_device.numel() // 2, on_device.numel() - 20):
+        bad = on_device.clone()
+        bad[pos] ^= 1
+        with pytest.raises(Exception) as cpu_error:
+            cg.decode(bad.cpu().numpy().tobytes(), device="cpu")
+        with pytest.raises(type(cpu_error.value)):
+            cg.decode(bad, device="cuda")
