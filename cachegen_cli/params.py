@@ -154,31 +154,24 @@ def parse_tables(raw: bytes, start: int, count: int, method: int, per_plane: int
     lo = np.empty(count, np.int64)
     alphabet = np.empty(count, np.int64)
     starts = np.empty(count, np.int64)
-    o = start
-    # Tables have variable sizes: walk them in order (a few per microsecond in Python is
-    # plenty for 10^4..10^5 tables), checking each header before stepping over it.
-    shared = np.zeros(count, np.bool_)
-    for i in range(count):
-        if o >= n:
-            raise TruncatedError(f"the Params block ends inside table {i}")
-        if buf[o] == MODE_SAME:  # filled in from the previous own table by the caller
-            if i % per_plane == 0:
-                raise SizeError("the first table of a (layer, K/V) cannot refer to a previous one")
-            shared[i] = True
-            modes[i], lo[i], alphabet[i], starts[i] = MODE_DIRECT, 0, 1, o
-            o += 1
-            continue
-        if o + 3 > n:
-            raise TruncatedError(f"the Params block ends inside table {i}")
-        modes[i] = buf[o]
-        lo[i] = buf[o + 1]
-        alphabet[i] = int(buf[o + 2]) + 1
-        starts[i] = o + 3
-        o += 3 + (int(alphabet[i]) + 1) // 2
-    if o > n:
-        raise TruncatedError("the Params block ends inside the last table")
-    if o != n:
+    # Tables have variable sizes: a small kernel walks them in order, checking each
+    # entry's size against the bytes left before stepping over it.
+    from .kernels.cpu_transform import walk_tables
+
+    heads = np.zeros(count, np.uint8)
+    end = walk_tables(buf, start, count, per_plane, starts, heads)
+    if end == -(1 << 40):
+        raise SizeError("the first table of a (layer, K/V) cannot refer to a previous one")
+    if end < 0:
+        raise TruncatedError(f"the Params block ends inside table {-1 - end}")
+    if end != n:
         raise SizeError("bytes left over after the tables of the Params block")
+    shared = heads == MODE_SAME
+    own = ~shared
+    modes[:] = np.where(shared, MODE_DIRECT, heads)
+    idx = np.where(own, starts, 0)
+    lo[:] = np.where(own, buf[np.maximum(idx - 2, 0)], 0)
+    alphabet[:] = np.where(own, buf[np.maximum(idx - 1, 0)].astype(np.int64) + 1, 1)
     if method == METHOD_TRANSFORM:
         lo = np.where(lo >= 128, lo - 256, lo)
         bad_mode = (modes != MODE_DIRECT) & (modes != MODE_DELTA)

@@ -107,24 +107,20 @@ def _code(h: FileHeader, q: np.ndarray, modes, lo, alphabet):
         modes, lo, alphabet, codes, cum = expand_shared(shared, modes, lo, alphabet, codes, cum)
         k2.levels_to_symbols(q, modes, lo, ct, sym, np.empty((L, 2, C, width), np.int64))
     K = h.num_chunks
-    n_streams = K * h.streams_per_chunk
-    lengths = np.empty(n_streams, np.int32)
-    parts = []
-    # Streams are coded a slab of chunks at a time: the slots hold every stream's worst case.
-    per = max(1, (256 << 20) // max(1, h.streams_per_chunk * max_stream_bytes(ct * G)))
-    for k0 in range(0, K, per):
-        k1 = min(K, k0 + per)
-        t0, t1 = k0 * ct, min(T, k1 * ct)
-        s0, s1 = k0 * h.streams_per_chunk, k1 * h.streams_per_chunk
-        slots = np.empty((s1 - s0, max_stream_bytes(ct * G)), np.uint8)
-        k2.encode_table_streams(sym[:, :, t0:t1], cum, ct, G, slots, lengths[s0:s1])
-        offs = np.zeros(s1 - s0 + 1, np.int64)
-        np.cumsum(lengths[s0:s1], out=offs[1:])
-        payload = np.empty(int(offs[-1]), np.uint8)
-        cpu_kernels.pack_streams(slots, lengths[s0:s1], offs, payload)
-        parts.append(payload)
-    payload = np.concatenate(parts) if parts else np.empty(0, np.uint8)
-    offsets = np.zeros(n_streams + 1, np.int64)
+    tab = np.empty((L, 2, C, width), np.uint32)
+    lut = np.empty((L, 2, C, cpu_kernels.LUT_SIZE), np.uint8)
+    k2.coder_tables(cum, alphabet, tab, lut)
+    lengths = np.empty((K, L, 2, h.groups), np.int32)
+    plane_bytes = np.empty(K * L * 2, np.int64)
+    # One row per plane, big enough for its worst case; only the bytes written are touched.
+    planes = np.empty((K * L * 2, h.groups * max_stream_bytes(ct * G)), np.uint8)
+    k2.encode_table_planes(sym, tab.reshape(L, 2, C * width), ct, G, lengths, plane_bytes, planes)
+    plane_offsets = np.zeros(K * L * 2 + 1, np.int64)
+    np.cumsum(plane_bytes, out=plane_offsets[1:])
+    payload = np.empty(int(plane_offsets[-1]), np.uint8)
+    cpu_kernels.pack_streams(planes, plane_bytes, plane_offsets, payload)
+    lengths = lengths.reshape(-1)
+    offsets = np.zeros(lengths.size + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     return codes, lengths, payload, offsets, shared, modes, lo, alphabet
 
@@ -230,13 +226,17 @@ def decode_v2(h: FileHeader, chunks: list[Chunk], dtype: torch.dtype,
     width = p.width
     cum = np.empty((L, 2, C, width + 1), np.int32)
     k2.cum_from_table_codes(p.codes, p.alphabet, cum)
+    tab = np.empty((L, 2, C, width), np.uint32)
+    lut = np.empty((L, 2, C, cpu_kernels.LUT_SIZE), np.uint8)
+    k2.coder_tables(cum, p.alphabet, tab, lut)
     lengths = (np.concatenate([c.lengths.reshape(-1) for c in chunks]).astype(np.int32)
                if chunks else np.empty(0, np.int32))
     offsets = np.zeros(lengths.size + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     payload = np.concatenate([c.payload for c in chunks]) if chunks else np.empty(0, np.uint8)
     sym = np.empty((L, 2, T, C), np.uint8)
-    k2.decode_table_streams(payload, offsets, lengths, cum, width, h.chunk_tokens, h.group, sym)
+    k2.decode_table_planes(payload, offsets, lengths, cum.reshape(L, 2, -1), lut.reshape(L, 2, -1), h.chunk_tokens,
+                           h.group, sym)
     q = np.empty((L, 2, T, C), np.int16)
     k2.symbols_to_levels(sym, p.modes, p.lo, h.chunk_tokens, q)
     del sym

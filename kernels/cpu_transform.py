@@ -27,6 +27,7 @@ from numba import njit, prange
 
 from .cdf import codes_to_cum, counts_to_codes
 from .coding_params import PROB_BITS
+from .cpu import _FAST, INTERLEAVE, _decode_plane_streams, _encode_plane_streams, _plane_index, build_lut
 from .range_coder import decode_stream, encode_stream
 from .transform import level_value, rotate_row, step_level, symbol_top_byte, top_byte_symbol, unrotate_row
 
@@ -141,84 +142,80 @@ def join_words(q, raw, nraw, words):
 @njit(parallel=True, **_JIT)
 def level_stats(q, chunk_tokens, stats):
     """Per table [L, 2, C]: stats[..., 0:3] = min, max and sum of |value| of the direct
-    values; stats[..., 3:6] the same for the token deltas (a chunk's first token: its value)."""
+    values; stats[..., 3:6] the same for the token deltas (a chunk's first token: its value).
+    One thread per (layer, K/V) plane, walking it row by row (the memory order)."""
     L, _, T, C = q.shape
-    for p in prange(L * 2 * C):
-        l = p // (2 * C)
-        kv = (p // C) % 2
-        c = p % C
-        mn = np.int64(1 << 40)
-        mx = np.int64(-(1 << 40))
-        ab = np.int64(0)
-        dmn = np.int64(1 << 40)
-        dmx = np.int64(-(1 << 40))
-        dab = np.int64(0)
-        prev = np.int64(0)
+    for p in prange(L * 2):
+        l = p // 2
+        kv = p % 2
+        st = stats[l, kv]
+        for c in range(C):
+            st[c, 0] = 1 << 40
+            st[c, 1] = -(1 << 40)
+            st[c, 2] = 0
+            st[c, 3] = 1 << 40
+            st[c, 4] = -(1 << 40)
+            st[c, 5] = 0
+        plane = q[l, kv]
         for t in range(T):
-            v = np.int64(q[l, kv, t, c])
-            if t % chunk_tokens == 0:
-                prev = 0
-            d = v - prev
-            prev = v
-            mn = min(mn, v)
-            mx = max(mx, v)
-            ab += abs(v)
-            dmn = min(dmn, d)
-            dmx = max(dmx, d)
-            dab += abs(d)
-        stats[l, kv, c, 0] = mn
-        stats[l, kv, c, 1] = mx
-        stats[l, kv, c, 2] = ab
-        stats[l, kv, c, 3] = dmn
-        stats[l, kv, c, 4] = dmx
-        stats[l, kv, c, 5] = dab
+            first = t % chunk_tokens == 0
+            row = plane[t]
+            for c in range(C):
+                v = np.int64(row[c])
+                d = v
+                if not first:
+                    d = v - np.int64(plane[t - 1, c])
+                st[c, 0] = min(st[c, 0], v)
+                st[c, 1] = max(st[c, 1], v)
+                st[c, 2] += abs(v)
+                st[c, 3] = min(st[c, 3], d)
+                st[c, 4] = max(st[c, 4], d)
+                st[c, 5] += abs(d)
 
 
 @njit(parallel=True, **_JIT)
 def levels_to_symbols(q, modes, lo, chunk_tokens, sym, counts):
     """sym = (value or token delta) - lo per table; counts[..., s] = occurrences of s."""
     L, _, T, C = q.shape
-    for p in prange(L * 2 * C):
-        l = p // (2 * C)
-        kv = (p // C) % 2
-        c = p % C
-        row = counts[l, kv, c]
-        row[:] = 0
-        delta = modes[l, kv, c] == 1
-        base = lo[l, kv, c]
-        prev = np.int64(0)
+    for p in prange(L * 2):
+        l = p // 2
+        kv = p % 2
+        cnt = counts[l, kv]
+        cnt[:, :] = 0
+        plane = q[l, kv]
+        out = sym[l, kv]
+        md = modes[l, kv]
+        base = lo[l, kv]
         for t in range(T):
-            v = np.int64(q[l, kv, t, c])
-            if delta:
-                if t % chunk_tokens == 0:
-                    prev = 0
-                s = v - prev - base
-                prev = v
-            else:
-                s = v - base
-            sym[l, kv, t, c] = s
-            row[s] += 1
+            first = t % chunk_tokens == 0
+            row = plane[t]
+            for c in range(C):
+                v = np.int64(row[c])
+                if md[c] == 1 and not first:
+                    v -= np.int64(plane[t - 1, c])
+                s_ = v - base[c]
+                out[t, c] = s_
+                cnt[c, s_] += 1
 
 
 @njit(parallel=True, **_JIT)
 def symbols_to_levels(sym, modes, lo, chunk_tokens, q):
     """Inverse of levels_to_symbols."""
     L, _, T, C = sym.shape
-    for p in prange(L * 2 * C):
-        l = p // (2 * C)
-        kv = (p // C) % 2
-        c = p % C
-        delta = modes[l, kv, c] == 1
-        base = lo[l, kv, c]
-        prev = np.int64(0)
+    for p in prange(L * 2):
+        l = p // 2
+        kv = p % 2
+        plane = q[l, kv]
+        src = sym[l, kv]
+        md = modes[l, kv]
+        base = lo[l, kv]
         for t in range(T):
-            v = np.int64(sym[l, kv, t, c]) + base
-            if delta:
-                if t % chunk_tokens == 0:
-                    prev = 0
-                v += prev
-                prev = v
-            q[l, kv, t, c] = v
+            first = t % chunk_tokens == 0
+            for c in range(C):
+                v = np.int64(src[t, c]) + base[c]
+                if md[c] == 1 and not first:
+                    v += np.int64(plane[t - 1, c])
+                plane[t, c] = v
 
 
 @njit(parallel=True, **_JIT)
@@ -311,3 +308,88 @@ def decode_table_streams(payload, offsets, lengths, cum, width, chunk_tokens, gr
         c0 = g * group
         c1 = min(C, c0 + group)
         decode_stream(payload, offsets[s], lengths[s], t0, t1, c0, c1, cum[l, kv], c0, 1, width, sym[l, kv])
+
+
+# =====================================================================================
+# Fast paths: the range coder of kernels/cpu.py (four streams in lock step, table lookups,
+# LUT decoding) over a file's shared tables.  Same bytes and symbols as
+# encode_table_streams / decode_table_streams above (tests/test_transform.py checks it).
+# =====================================================================================
+
+
+@njit(parallel=True, **_JIT)
+def coder_tables(cum, alphabet, tab, lut):
+    """Per table: tab[..., s] = cum[s] | freq[s] << 16 for the encoder, and the decoder's
+    lookup table (cpu.build_lut)."""
+    L, _, C, W1 = cum.shape
+    W = W1 - 1
+    for p in prange(L * 2 * C):
+        l = p // (2 * C)
+        kv = (p // C) % 2
+        c = p % C
+        row = cum[l, kv, c]
+        for s_ in range(W):
+            tab[l, kv, c, s_] = np.uint32(row[s_]) | (np.uint32(row[s_ + 1] - row[s_]) << 16)
+        build_lut(row, alphabet[l, kv, c], lut[l, kv, c])
+
+
+@njit(parallel=True, **_FAST)
+def encode_table_planes(sym, tab, chunk_tokens, group, lengths, plane_bytes, planes):
+    """Range-code every stream: one job per plane (chunk, layer, K/V), its streams back to
+    back in planes[job]; lengths [K, L, 2, groups]; tab uint32 [L, 2, C * W]."""
+    L, _, T, C = sym.shape
+    K = lengths.shape[0]
+    W = tab.shape[2] // C
+    for job in prange(K * L * 2):
+        k, l, kv = _plane_index(job, L)
+        t0 = k * chunk_tokens
+        t1 = min(T, t0 + chunk_tokens)
+        cap = 2 * (t1 - t0) * group + 8
+        buf = np.empty(INTERLEAVE * cap, np.uint8)
+        plane_bytes[job] = _encode_plane_streams(sym[l, kv, t0:t1], tab[l, kv], W, group, buf, cap, planes[job],
+                                                 lengths[k, l, kv])
+
+
+@njit(parallel=True, **_FAST)
+def decode_table_planes(payload, offsets, lengths, cum, lut, chunk_tokens, group, sym):
+    """Inverse of encode_table_planes: stream s is payload[offsets[s]:offsets[s] + lengths[s]];
+    cum int32 [L, 2, C * W1], lut uint8 [L, 2, C * LUT_SIZE]."""
+    L, _, T, C = sym.shape
+    K = (T + chunk_tokens - 1) // chunk_tokens
+    W1 = cum.shape[2] // C
+    groups = (C + group - 1) // group
+    for job in prange(K * L * 2):
+        k, l, kv = _plane_index(job, L)
+        t0 = k * chunk_tokens
+        t1 = min(T, t0 + chunk_tokens)
+        cap = 2 * (t1 - t0) * group + 8
+        buf = np.empty(INTERLEAVE * cap, np.uint8)
+        _decode_plane_streams(payload, offsets, lengths, job * groups, cum[l, kv], W1, lut[l, kv], group, buf, cap,
+                              sym[l, kv, t0:t1])
+
+
+@njit(**_JIT)
+def walk_tables(buf, start, count, per_plane, starts, heads):
+    """Walk the table entries of a Params block: starts[i] = where entry i's codes begin,
+    heads[i] = its first byte (2 = "same table").  Returns the end offset, or -1 - i when
+    entry i does not fit in buf, or -(1 << 40) when a plane's first entry is "same table"."""
+    n = buf.shape[0]
+    o = start
+    for i in range(count):
+        if o >= n:
+            return -1 - i
+        b = buf[o]
+        heads[i] = b
+        if b == 2:
+            if i % per_plane == 0:
+                return -(1 << 40)
+            starts[i] = o
+            o += 1
+            continue
+        if o + 3 > n:
+            return -1 - i
+        starts[i] = o + 3
+        o += 3 + (np.int64(buf[o + 2]) + 2) // 2
+    if o > n:
+        return -1 - count
+    return o

@@ -261,10 +261,20 @@ def write_page(results: dict, info: dict, out_md: pathlib.Path, out_png: pathlib
     L.append("Methods: **bf16 original** (16 bits/value); **int8 / int4 per-token abs-max**: each token's "
              "vector of one layer and K or V (192 values) is scaled by its abs-max and rounded to signed 8 or "
              "4 bits, size = bits + one bf16 scale per vector (16/192 bit/value), no entropy coding; "
-             f"**cachegen** with {CHUNK_TOKENS}-token chunks: `--preset lmcache` is LMCache's default CacheGen "
-             "table (K of layers 0–9: 32 bins, V of layers 0–1: 32 bins, the rest 16) and our default; every "
-             "other preset follows the same rule, so for a 30-layer model it gives the same table and "
-             "byte-identical files (checked below); `--bins B` uses B bins for every layer, K and V.\n")
+             f"**cachegen**, {CHUNK_TOKENS}-token chunks in every case:\n")
+    L.append("- format version 1 (LMCache's quantization): `--preset lmcache` is LMCache's default CacheGen "
+             "table (K of layers 0–9: 32 bins, V of layers 0–1: 32 bins, the rest 16); every other preset "
+             "follows the same rule, so for a 30-layer model it gives the same table and byte-identical files "
+             "(checked below); `--bins B` uses B bins for every layer, K and V;")
+    L.append("- **LMCache CacheGen, its own output**: the same quantization as `--preset lmcache` (so the same "
+             "decoded cache and scores), with the size of LMCache's own serialized output (exact byte count "
+             "from `benchmarks/lmcache_reference.py`, docs/lmcache_reference.md): the baseline of issue 5;")
+    L.append("- format version 2, `--quality lossless|high|balanced|small` (the default is `balanced`): "
+             "lossless range-codes each bf16 word's top byte and stores the low byte; the others quantize "
+             "each (layer, K/V) with one uniform step (relative step 0.25 / 0.5 / 0.9 × the plane's RMS), keep "
+             "the first token verbatim, choose token delta per channel, and share one table per channel across "
+             "chunks (docs/config.md); rows marked `--calibration` add a PCA rotation fitted with `cachegen "
+             "calibrate` on the caches of the *other two* texts at the same length (never on the scored text).\n")
     L.append("## Texts\n")
     L.append("| text | kind | source | tokens | sha256 |")
     L.append("|---|---|---|---:|---|")

@@ -260,3 +260,35 @@ def test_golden_v1_still_decodes_next_to_v2():
     v1 = cg.encode(realistic_kv(layers=1, tokens=3), preset="lmcache", device="cpu")
     assert struct.unpack_from("<H", v1, 8)[0] == 1
     assert struct.unpack_from("<H", tiny_v2(), 8)[0] == 2
+
+
+def test_fast_coder_matches_reference_kernels():
+    """The lock-step LUT coder (encode/decode_table_planes) gives the reference kernels' bytes."""
+    from cachegen_cli import codec, container
+    from cachegen_cli.kernels import cpu as k1
+    from cachegen_cli.kernels import cpu_transform as k2
+    from cachegen_cli.kernels.coding_params import max_stream_bytes
+
+    cache = kvio.read_safetensors(SAMPLE_PER_LAYER)
+    for ct in (7, 40):
+        blob = cg.encode(kvio.to_tensors(cache.data, cache.descriptor()), chunk_tokens=ct, device="cpu")
+        f, _ = codec.open_input(blob)
+        h, _, offsets, size = codec.read_header_and_index(f)
+        chunks = list(codec.iter_chunks(f, h, offsets, size))
+        p = h.params
+        L, C, T = h.num_layers, h.num_channels, h.num_tokens
+        cum = np.empty((L, 2, C, p.width + 1), np.int32)
+        k2.cum_from_table_codes(p.codes, p.alphabet, cum)
+        lengths = np.concatenate([c.lengths.reshape(-1) for c in chunks]).astype(np.int32)
+        offs = np.zeros(lengths.size + 1, np.int64)
+        np.cumsum(lengths, out=offs[1:])
+        payload = np.concatenate([c.payload for c in chunks])
+        sym = np.empty((L, 2, T, C), np.uint8)
+        k2.decode_table_streams(payload, offs, lengths, cum, p.width, ct, h.group, sym)
+        slots = np.empty((lengths.size, max_stream_bytes(ct * h.group)), np.uint8)
+        relen = np.empty(lengths.size, np.int32)
+        k2.encode_table_streams(sym, cum, ct, h.group, slots, relen)
+        assert np.array_equal(relen, lengths)
+        again = np.empty(int(offs[-1]), np.uint8)
+        k1.pack_streams(slots, relen, offs, again)
+        assert np.array_equal(again, payload)
