@@ -298,6 +298,8 @@ def write_page(results: dict, info: dict, out_md: pathlib.Path, out_png: pathlib
         L.append("| method | bits/value | ratio | size / LMCache's | side info | ppl ratio | KL | top-1 | greedy |")
         L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
         for m in ms:
+            if not all(m["key"] in c["rows"] and "lmcache" in c["rows"] for c in here):
+                continue  # a partial page, while a run is still adding rows
             rs = [c["rows"][m["key"]] for c in here]
             mean = lambda k: sum(r[k] for r in rs) / len(rs)  # noqa: E731
             bits = mean("bits_per_value")
@@ -317,7 +319,9 @@ def write_page(results: dict, info: dict, out_md: pathlib.Path, out_png: pathlib
     L.append("")
     L.append("### Format version 2 (`--quality`) against the issue's bars\n")
     for n in contexts:
-        L.extend(_v2_observations(n, [c for c in cases.values() if c["context"] == n], ms))
+        here = [c for c in cases.values() if c["context"] == n]
+        if all(m["key"] in c["rows"] for c in here for m in ms):
+            L.extend(_v2_observations(n, here, ms))
     L.append("")
     L.append("## Per text\n")
     for n in contexts:
@@ -329,6 +333,8 @@ def write_page(results: dict, info: dict, out_md: pathlib.Path, out_png: pathlib
             L.append("| method | bits/value | ratio | ppl ratio | KL | max KL | top-1 | greedy | greedy to 1st diff. | cache rel. MSE |")
             L.append("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
             for m in ms:
+                if m["key"] not in c["rows"]:
+                    continue
                 r = c["rows"][m["key"]]
                 L.append(
                     f"| {m['label']} | {r['bits_per_value']:.3f} | {r['ratio']:.2f}× | {r['ppl_ratio']:.4f} | "
@@ -430,10 +436,12 @@ def _plot(results: dict, out_png: pathlib.Path) -> None:
         lab = f"{c['text']}, {c['context']} tok"
         ax1.plot(xs, [max(r["kl_mean"], 1e-7) for r in bins], ls, color=col, marker=".", label=lab)
         ax2.plot(xs, [r["top1_agreement"] for r in bins], ls, color=col, marker=".", label=lab)
-        v2 = [c["rows"][f"quality:{q}"] for q in ("high", "balanced", "small")]
+        if not all(f"quality:{q}{x}" in c["rows"] for q in ("high", "balanced", "small") for x in ("", "+cal")):
+            v2 = v2c = []
+        v2 = [c["rows"][f"quality:{q}"] for q in ("high", "balanced", "small") if f"quality:{q}" in c["rows"]]
         ax1.plot([r["bits_per_value"] for r in v2], [max(r["kl_mean"], 1e-7) for r in v2], ":", color=col, marker="o", mfc="none")
         ax2.plot([r["bits_per_value"] for r in v2], [r["top1_agreement"] for r in v2], ":", color=col, marker="o", mfc="none")
-        v2c = [c["rows"][f"quality:{q}+cal"] for q in ("high", "balanced", "small")]
+        v2c = [c["rows"][f"quality:{q}+cal"] for q in ("high", "balanced", "small") if f"quality:{q}+cal" in c["rows"]]
         ax1.plot([r["bits_per_value"] for r in v2c], [max(r["kl_mean"], 1e-7) for r in v2c], ":", color=col, marker="^")
         ax2.plot([r["bits_per_value"] for r in v2c], [r["top1_agreement"] for r in v2c], ":", color=col, marker="^")
         for mk, marker in (("preset:lmcache", "*"), ("int4", "s"), ("int8", "D")):
