@@ -86,8 +86,9 @@ def encode_to_device(
         raise ConfigError("encode_to_device needs a CUDA GPU that torch can use")
     cache = kvio.from_tensors(kv, layout, metadata)
     quant = resolve_quantization(cache.num_layers, quantization=quantization, preset_name=preset, bins=bins)
-    if isinstance(quant, TransformConfig):  # the default quality is format version 2: CPU only
-        codec.v2_device("cuda")
+    if isinstance(quant, TransformConfig):
+        raise ConfigError("encode_to_device covers --preset / --bins (format version 1); for --quality use "
+                          "encode(kv, quality=..., device='cuda'), which returns host bytes")
     return gpu_codec.encode_file_device(codec.make_header(cache, quant, chunk_tokens), cache.data)
 
 

@@ -304,23 +304,20 @@ def encode_to_stream(
 
 
 def v2_device(device: str) -> str:
-    """Format version 2 runs on the CPU kernels (its CUDA kernels are not written yet)."""
-    if device == "cuda":
-        raise ConfigError("--device cuda supports --preset / --bins (format version 1) only; the --quality "
-                          "methods run on the CPU (--device cpu or auto)")
-    resolve_device(device)
-    return "cpu"
+    """Where format version 2 runs: its CUDA kernels (kernels/cuda_transform.py) when a GPU is
+    asked for or, with auto, present; the simulator is used only when asked for explicitly."""
+    return resolve_device(device)
 
 
 def _encode_v2_to_stream(cache: KVCache, out: BinaryIO, cfg: TransformConfig, chunk_tokens: int,
                          progress: ProgressFn | None, device: str, calibration) -> EncodeSummary:
     from . import transform_codec
 
-    v2_device(device)
+    device = v2_device(device)
     chunk_tokens = validate_chunk_tokens(chunk_tokens)
     if cfg.method == "lossless" and calibration is not None:
         raise ConfigError("--calibration does not apply to --quality lossless")
-    enc = transform_codec.encode_v2(cache, cfg, chunk_tokens, calibration)
+    enc = transform_codec.encode_v2(cache, cfg, chunk_tokens, calibration, device)
     h = enc.header
     head = container.pack_file_header(h)
     out.write(head)
@@ -416,14 +413,9 @@ def decode_from_stream(f: BinaryIO, progress: ProgressFn | None = None, device: 
 
         target = resolve_device(device)
         chunks = list(iter_chunks(f, h, offsets, size))
-        data = transform_codec.decode_v2(h, chunks, DTYPE_BY_NAME[h.dtype], calibration)
+        data = transform_codec.decode_v2(h, chunks, DTYPE_BY_NAME[h.dtype], calibration, target)
         if progress:
             progress(h.num_chunks, h.num_chunks)
-        if target == "cuda":
-            from . import gpu_codec
-
-            if gpu_codec.torch_cuda_ok():
-                data = data.to("cuda")
         return h, data
     device = resolve_device(device)
     kernels = get_kernels(device)

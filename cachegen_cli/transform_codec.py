@@ -70,6 +70,12 @@ def _choose_tables(q: np.ndarray, chunk_tokens: int, allow_delta: bool, method: 
     L, _, T, C = q.shape
     stats = np.empty((L, 2, C, 6), np.int64)
     k2.level_stats(q, chunk_tokens, stats)
+    return tables_from_stats(stats, allow_delta, T)
+
+
+def tables_from_stats(stats: np.ndarray, allow_delta: bool, T: int):
+    """(modes, lo, alphabet) [L, 2, C] from level_stats' output."""
+    L, _, C, _ = stats.shape
     mn, mx, ab, dmn, dmx, dab = (stats[..., i] for i in range(6))
     modes = np.full((L, 2, C), MODE_DIRECT, np.uint8)
     lo = mn.copy()
@@ -151,9 +157,29 @@ def _chunks(h: FileHeader, lengths, payload, offsets, raw: np.ndarray | None) ->
     return out
 
 
+def step_params(sums: np.ndarray, sumsq: np.ndarray, n: int, rel: np.ndarray):
+    """(offset bits, offsets, step bits, steps) from transform_stats' sums over n tokens."""
+    C = sums.shape[2]
+    mean = sums / n if n > 0 else np.zeros_like(sums)
+    offsets_bits = _bf16_bits(mean)
+    m = bf16_values(offsets_bits)
+    # Residual energy around the stored (rounded) means: sum (v - m)^2 = sumsq - 2 m sum + n m^2.
+    resid = np.maximum(sumsq - 2.0 * m * sums + n * m * m, 0.0).sum(axis=2)
+    rms = np.sqrt(resid / max(n * C, 1))
+    step = rel * rms
+    # A plane with no spread (all values equal to their means) gets any positive step: 1.
+    step = np.where(step > 1e-30, step, 1.0)
+    steps_bits = _bf16_bits(np.minimum(step, 3.0e38))
+    return offsets_bits, m, steps_bits, bf16_values(steps_bits)
+
+
 def encode_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
-              calibration: Calibration | None = None) -> EncodedV2:
+              calibration: Calibration | None = None, device: str = "cpu") -> EncodedV2:
     """Encode a whole cache with method 2 or 3; returns the header and the chunks."""
+    if device == "cuda":
+        from .gpu_transform import encode_v2_gpu
+
+        return encode_v2_gpu(cache, cfg, chunk_tokens, calibration)
     L, T, C = cache.num_layers, cache.num_tokens, cache.num_channels
     if cfg.method == "lossless":
         words = _source_words(cache.data)
@@ -179,19 +205,7 @@ def encode_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
     sums = np.empty((L, 2, C), np.float64)
     sumsq = np.empty((L, 2, C), np.float64)
     k2.transform_stats(x, rot, sink, sums, sumsq)
-    n = T - sink
-    mean = sums / n if n > 0 else np.zeros_like(sums)
-    offsets_bits = _bf16_bits(mean)
-    m = bf16_values(offsets_bits)
-    # Residual energy around the stored (rounded) means: sum (y - m)^2 = sumsq - 2 m sum + n m^2.
-    resid = np.maximum(sumsq - 2.0 * m * sums + n * m * m, 0.0).sum(axis=2)
-    rms = np.sqrt(resid / max(n * C, 1))
-    rel = cfg.steps_table(L)
-    step = rel * rms
-    # A plane with no spread (all values equal to their means) gets any positive step: 1.
-    step = np.where(step > 1e-30, step, 1.0)
-    steps_bits = _bf16_bits(np.minimum(step, 3.0e38))
-    steps = bf16_values(steps_bits)
+    offsets_bits, m, steps_bits, steps = step_params(sums, sumsq, T - sink, cfg.steps_table(L))
     q = np.empty((L, 2, T, C), np.int16)
     k2.transform_quantize(x, rot, sink, m.astype(np.float32), steps, TRANSFORM_QMAX, float(cfg.rounding), q)
     del x
@@ -206,11 +220,10 @@ def encode_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
     return EncodedV2(h, _chunks(h, lengths, payload, offsets, None))
 
 
-def decode_v2(h: FileHeader, chunks: list[Chunk], dtype: torch.dtype,
-              calibration: Calibration | None = None) -> torch.Tensor:
-    """Decode all chunks of a version-2 file into [L, 2, T, C] of ``dtype``."""
+def check_calibration(h: FileHeader, calibration: Calibration | None) -> np.ndarray:
+    """The rotation a file needs ([0, 0, 0, 0] when none), checked against its SHA-256."""
     p = h.params
-    L, T, C = h.num_layers, h.num_tokens, h.num_channels
+    L, C = h.num_layers, h.num_channels
     rot = np.zeros((0, 0, 0, 0), np.float32)
     if h.rotated:
         if calibration is None:
@@ -223,6 +236,19 @@ def decode_v2(h: FileHeader, chunks: list[Chunk], dtype: torch.dtype,
                 f"the calibration file ({calibration.sha256.hex()[:16]}…) is not the one this file was encoded "
                 f"with ({p.calibration.hex()[:16]}…)")
         rot = calibration.rotation
+    return rot
+
+
+def decode_v2(h: FileHeader, chunks: list[Chunk], dtype: torch.dtype,
+              calibration: Calibration | None = None, device: str = "cpu") -> torch.Tensor:
+    """Decode all chunks of a version-2 file into [L, 2, T, C] of ``dtype``."""
+    if device == "cuda":
+        from .gpu_transform import decode_v2_gpu
+
+        return decode_v2_gpu(h, chunks, dtype, calibration)
+    p = h.params
+    L, T, C = h.num_layers, h.num_tokens, h.num_channels
+    rot = check_calibration(h, calibration)
     width = p.width
     cum = np.empty((L, 2, C, width + 1), np.int32)
     k2.cum_from_table_codes(p.codes, p.alphabet, cum)

@@ -36,7 +36,9 @@ _JIT = dict(cache=True, nogil=True)
 
 @njit(parallel=True, **_JIT)
 def transform_stats(x, rot, sink, sums, sumsq):
-    """sums / sumsq [L, 2, C] = sum over tokens >= sink of y and y*y (float64, token order)."""
+    """sums / sumsq [L, 2, C] = sum over tokens >= sink of v and v*v (float64, token order),
+    v = float32(y): the square of a float32 is exact in float64, so a GPU's fused
+    multiply-add gives the same sums."""
     L, _, T, C = x.shape
     rotated = rot.shape[0] > 0
     for p in prange(L * 2):
@@ -52,8 +54,9 @@ def transform_stats(x, rot, sink, sums, sumsq):
                 for c in range(C):
                     y[c] = np.float64(x[l, kv, t, c])
             for c in range(C):
-                s1[c] += y[c]
-                s2[c] += y[c] * y[c]
+                v = np.float64(np.float32(y[c]))
+                s1[c] += v
+                s2[c] += v * v
         for c in range(C):
             sums[l, kv, c] = s1[c]
             sumsq[l, kv, c] = s2[c]
