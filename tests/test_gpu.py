@@ -94,3 +94,41 @@ def test_device_bytes_corruption_is_caught(sample_stacked):
             cg.decode(bad.cpu().numpy().tobytes(), device="cpu")
         with pytest.raises(type(cpu_error.value)):
             cg.decode(bad, device="cuda")
+
+
+# ---------------------------------------------------------------- format version 2 (--quality)
+
+
+@pytest.mark.parametrize("quality", ["lossless", "high", "balanced", "small"])
+@pytest.mark.parametrize("chunk_tokens", [1, 256, 4096])
+def test_v2_sample_identical_bytes_and_values(sample_stacked, sample_per_layer, quality, chunk_tokens):
+    for tensors in (load_file(str(sample_stacked)), load_file(str(sample_per_layer))):
+        cpu = cg.encode(tensors, quality=quality, chunk_tokens=chunk_tokens, device="cpu")
+        gpu = cg.encode({k: v.cuda() for k, v in tensors.items()}, quality=quality, chunk_tokens=chunk_tokens,
+                        device="cuda")
+        assert cpu == gpu
+        a, b = cg.decode(cpu, device="cuda"), cg.decode(cpu, device="cpu")
+        assert all(torch.equal(a[k].cpu().view(torch.int16), b[k].view(torch.int16)) for k in b)
+
+
+def test_v2_rotated_identical_bytes_and_values(sample_stacked):
+    from cachegen_cli import calibration as calib
+
+    kv = load_file(str(sample_stacked))["kv"]
+    cal = calib.fit([kv.reshape(30, 2, 520, 192)[:, :, 260:]])
+    x = kv[:, :, :260].contiguous()
+    cpu = cg.encode(x, calibration=cal, device="cpu")
+    assert cpu == cg.encode(x.cuda(), calibration=cal, device="cuda")
+    a = cg.decode(cpu, device="cuda", calibration=cal)["kv"].cpu()
+    b = cg.decode(cpu, device="cpu", calibration=cal)["kv"]
+    assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_v2_zero_planes_float_dtypes():
+    for dtype in (torch.float16, torch.float32):
+        kv = realistic_kv(layers=3, tokens=300, heads=2, head_dim=64, dtype=dtype, seed=5)
+        kv[1, 1] = 0
+        kv[:, :, :, 1, 3] = 0
+        for quality in ("balanced", "lossless"):
+            cpu = cg.encode(kv, quality=quality, device="cpu")
+            assert cpu == cg.encode(kv.cuda(), quality=quality, device="cuda")
