@@ -59,7 +59,7 @@ def make_header_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, para
     return FileHeader(
         num_tokens=cache.num_tokens, num_layers=cache.num_layers, num_channels=cache.num_channels,
         chunk_tokens=chunk_tokens, num_chunks=-(-cache.num_tokens // chunk_tokens),
-        group=container.choose_group(chunk_tokens, cache.num_channels), dtype=cache.dtype_name,
+        group=container.choose_group_v2(chunk_tokens, cache.num_channels), dtype=cache.dtype_name,
         layout=cache.layout, bins=np.zeros((cache.num_layers, 2), np.int32), descriptor=cache.descriptor(),
         method=params.method, cdf_coding=container.CDF_CODING_SHARED, version=container.FORMAT_VERSION_2,
         flags=container.FLAG_ROTATED if rotated else 0, sink_tokens=sink, params=params)
