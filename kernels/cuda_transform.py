@@ -34,6 +34,13 @@ from .range_coder import decode_stream, encode_stream
 from .transform import level_value, step_level, symbol_top_byte, top_byte_symbol
 
 
+def _cfg(n: int):
+    """(blocks, threads) for n threads of work: small launches get small blocks (no idle
+    threads to start, which is what makes numba's simulator slow on tiny inputs)."""
+    block = min(BLOCK, max(32, (n + 31) // 32 * 32))
+    return _grid(n, block), block
+
+
 def _plane_channel(i, C):
     return i // (2 * C), (i // C) % 2, i % C
 
@@ -69,7 +76,7 @@ def _stats_kernel(x, rot, rotated, sink, sums, sumsq):
 def transform_stats(x, rot, sink, sums, sumsq, stream=0):
     L, _, _, C = x.shape
     n = L * 2 * C
-    _stats_kernel[_grid(n), BLOCK, stream](as_device(x), as_device(rot), rot.shape[0] > 0, np.int64(sink),
+    _stats_kernel[(*_cfg(n), stream)](as_device(x), as_device(rot), rot.shape[0] > 0, np.int64(sink),
                                            as_device(sums), as_device(sumsq))
 
 
@@ -103,7 +110,7 @@ def transform_quantize(x, rot, sink, offsets, steps, qmax, threshold, q, stream=
     n = q.size
     if n == 0:
         return
-    _quantize_kernel[_grid(n), BLOCK, stream](as_device(x), as_device(rot), rot.shape[0] > 0, np.int64(sink),
+    _quantize_kernel[(*_cfg(n), stream)](as_device(x), as_device(rot), rot.shape[0] > 0, np.int64(sink),
                                               as_device(offsets), as_device(steps), np.int64(qmax),
                                               np.float64(threshold), as_device(q))
 
@@ -136,7 +143,7 @@ def transform_dequantize(q, rot, sink, offsets, steps, out, stream=0):
     n = q.size
     if n == 0:
         return
-    _dequantize_kernel[_grid(n), BLOCK, stream](as_device(q), as_device(rot), rot.shape[0] > 0, np.int64(sink),
+    _dequantize_kernel[(*_cfg(n), stream)](as_device(q), as_device(rot), rot.shape[0] > 0, np.int64(sink),
                                                 as_device(offsets), as_device(steps), as_device(out))
 
 
@@ -161,7 +168,7 @@ def split_words(words, nraw, q, raw, stream=0):
     n = q.size
     if n == 0:
         return
-    _split_kernel[_grid(n), BLOCK, stream](as_device(words), np.int64(nraw), as_device(q), as_device(raw))
+    _split_kernel[(*_cfg(n), stream)](as_device(words), np.int64(nraw), as_device(q), as_device(raw))
 
 
 @cuda.jit
@@ -188,7 +195,7 @@ def join_words(q, raw, nraw, words, stream=0):
     n = q.size
     if n == 0:
         return
-    _join_kernel[_grid(n), BLOCK, stream](as_device(q), as_device(raw), np.int64(nraw), as_device(words))
+    _join_kernel[(*_cfg(n), stream)](as_device(q), as_device(raw), np.int64(nraw), as_device(words))
 
 
 @cuda.jit
@@ -227,7 +234,7 @@ def _level_stats_kernel(q, chunk_tokens, stats):
 
 def level_stats(q, chunk_tokens, stats, stream=0):
     L, _, _, C = q.shape
-    _level_stats_kernel[_grid(L * 2 * C), BLOCK, stream](as_device(q), np.int64(chunk_tokens), as_device(stats))
+    _level_stats_kernel[(*_cfg(L * 2 * C), stream)](as_device(q), np.int64(chunk_tokens), as_device(stats))
 
 
 @cuda.jit
@@ -257,7 +264,7 @@ def _levels_to_symbols_kernel(q, modes, lo, chunk_tokens, sym, counts):
 
 def levels_to_symbols(q, modes, lo, chunk_tokens, sym, counts, stream=0):
     L, _, _, C = q.shape
-    _levels_to_symbols_kernel[_grid(L * 2 * C), BLOCK, stream](
+    _levels_to_symbols_kernel[(*_cfg(L * 2 * C), stream)](
         as_device(q), as_device(modes), as_device(lo), np.int64(chunk_tokens), as_device(sym), as_device(counts))
 
 
@@ -283,7 +290,7 @@ def _symbols_to_levels_kernel(sym, modes, lo, chunk_tokens, q):
 
 def symbols_to_levels(sym, modes, lo, chunk_tokens, q, stream=0):
     L, _, _, C = sym.shape
-    _symbols_to_levels_kernel[_grid(L * 2 * C), BLOCK, stream](
+    _symbols_to_levels_kernel[(*_cfg(L * 2 * C), stream)](
         as_device(sym), as_device(modes), as_device(lo), np.int64(chunk_tokens), as_device(q))
 
 
@@ -300,7 +307,7 @@ def _build_tables_kernel(counts, alphabet, codes, cum):
 
 def build_tables(counts, alphabet, codes, cum, stream=0):
     L, _, C, _ = counts.shape
-    _build_tables_kernel[_grid(L * 2 * C), BLOCK, stream](as_device(counts), as_device(alphabet), as_device(codes),
+    _build_tables_kernel[(*_cfg(L * 2 * C), stream)](as_device(counts), as_device(alphabet), as_device(codes),
                                                           as_device(cum))
 
 
@@ -316,7 +323,7 @@ def _cum_kernel(codes, alphabet, cum):
 
 def cum_from_table_codes(codes, alphabet, cum, stream=0):
     L, _, C, _ = codes.shape
-    _cum_kernel[_grid(L * 2 * C), BLOCK, stream](as_device(codes), as_device(alphabet), as_device(cum))
+    _cum_kernel[(*_cfg(L * 2 * C), stream)](as_device(codes), as_device(alphabet), as_device(cum))
 
 
 @cuda.jit
@@ -335,7 +342,7 @@ def encode_table_streams(sym, cum, chunk_tokens, group, slots, lengths, stream=0
     n = lengths.shape[0]
     if n == 0:
         return
-    _encode_kernel[_grid(n), BLOCK, stream](as_device(sym), as_device(cum), np.int64(chunk_tokens), np.int64(group),
+    _encode_kernel[(*_cfg(n), stream)](as_device(sym), as_device(cum), np.int64(chunk_tokens), np.int64(group),
                                             as_device(slots), as_device(lengths))
 
 
@@ -355,6 +362,6 @@ def decode_table_streams(payload, offsets, lengths, cum, width, chunk_tokens, gr
     n = lengths.shape[0]
     if n == 0:
         return
-    _decode_kernel[_grid(n), BLOCK, stream](as_device(payload), as_device(offsets), as_device(lengths),
+    _decode_kernel[(*_cfg(n), stream)](as_device(payload), as_device(offsets), as_device(lengths),
                                             as_device(cum), np.int64(width), np.int64(chunk_tokens), np.int64(group),
                                             as_device(sym))
