@@ -163,3 +163,6 @@ def register(app: typer.Typer) -> None:
     """Add ``capture`` and ``eval`` to the cachegen app."""
     app.command("capture")(capture_cmd)
     app.command("eval")(eval_cmd)
+    from .cli_tune import register as register_tune  # `cachegen tune` (cachegen_cli/cli_tune.py)
+
+    register_tune(app)
