@@ -40,7 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import cachegen_cli as cg  # noqa: E402
-from cachegen_cli import calibration, capture, evaluate  # noqa: E402
+from cachegen_cli import calibration, capture, evaluate, tune  # noqa: E402
 from cachegen_cli.config import PRESETS, QUALITY_PRESETS  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -103,11 +103,18 @@ def methods() -> list[dict]:
         if q != "lossless":
             out.append({"key": f"quality:{q}+cal", "label": f"cachegen --quality {q} --calibration (other texts)",
                         "family": "quality", "quality": q, "calibrated": True})
+    out.append({"key": "tuned+cal", "label": f"cachegen tune --target-kl {TUNE_TARGET:g} on another text, "
+                "--calibration (other texts)", "family": "tuned", "calibrated": True})
     return out
 
 
+#: Target KL of the tuned rows: about half LMCache's KL on these caches, so that the 2x
+#: uncertainty of a config tuned on another text still leaves it at or below LMCache's.
+TUNE_TARGET = 0.03
+
+
 def run_method(ref: evaluate.Reference, m: dict, tensors: dict, meta: dict, seen: dict, cal=None,
-               rows: dict | None = None) -> dict:
+               rows: dict | None = None, tuned=None) -> dict:
     """Compress, decode and score one method; ``seen`` maps the sha256 of .cgen bytes already scored
     to their row (byte-identical files decode to identical caches, so their scores are reused)."""
     values = ref.cache.numel()
@@ -129,7 +136,12 @@ def run_method(ref: evaluate.Reference, m: dict, tensors: dict, meta: dict, seen
         data = evaluate.absmax_roundtrip(ref.cache, m["bits"])
         bits = evaluate.absmax_bits_per_value(m["bits"], ref.cache.shape[-1])
     else:
-        if m["family"] == "quality":
+        if m["family"] == "tuned":
+            result = tuned()  # tuned on another text's cache, with this case's calibration
+            kw = {"quantization": tune.config_from_steps(result.steps), "calibration": cal}
+            extra_tuned = {"tuned_on": result.tuned_on, "tuned_achieved": result.achieved,
+                           "tuned_target": result.target}
+        elif m["family"] == "quality":
             kw = {"quality": m["quality"], "calibration": cal if m.get("calibrated") else None}
         else:
             kw = {"preset": m["preset"]} if m["family"] == "preset" else {"bins": m["bins"]}
@@ -137,6 +149,8 @@ def run_method(ref: evaluate.Reference, m: dict, tensors: dict, meta: dict, seen
         data = evaluate.tensors_to_internal(cg.decode(blob, device="cpu", calibration=kw.get("calibration")))
         bits = 8 * len(blob) / values
         extra = {"bytes": len(blob), "sha256": hashlib.sha256(blob).hexdigest(), "side_fraction": side_fraction(blob)}
+        if m["family"] == "tuned":
+            extra.update(extra_tuned)
         if m.get("quality") == "lossless":
             extra["bit_exact"] = bool(torch.equal(data.view(torch.int16), ref.cache.view(torch.int16)))
         if extra["sha256"] in seen:
@@ -175,7 +189,8 @@ def build_ref(model, tokenizer, text_name: str, text: str, ctx: int, log):
     return ids, ref, ref_s
 
 
-def run_case(model, text_name: str, text: str, ctx: int, log, ids, ref, ref_s, cal, old: dict | None) -> dict:
+def run_case(model, text_name: str, text: str, ctx: int, log, ids, ref, ref_s, cal, old: dict | None,
+             tuned=None) -> dict:
     """Score every method on one text and context; rows already in ``old`` are kept."""
     layers = evaluate.layers_from_internal(ref.cache, ref.num_kv_heads, ref.head_dim, torch.bfloat16)
     tensors = capture.layers_to_tensors(layers, "stacked", torch.bfloat16)
@@ -187,7 +202,7 @@ def run_case(model, text_name: str, text: str, ctx: int, log, ids, ref, ref_s, c
         if m["key"] in rows:
             continue
         t0 = time.perf_counter()
-        rows[m["key"]] = run_method(ref, m, tensors, meta, seen, cal, rows)
+        rows[m["key"]] = run_method(ref, m, tensors, meta, seen, cal, rows, tuned)
         r = rows[m["key"]]
         log(f"    {m['key']:<20} {r['bits_per_value']:6.3f} bits  ppl x{r['ppl_ratio']:.4f}  KL {r['kl_mean']:.2e}  "
             f"top1 {r['top1_agreement']:.3f}  greedy {r['greedy_agreement']:.2f}  ({time.perf_counter() - t0:.1f} s)")
@@ -364,13 +379,13 @@ def _v2_observations(n: int, here: list[dict], ms: list[dict]) -> list[str]:
         return sum(c["rows"][key]["bits_per_value"] / c["rows"]["lmcache"]["bits_per_value"] for c in here) / len(here)
 
     lm_kl = mean("lmcache", "kl_mean")
-    v2 = [m["key"] for m in ms if m["family"] == "quality" and m["quality"] != "lossless"]
+    v2 = [m["key"] for m in ms if (m["family"] == "quality" and m["quality"] != "lossless") or m["family"] == "tuned"]
     ok = [k for k in v2 if mean(k, "kl_mean") <= lm_kl]
     out = [f"- **{n} tokens.** LMCache's CacheGen: {mean('lmcache', 'bits_per_value'):.2f} bits/value, KL {lm_kl:.2e}."]
     if ok:
         best = min(ok, key=lambda k: mean(k, "bits_per_value"))
         per_text = all(c["rows"][best]["kl_mean"] <= c["rows"]["lmcache"]["kl_mean"] for c in here)
-        out.append(f"  Smallest `--quality` row with a mean KL at or below it: **{best.split(':')[1]}** at "
+        out.append(f"  Smallest v2 row with a mean KL at or below it: **{best.split(':')[-1]}** at "
                    f"{mean(best, 'bits_per_value'):.2f} bits/value ({16 / mean(best, 'bits_per_value'):.1f}× smaller than "
                    f"bf16), **{vs(best):.3f}× LMCache's size**, KL {mean(best, 'kl_mean'):.2e}, top-1 "
                    f"{mean(best, 'top1_agreement'):.3f} (KL at or below LMCache's on every text: {'yes' if per_text else 'no'}).")
@@ -385,6 +400,11 @@ def _v2_observations(n: int, here: list[dict], ms: list[dict]) -> list[str]:
     lossless = [c["rows"]["quality:lossless"] for c in here]
     out.append(f"  `lossless`: bit-exact on {sum(r.get('bit_exact', False) for r in lossless)} of {len(lossless)} caches, "
                f"{16 / mean('quality:lossless', 'bits_per_value'):.2f}× smaller than bf16 (bar: 1.3×).")
+    t = [c["rows"]["tuned+cal"] for c in here]
+    per = "; ".join(f"{c['text']}: {c['rows']['tuned+cal']['bits_per_value'] / c['rows']['lmcache']['bits_per_value']:.3f}× "
+                    f"LMCache's size, KL {c['rows']['tuned+cal']['kl_mean']:.2e} vs LMCache's {c['rows']['lmcache']['kl_mean']:.2e}"
+                    for c in here)
+    out.append(f"  Tuned (target KL {TUNE_TARGET:g} on another text's cache, calibrated on the other texts), per text: {per}.")
     sides = [c["rows"][k]["side_fraction"] for c in here for k in v2]
     out.append(f"  Side information of the `--quality` rows (256-token chunks): {100 * min(sides):.1f}–{100 * max(sides):.1f}% of the file.")
     return out
@@ -530,8 +550,22 @@ def main(argv=None) -> int:
             others = [refs[o][1].cache for o in refs if o != name]
             cal = calibration.fit(others) if others else None
             ids, ref, ref_s = refs[name]
+            names = list(loaded_texts)
+            other = names[(names.index(name) + 1) % len(names)] if len(names) > 1 else name
+
+            def tuned(other=other, cal=cal):
+                """Per-layer steps tuned (model gradients + bisection) on the next text's cache."""
+                t_ref = refs[other][1]
+                t0 = time.perf_counter()
+                r = tune.tune(t_ref.cache, t_ref.num_kv_heads, t_ref.head_dim, tune.KLMeasure(t_ref), TUNE_TARGET,
+                              calibration=cal)
+                torch.set_num_threads(args.threads or torch.get_num_threads())
+                log(f"    tuned on {other}: {r.bits_per_value:.3f} bits, KL {r.achieved:.2e} ({time.perf_counter() - t0:.0f} s)")
+                r.tuned_on = other
+                return r
+
             results["cases"][key] = run_case(model, name, loaded_texts[name], n, log, ids, ref, ref_s, cal,
-                                             results["cases"].get(key))
+                                             results["cases"].get(key), tuned)
             info["wall_seconds"] = elapsed_before + time.perf_counter() - t_start
             results["info"] = info
             RESULTS.write_text(json.dumps(results, indent=1))
