@@ -242,6 +242,22 @@ def decode_slab(h: FileHeader, chunks: list[Chunk], kernels=cpu_kernels) -> np.n
     return out
 
 
+def _write_chunks(out: BinaryIO, h: FileHeader, chunks: list[Chunk], pos: int, offsets: list[int],
+                  progress: ProgressFn | None) -> tuple[int, int]:
+    """Write chunk records from ``pos`` on, appending their offsets; returns (new pos, payload bytes).
+    The records' CRC-32s are computed in parallel threads (zlib releases the GIL on large buffers)."""
+    payload = 0
+    for chunk, parts in zip(chunks, _pool().map(container.chunk_parts, chunks)):
+        offsets.append(pos)
+        for part in parts:
+            out.write(part)
+            pos += len(part)
+        payload += int(chunk.payload.size)
+        if progress:
+            progress(chunk.index + 1, h.num_chunks)
+    return pos, payload
+
+
 @dataclass
 class EncodeSummary:
     header: FileHeader
@@ -285,15 +301,8 @@ def encode_to_stream(
         else:
             x = cache.data[:, :, slab.t0 : slab.t1, :].to(torch.float32).contiguous().numpy()
             chunks = encode_slab(h, x, slab.first_chunk, kernels)
-        # CRC-32 of each record in parallel: zlib releases the GIL on large buffers.
-        for chunk, parts in zip(chunks, _pool().map(container.chunk_parts, chunks)):
-            offsets.append(pos)
-            for part in parts:
-                out.write(part)
-                pos += len(part)
-            payload_bytes += int(chunk.payload.size)
-            if progress:
-                progress(chunk.index + 1, h.num_chunks)
+        pos, written = _write_chunks(out, h, chunks, pos, offsets, progress)
+        payload_bytes += written
         if number + 1 < len(slabs) and hasattr(out, "slab_done"):
             out.slab_done()  # the slab's buffers may be reused by the next one
     index = container.pack_index(offsets)
@@ -323,15 +332,7 @@ def _encode_v2_to_stream(cache: KVCache, out: BinaryIO, cfg: TransformConfig, ch
     out.write(head)
     pos = len(head)
     offsets: list[int] = []
-    payload_bytes = 0
-    for chunk, parts in zip(enc.chunks, _pool().map(container.chunk_parts, enc.chunks)):
-        offsets.append(pos)
-        for part in parts:
-            out.write(part)
-            pos += len(part)
-        payload_bytes += int(chunk.payload.size)
-        if progress:
-            progress(chunk.index + 1, h.num_chunks)
+    pos, payload_bytes = _write_chunks(out, h, enc.chunks, pos, offsets, progress)
     index = container.pack_index(offsets)
     out.write(index)
     out.write(container.pack_trailer(pos))

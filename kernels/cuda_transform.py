@@ -48,6 +48,13 @@ def _plane_channel(i, C):
 _plane_channel_dev = cuda.jit(device=True)(_plane_channel)
 
 
+@cuda.jit(device=True)
+def _value_coords(i, T, C):
+    """(layer, K/V, token, channel) of flat index i of an [L, 2, T, C] array."""
+    row = i // C
+    return row // (2 * T), (row // T) % 2, row % T, i % C
+
+
 @cuda.jit
 def _stats_kernel(x, rot, rotated, sink, sums, sumsq):
     i = cuda.grid(1)
@@ -86,11 +93,7 @@ def _quantize_kernel(x, rot, rotated, sink, offsets, steps, qmax, threshold, q):
     L, _, T, C = x.shape
     if i >= L * 2 * T * C:
         return
-    d = i % C
-    row = i // C
-    l = row // (2 * T)
-    kv = (row // T) % 2
-    t = row % T
+    l, kv, t, d = _value_coords(i, T, C)
     if t < sink:
         q[l, kv, t, d] = 0
         return
@@ -121,11 +124,7 @@ def _dequantize_kernel(q, rot, rotated, sink, offsets, steps, out):
     L, _, T, C = q.shape
     if i >= L * 2 * T * C:
         return
-    c = i % C
-    row = i // C
-    l = row // (2 * T)
-    kv = (row // T) % 2
-    t = row % T
+    l, kv, t, c = _value_coords(i, T, C)
     if t < sink:
         return
     step = steps[l, kv]
@@ -153,11 +152,7 @@ def _split_kernel(words, nraw, q, raw):
     L, _, T, C = words.shape
     if i >= L * 2 * T * C:
         return
-    c = i % C
-    row = i // C
-    l = row // (2 * T)
-    kv = (row // T) % 2
-    t = row % T
+    l, kv, t, c = _value_coords(i, T, C)
     w = np.int64(words[l, kv, t, c])
     q[l, kv, t, c] = top_byte_symbol(w >> (8 * nraw))
     for b in range(nraw):
@@ -177,11 +172,7 @@ def _join_kernel(q, raw, nraw, words):
     L, _, T, C = q.shape
     if i >= L * 2 * T * C:
         return
-    c = i % C
-    row = i // C
-    l = row // (2 * T)
-    kv = (row // T) % 2
-    t = row % T
+    l, kv, t, c = _value_coords(i, T, C)
     w = symbol_top_byte(q[l, kv, t, c]) << (8 * nraw)
     for b in range(nraw):
         w |= np.int64(raw[l, kv, t, c, b]) << (8 * b)
