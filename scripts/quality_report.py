@@ -275,7 +275,7 @@ def write_page(results: dict, info: dict, out_md: pathlib.Path, out_png: pathlib
     L.append(f"Machine: {info['machine']}.  ")
     L.append(f"Versions: {info['versions']}.  ")
     L.append(f"Model: `{info['model']}` (sha256 `{info['model_sha256'][:16]}…`), run in float32 on the CPU.  ")
-    L.append(f"Wall time of the run: {info['wall_seconds'] / 60:.1f} min.\n")
+    L.append(f"Wall time of the runs: {info['wall_seconds'] / 60:.1f} min.\n")
     L.append("Every number and the plot on this page come from those runs of `scripts/quality_report.py`; "
              "rerun it (without `--resume`) to regenerate everything.\n")
     L.append("## What is measured\n")
