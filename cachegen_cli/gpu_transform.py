@@ -106,7 +106,7 @@ def _code(dev: _Dev, h: FileHeader, sym, cum):
 
 def encode_v2_gpu(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
                   calibration: Calibration | None = None) -> "EncodedV2":
-    from .transform_codec import EncodedV2, _chunks, make_header_v2, step_params, tables_from_stats
+    from .transform_codec import EncodedV2, _chunks, make_header_v2, sink_words, step_params, tables_from_stats
 
     k = _k()
     dev = _Dev()
@@ -147,10 +147,8 @@ def encode_v2_gpu(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
     stats = dev.empty((L, 2, C, 6), np.int64)
     k.level_stats(q, chunk_tokens, stats)
     modes, lo, alphabet = tables_from_stats(dev.get(stats), cfg.token_delta, T)
-    itemsize = ITEMSIZE[cache.dtype_name]
-    sink_raw = cache.data[:, :, :sink].contiguous().cpu().view(torch.uint8).numpy().reshape(L, 2, sink, C, itemsize).copy()
     params = Params(METHOD_TRANSFORM, modes, lo, alphabet, np.zeros((L, 2, C, 1), np.uint8), digest,
-                    steps_bits, offsets_bits, sink_raw)
+                    steps_bits, offsets_bits, sink_words(cache, sink))
     h = make_header_v2(cache, cfg, chunk_tokens, params, sink)
     sym, cum, codes, shared, modes, lo, alphabet = _tables(dev, q, h, modes, lo, alphabet)
     lengths, payload, offsets = _code(dev, h, sym, cum)
@@ -161,7 +159,7 @@ def encode_v2_gpu(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
 def decode_v2_gpu(h: FileHeader, chunks: list[Chunk], dtype: torch.dtype,
                   calibration: Calibration | None = None) -> torch.Tensor:
     """Decode on the device; returns a CUDA tensor on a real GPU (a CPU one under the simulator)."""
-    from .transform_codec import check_calibration
+    from .transform_codec import check_calibration, gather_raw, gather_streams
 
     k = _k()
     dev = _Dev()
@@ -171,11 +169,7 @@ def decode_v2_gpu(h: FileHeader, chunks: list[Chunk], dtype: torch.dtype,
     width = p.width
     cum = dev.empty((L, 2, C, width + 1), np.int32)
     k.cum_from_table_codes(dev.put(p.codes), dev.put(p.alphabet), cum)
-    lengths = (np.concatenate([c.lengths.reshape(-1) for c in chunks]).astype(np.int32)
-               if chunks else np.empty(0, np.int32))
-    offsets = np.zeros(lengths.size + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    payload = np.concatenate([c.payload for c in chunks]) if chunks else np.empty(0, np.uint8)
+    lengths, offsets, payload = gather_streams(chunks)
     sym = dev.empty((L, 2, T, C), np.uint8)
     k.decode_table_streams(dev.put(payload if payload.size else np.zeros(1, np.uint8)), dev.put(offsets),
                            dev.put(lengths), cum, width, h.chunk_tokens, h.group, sym)
@@ -184,8 +178,7 @@ def decode_v2_gpu(h: FileHeader, chunks: list[Chunk], dtype: torch.dtype,
     device = "cuda" if dev.real else "cpu"
     if h.method == METHOD_LOSSLESS:
         nraw = h.raw_bytes_per_value
-        raw = (np.concatenate([c.scales.reshape(L, 2, c.token_count, C, nraw) for c in chunks], axis=2)
-               if chunks else np.empty((L, 2, 0, C, nraw), np.uint8))
+        raw = gather_raw(h, chunks)
         words = dev.empty((L, 2, T, C), np.int16 if nraw == 1 else np.int32)
         k.join_words(q, dev.put(raw), nraw, words)
         return torch.as_tensor(words, device=device).view(dtype)

@@ -210,14 +210,37 @@ def encode_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
     k2.transform_quantize(x, rot, sink, m.astype(np.float32), steps, TRANSFORM_QMAX, float(cfg.rounding), q)
     del x
     modes, lo, alphabet = _choose_tables(q, chunk_tokens, cfg.token_delta, METHOD_TRANSFORM)
-    itemsize = ITEMSIZE[cache.dtype_name]
-    sink_raw = cache.data[:, :, :sink].contiguous().view(torch.uint8).numpy().reshape(L, 2, sink, C, itemsize).copy()
     params = Params(METHOD_TRANSFORM, modes, lo, alphabet, np.zeros((L, 2, C, 1), np.uint8), digest,
-                    steps_bits, offsets_bits, sink_raw)
+                    steps_bits, offsets_bits, sink_words(cache, sink))
     h = make_header_v2(cache, cfg, chunk_tokens, params, sink)
     codes, lengths, payload, offsets, shared, modes, lo, alphabet = _code(h, q, modes, lo, alphabet)
     params.codes, params.shared, params.modes, params.lo, params.alphabet = codes, shared, modes, lo, alphabet
     return EncodedV2(h, _chunks(h, lengths, payload, offsets, None))
+
+
+def sink_words(cache: KVCache, sink: int) -> np.ndarray:
+    """The first ``sink`` tokens' raw words as bytes [L, 2, S, C, itemsize] (the Params block's sink)."""
+    L, C = cache.num_layers, cache.num_channels
+    words = cache.data[:, :, :sink].contiguous().cpu().view(torch.uint8).numpy()
+    return words.reshape(L, 2, sink, C, ITEMSIZE[cache.dtype_name]).copy()
+
+
+def gather_streams(chunks: list[Chunk]):
+    """Every stream's length, start and bytes, chunks back to back: (lengths, offsets, payload)."""
+    lengths = (np.concatenate([c.lengths.reshape(-1) for c in chunks]).astype(np.int32)
+               if chunks else np.empty(0, np.int32))
+    offsets = np.zeros(lengths.size + 1, np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    payload = np.concatenate([c.payload for c in chunks]) if chunks else np.empty(0, np.uint8)
+    return lengths, offsets, payload
+
+
+def gather_raw(h: FileHeader, chunks: list[Chunk]) -> np.ndarray:
+    """The lossless method's raw low bytes of every chunk: [L, 2, T, C, nraw]."""
+    L, C, nraw = h.num_layers, h.num_channels, h.raw_bytes_per_value
+    if not chunks:
+        return np.empty((L, 2, 0, C, nraw), np.uint8)
+    return np.concatenate([c.scales.reshape(L, 2, c.token_count, C, nraw) for c in chunks], axis=2)
 
 
 def check_calibration(h: FileHeader, calibration: Calibration | None) -> np.ndarray:
@@ -255,11 +278,7 @@ def decode_v2(h: FileHeader, chunks: list[Chunk], dtype: torch.dtype,
     tab = np.empty((L, 2, C, width), np.uint32)
     lut = np.empty((L, 2, C, cpu_kernels.LUT_SIZE), np.uint8)
     k2.coder_tables(cum, p.alphabet, tab, lut)
-    lengths = (np.concatenate([c.lengths.reshape(-1) for c in chunks]).astype(np.int32)
-               if chunks else np.empty(0, np.int32))
-    offsets = np.zeros(lengths.size + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    payload = np.concatenate([c.payload for c in chunks]) if chunks else np.empty(0, np.uint8)
+    lengths, offsets, payload = gather_streams(chunks)
     sym = np.empty((L, 2, T, C), np.uint8)
     k2.decode_table_planes(payload, offsets, lengths, cum.reshape(L, 2, -1), lut.reshape(L, 2, -1), h.chunk_tokens,
                            h.group, sym)
@@ -268,8 +287,7 @@ def decode_v2(h: FileHeader, chunks: list[Chunk], dtype: torch.dtype,
     del sym
     if h.method == METHOD_LOSSLESS:
         nraw = h.raw_bytes_per_value
-        raw = (np.concatenate([c.scales.reshape(L, 2, c.token_count, C, nraw) for c in chunks], axis=2)
-               if chunks else np.empty((L, 2, 0, C, nraw), np.uint8))
+        raw = gather_raw(h, chunks)
         words = np.empty((L, 2, T, C), np.uint16 if nraw == 1 else np.uint32)
         k2.join_words(q, raw, nraw, words)
         signed = words.view(np.int16 if nraw == 1 else np.int32)

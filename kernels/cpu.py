@@ -31,7 +31,7 @@ from numba.cpython.unsafe.numbers import leading_zeros
 from .cdf import codes_to_cum, counts_to_codes
 from .quantize import bf16_bits_round_up, dequant_step, dequantize_value, quant_inverse_step, quantize_value
 from .coding_params import CODE_LEVELS, CODE_THRESHOLD, CODE_WEIGHT, MASK32, PROB_BITS, PROB_TOTAL, RANGE_INIT, RANGE_TOP
-from .range_coder import decode_stream, encode_stream
+from .range_coder import decode_stream, encode_stream, stream_coords
 
 _JIT = dict(cache=True, nogil=True)
 
@@ -123,14 +123,7 @@ def encode_streams(symbols, cum, chunk_tokens, group, slots, lengths):
     T = symbols.shape[2]
     groups = (C + group - 1) // group
     for s in prange(K * L * 2 * groups):
-        k = s // (L * 2 * groups)
-        l = (s // (2 * groups)) % L
-        kv = (s // groups) % 2
-        g = s % groups
-        t0 = k * chunk_tokens
-        t1 = min(T, t0 + chunk_tokens)
-        c0 = g * group
-        c1 = min(C, c0 + group)
+        k, l, kv, t0, t1, c0, c1 = stream_coords(s, groups, L, group, chunk_tokens, T, C)
         lengths[s] = encode_stream(symbols[l, kv], t0, t1, c0, c1, cum[k, l, kv], c0, 1, slots[s])
 
 
@@ -150,14 +143,7 @@ def decode_streams(payload, offsets, lengths, cum, maxq, chunk_tokens, group, sy
     T = symbols.shape[2]
     groups = (C + group - 1) // group
     for s in prange(K * L * 2 * groups):
-        k = s // (L * 2 * groups)
-        l = (s // (2 * groups)) % L
-        kv = (s // groups) % 2
-        g = s % groups
-        t0 = k * chunk_tokens
-        t1 = min(T, t0 + chunk_tokens)
-        c0 = g * group
-        c1 = min(C, c0 + group)
+        k, l, kv, t0, t1, c0, c1 = stream_coords(s, groups, L, group, chunk_tokens, T, C)
         alphabet = 2 * np.int64(maxq[l, kv]) + 1
         decode_stream(payload, offsets[s], lengths[s], t0, t1, c0, c1, cum[k, l, kv], c0, 1, alphabet, symbols[l, kv])
 

@@ -28,7 +28,7 @@ from numba import njit, prange
 from .cdf import codes_to_cum, counts_to_codes
 from .coding_params import PROB_BITS
 from .cpu import _FAST, INTERLEAVE, _decode_plane_streams, _encode_plane_streams, _plane_index, build_lut
-from .range_coder import decode_stream, encode_stream
+from .range_coder import decode_stream, encode_stream, stream_coords
 from .transform import level_value, rotate_row, step_level, symbol_top_byte, top_byte_symbol, unrotate_row
 
 _JIT = dict(cache=True, nogil=True)
@@ -283,14 +283,7 @@ def encode_table_streams(sym, cum, chunk_tokens, group, slots, lengths):
     K = (T + chunk_tokens - 1) // chunk_tokens
     groups = (C + group - 1) // group
     for s in prange(K * L * 2 * groups):
-        k = s // (L * 2 * groups)
-        l = (s // (2 * groups)) % L
-        kv = (s // groups) % 2
-        g = s % groups
-        t0 = k * chunk_tokens
-        t1 = min(T, t0 + chunk_tokens)
-        c0 = g * group
-        c1 = min(C, c0 + group)
+        k, l, kv, t0, t1, c0, c1 = stream_coords(s, groups, L, group, chunk_tokens, T, C)
         lengths[s] = encode_stream(sym[l, kv], t0, t1, c0, c1, cum[l, kv], c0, 1, slots[s])
 
 
@@ -302,14 +295,7 @@ def decode_table_streams(payload, offsets, lengths, cum, width, chunk_tokens, gr
     K = (T + chunk_tokens - 1) // chunk_tokens
     groups = (C + group - 1) // group
     for s in prange(K * L * 2 * groups):
-        k = s // (L * 2 * groups)
-        l = (s // (2 * groups)) % L
-        kv = (s // groups) % 2
-        g = s % groups
-        t0 = k * chunk_tokens
-        t1 = min(T, t0 + chunk_tokens)
-        c0 = g * group
-        c1 = min(C, c0 + group)
+        k, l, kv, t0, t1, c0, c1 = stream_coords(s, groups, L, group, chunk_tokens, T, C)
         decode_stream(payload, offsets[s], lengths[s], t0, t1, c0, c1, cum[l, kv], c0, 1, width, sym[l, kv])
 
 

@@ -45,7 +45,7 @@ from .quantize import (  # noqa: E402
     quant_inverse_step,
     quantize_value,
 )
-from .range_coder import _add_carry, decode_stream, encode_stream  # noqa: E402
+from .range_coder import _add_carry, decode_stream, encode_stream, stream_coords  # noqa: E402
 
 ROW_THREADS = 128  # threads per quantization row: a power of two for the tree reduction
 BLOCK = 128
@@ -328,20 +328,8 @@ def _coder_threads(group: int, width: int) -> int:
     return threads if threads >= 32 else 0
 
 
-def _stream_coords(s, groups, L, group, chunk_tokens, T, C):
-    """(k, l, kv, t0, t1, c0, c1) of stream s: used by both coder kernels."""
-    g = s % groups
-    kv = (s // groups) % 2
-    l = (s // (2 * groups)) % L
-    k = s // (L * 2 * groups)
-    t0 = k * chunk_tokens
-    t1 = min(T, t0 + chunk_tokens)
-    c0 = g * group
-    c1 = min(C, c0 + group)
-    return k, l, kv, t0, t1, c0, c1
-
-
-_stream_coords_dev = cuda.jit(device=True)(_stream_coords)
+#: One function for the stream layout on every device (range_coder.stream_coords).
+_stream_coords_dev = stream_coords
 
 
 def _coder_kernels(threads: int, group: int, width: int):

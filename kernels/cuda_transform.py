@@ -55,6 +55,17 @@ def _value_coords(i, T, C):
     return row // (2 * T), (row // T) % 2, row % T, i % C
 
 
+@cuda.jit(device=True)
+def _rotated(x, rot, l, kv, t, d, C):
+    """Coordinate d of token t rotated: transform.rotate_row's sum for one output, same order."""
+    acc = 0.0
+    for c in range(C):
+        xc = np.float64(np.float32(x[l, kv, t, c]))
+        if xc != 0.0:
+            acc += xc * np.float64(rot[l, kv, c, d])
+    return acc
+
+
 @cuda.jit
 def _stats_kernel(x, rot, rotated, sink, sums, sumsq):
     i = cuda.grid(1)
@@ -66,12 +77,7 @@ def _stats_kernel(x, rot, rotated, sink, sums, sumsq):
     s2 = 0.0
     for t in range(sink, T):
         if rotated:
-            acc = 0.0
-            for c in range(C):
-                xc = np.float64(np.float32(x[l, kv, t, c]))
-                if xc != 0.0:
-                    acc += xc * np.float64(rot[l, kv, c, d])
-            v = np.float64(np.float32(acc))
+            v = np.float64(np.float32(_rotated(x, rot, l, kv, t, d, C)))
         else:
             v = np.float64(np.float32(x[l, kv, t, d]))
         s1 += v
@@ -98,12 +104,7 @@ def _quantize_kernel(x, rot, rotated, sink, offsets, steps, qmax, threshold, q):
         q[l, kv, t, d] = 0
         return
     if rotated:
-        acc = 0.0
-        for c in range(C):
-            xc = np.float64(np.float32(x[l, kv, t, c]))
-            if xc != 0.0:
-                acc += xc * np.float64(rot[l, kv, c, d])
-        y = acc
+        y = _rotated(x, rot, l, kv, t, d, C)
     else:
         y = np.float64(x[l, kv, t, d])
     q[l, kv, t, d] = step_level(y, offsets[l, kv, d], steps[l, kv], qmax, threshold)

@@ -30,6 +30,21 @@ from .coding_params import MASK32, PROB_BITS, PROB_TOTAL, RANGE_INIT, RANGE_TOP
 
 
 @register_jitable
+def stream_coords(s, groups, L, group, chunk_tokens, T, C):
+    """(chunk k, layer l, K/V, t0, t1, c0, c1) of stream s, streams being numbered (chunk,
+    layer, K/V, channel group) row-major: the layout every coder kernel shares."""
+    g = s % groups
+    kv = (s // groups) % 2
+    l = (s // (2 * groups)) % L
+    k = s // (L * 2 * groups)
+    t0 = k * chunk_tokens
+    t1 = min(T, t0 + chunk_tokens)
+    c0 = g * group
+    c1 = min(C, c0 + group)
+    return k, l, kv, t0, t1, c0, c1
+
+
+@register_jitable
 def _add_carry(out, n):
     """Add one to the big-endian number held in out[:n]."""
     i = n - 1
