@@ -7,8 +7,18 @@ coordinates, and the uniform quantizer then spends almost nothing on the rest.
 and K/V) and writes it as a safetensors file; ``encode --calibration`` uses it and
 records its SHA-256 in the .cgen file; ``decode`` needs the same file.
 
+Calibrated with the model (``cachegen calibrate --sensitivity``), the file also
+says how much each (layer, K/V) plane matters to the model: the mean Fisher
+information per value, measured on the samples' own held-out tokens
+(``tune.sensitivity_from_caches``).  ``encode`` then gives each plane its own step
+(``transform_codec.step_params``): planes whose errors cost the model little get
+coarser steps, at the same mean log step, so about the same size for a lower KL.
+The sensitivities only steer the encoder (the steps it chose are in the .cgen
+file), so they are not part of the file's identity.
+
 File: safetensors with one tensor ``rotation`` float32 [L, 2, C, C] (column d is
-the d-th principal axis, by decreasing variance) and metadata
+the d-th principal axis, by decreasing variance), optionally ``sensitivity``
+float32 [L, 2] (positive, geometric mean 1), and metadata
 ``format = cachegen-calibration``, ``version = 1``.
 """
 
@@ -36,6 +46,7 @@ class CalibrationError(CacheGenError):
 class Calibration:
     rotation: np.ndarray  # float32 [L, 2, C, C], C-contiguous
     metadata: dict
+    sensitivity: np.ndarray | None = None  # float64 [L, 2], positive, geometric mean 1; None: not measured
 
     @property
     def num_layers(self) -> int:
@@ -49,6 +60,18 @@ class Calibration:
     def sha256(self) -> bytes:
         """Identity of the rotation: SHA-256 of its little-endian float32 bytes."""
         return hashlib.sha256(np.ascontiguousarray(self.rotation, "<f4").tobytes()).digest()
+
+    def with_sensitivity(self, sensitivity: np.ndarray, note: str = "") -> "Calibration":
+        """This calibration with per-plane sensitivities [L, 2] (normalized here to a geometric mean of 1)."""
+        s = np.asarray(sensitivity, np.float64)
+        if s.shape != (self.num_layers, 2) or not np.isfinite(s).all() or not (s > 0).all():
+            raise CalibrationError(f"sensitivities must be positive finite numbers [{self.num_layers}, 2], got shape "
+                                   f"{list(s.shape)}")
+        s = s / np.exp(np.log(s).mean())
+        meta = dict(self.metadata)
+        if note:
+            meta["sensitivity"] = note
+        return Calibration(self.rotation, meta, s)
 
     def check_shape(self, num_layers: int, num_channels: int) -> None:
         if (self.num_layers, self.num_channels) != (num_layers, num_channels):
@@ -88,7 +111,10 @@ def save(cal: Calibration, path: str | Path) -> None:
 
     from .fileio import atomic_output
 
-    blob = save({"rotation": torch.from_numpy(cal.rotation)}, metadata=cal.metadata)
+    tensors = {"rotation": torch.from_numpy(cal.rotation)}
+    if cal.sensitivity is not None:
+        tensors["sensitivity"] = torch.from_numpy(cal.sensitivity.astype(np.float32))
+    blob = save(tensors, metadata=cal.metadata)
     with atomic_output(Path(path)) as tmp:
         tmp.write_bytes(blob)
 
@@ -124,4 +150,54 @@ def load(path: str | Path) -> Calibration:
     gram = np.einsum("lkcd,lkce->lkde", rot.astype(np.float64), rot.astype(np.float64))
     if np.abs(gram - np.eye(rot.shape[2])).max(initial=0.0) > 1e-4:
         raise CalibrationError(f"{path}: the rotation matrices are not orthonormal")
-    return Calibration(rot, dict(metadata))
+    sens = tensors.get("sensitivity")
+    if sens is not None:
+        L = rot.shape[0]
+        if sens.dtype != torch.float32 or tuple(sens.shape) != (L, 2):
+            raise CalibrationError(f"{path}: 'sensitivity' must be float32 [{L}, 2]")
+        sens = sens.numpy().astype(np.float64)
+        if not np.isfinite(sens).all() or not (sens > 0).all():
+            raise CalibrationError(f"{path}: the sensitivities must be positive finite numbers")
+    unknown = sorted(set(tensors) - {"rotation", "sensitivity"})
+    if unknown:
+        raise CalibrationError(f"{path}: unknown tensor(s) {', '.join(unknown)}")
+    return Calibration(rot, dict(metadata), sens)
+
+
+def calibrate_files(inputs: list, output, *, layout: str = "auto", sensitivity: bool = False, model_path=None,
+                    loaded=None, force: bool = False, log=None) -> Calibration:
+    """``cachegen calibrate``: fit the rotation on the sample caches (KV .safetensors files) and,
+    with ``sensitivity``, measure the per-plane sensitivities with the model the caches were
+    captured with (their token ids come from ``cachegen capture``'s metadata); write the file
+    atomically.  ``loaded``: an already loaded (model, tokenizer) or a function returning one."""
+    from . import kvio
+    from .fileio import check_output
+
+    paths = [Path(p) for p in inputs]
+    check_output(Path(output), paths, force)
+    caches = [kvio.read_safetensors(p, layout) for p in paths]
+    fitted = fit([c.data for c in caches])
+    if sensitivity:
+        from . import evaluate
+        from .capture import ModelError, _resolve_loaded, model_id, resolve_model_path
+        from .tune import sensitivity_from_caches
+
+        samples = []
+        for p, c in zip(paths, caches):
+            kv = evaluate.KVFile(p, "safetensors", c.data, c.num_kv_heads, c.head_dim, c.layout, dict(c.metadata), 0)
+            try:
+                ids = evaluate.context_of(kv)
+            except evaluate.NoTokenIdsError:
+                raise evaluate.NoTokenIdsError(
+                    f"{p} carries no token ids; --sensitivity needs caches made by `cachegen capture`") from None
+            samples.append((c.data, ids))
+        model, _ = _resolve_loaded(loaded, resolve_model_path(model_path), log)
+        shape = evaluate.model_shape(model)
+        for p, c in zip(paths, caches):
+            if (c.num_layers, c.num_kv_heads, c.head_dim) != shape:
+                raise ModelError(f"{p} has {c.num_layers} layers x {c.num_kv_heads} KV heads x {c.head_dim} dims, "
+                                 f"the model {model_id(model)} {shape[0]} x {shape[1]} x {shape[2]}")
+        s = sensitivity_from_caches(model, samples, caches[0].num_kv_heads, caches[0].head_dim, log=log)
+        fitted = fitted.with_sensitivity(s, f"model {model_id(model)}, {len(samples)} sample(s)")
+    save(fitted, output)
+    return fitted

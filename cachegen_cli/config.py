@@ -173,6 +173,14 @@ class TransformConfig:
     sink_tokens: int = 1
     token_delta: bool = True
     rounding: float = 0.5  # round away from zero from this fractional part on (encoder only)
+    #: The last ``recent_tokens`` tokens (past the sink tokens) get ``recent_bits`` more bits each: the
+    #: tokens a continuation attends to most (docs/config.md); 0 bits: none.
+    recent_tokens: int = 64
+    recent_bits: int = 2
+    #: "sensitivity": with a calibration that holds per-plane sensitivities, each (layer, K/V)
+    #: step is scaled by its allocation factor (transform_codec.step_params); "none": the steps
+    #: as given (what `cachegen tune` writes: its steps are already allocated).
+    allocation: str = "sensitivity"
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:
@@ -188,6 +196,12 @@ class TransformConfig:
             raise ConfigError(f"rounding must be in [0.5, 1), got {self.rounding}")
         if not 0 <= self.sink_tokens <= MAX_SINK_TOKENS:
             raise ConfigError(f"sink_tokens must be between 0 and {MAX_SINK_TOKENS}, got {self.sink_tokens}")
+        if not isinstance(self.recent_tokens, int) or not 0 <= self.recent_tokens <= MAX_RECENT_TOKENS:
+            raise ConfigError(f"recent_tokens must be an integer between 0 and {MAX_RECENT_TOKENS}, got {self.recent_tokens!r}")
+        if not isinstance(self.recent_bits, int) or not 0 <= self.recent_bits <= MAX_RECENT_BITS:
+            raise ConfigError(f"recent_bits must be an integer between 0 and {MAX_RECENT_BITS}, got {self.recent_bits!r}")
+        if self.allocation not in ALLOCATIONS:
+            raise ConfigError(f"allocation must be one of {', '.join(ALLOCATIONS)}, got {self.allocation!r}")
 
     def steps_table(self, num_layers: int) -> np.ndarray:
         """float64 [num_layers, 2]: relative step of layer l for K (column 0) and V (column 1)."""
@@ -204,7 +218,17 @@ class TransformConfig:
 
 MIN_STEP = 1e-3
 MAX_STEP = 64.0
+ALLOCATIONS = ("sensitivity", "none")
+#: How far the steps follow a calibration's sensitivities: step_i ~ (rms_i^2 s_i)^(-strength/2).
+#: 1 would be the optimum of the quadratic (small-error) model; 0.75 gave the lowest size at
+#: LMCache's KL in the leave-one-out measurements of docs/quality.md (0.5 and 1 were both worse).
+ALLOCATION_STRENGTH = 0.75
+#: Largest relative step the allocation hands out (as the tuner's --max-step: beyond ~2 x RMS
+#: a plane loses its structure and the small-error model no longer holds).
+ALLOCATION_MAX_STEP = 2.0
 MAX_SINK_TOKENS = 1024
+MAX_RECENT_TOKENS = 1 << 20
+MAX_RECENT_BITS = 8
 
 #: --quality presets (format version 2).  The relative steps were chosen from
 #: measurements with `cachegen eval` on SmolLM2-135M caches (docs/quality.md).
@@ -260,7 +284,8 @@ def load_config_file(path: str | Path) -> EncodeSettings:
         raise ConfigError(f"config file {path} is not valid {'JSON' if path.suffix.lower() == '.json' else 'TOML'}: {str(exc).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a table/object at the top level")
-    transform_fields = {"method", "key_step", "value_step", "sink_tokens", "token_delta"}
+    transform_fields = {"method", "key_step", "value_step", "sink_tokens", "token_delta", "allocation", "recent_tokens",
+                        "recent_bits"}
     unknown = set(data) - {"key", "value", "preset", "chunk_tokens", "quality", "comment"} - transform_fields
     if unknown:
         raise ConfigError(f"config file {path}: unknown field(s) {', '.join(sorted(unknown))}")
@@ -284,9 +309,16 @@ def load_config_file(path: str | Path) -> EncodeSettings:
             raise ConfigError(f"config file {path}: sink_tokens must be an integer")
         if not isinstance(delta, bool):
             raise ConfigError(f"config file {path}: token_delta must be true or false")
+        allocation = data.get("allocation", "sensitivity")
+        if allocation not in ALLOCATIONS:
+            raise ConfigError(f"config file {path}: allocation must be one of {', '.join(ALLOCATIONS)}")
+        recent = {k: data[k] for k in ("recent_tokens", "recent_bits") if k in data}
+        for k, v in recent.items():
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ConfigError(f"config file {path}: {k} must be an integer")
         cfg = TransformConfig(method, _steps_from(data.get("key_step", 1.0), "key_step"),
                               _steps_from(data.get("value_step", 1.0), "value_step"), sink_tokens=sink,
-                              token_delta=delta, name=path.name)
+                              token_delta=delta, allocation=allocation, name=path.name, **recent)
         return EncodeSettings(quantization=cfg, chunk_tokens=chunk)
     if "preset" in data:
         if "key" in data or "value" in data:

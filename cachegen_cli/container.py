@@ -23,7 +23,7 @@ import numpy as np
 
 from .errors import BadMagicError, ChecksumError, SizeError, TruncatedError, UnsupportedVersionError
 from .kernels.coding_params import MAX_ALPHABET, MAX_STREAM_SYMBOLS, PROB_BITS, alphabet_size, max_stream_bytes
-from .params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, Params, pack_params, parse_params
+from .params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, Params, pack_params, parse_params, refinement_bytes
 
 MAGIC = b"\x89CGEN\r\n\x1a"
 FORMAT_VERSION = 1  # what method 1 files are written as (unchanged since version 1)
@@ -46,6 +46,8 @@ METHOD_ABSMAX_PER_TOKEN = 1
 CDF_CODING_NIBBLES = 1
 CDF_CODING_SHARED = 2  # version 2: one table per (layer, K/V, channel) in the Params block
 FLAG_ROTATED = 1
+FLAG_REFINED = 2  # method 2: the last tokens carry refinement bits (Params block + chunks' raw sections)
+KNOWN_FLAGS = FLAG_ROTATED | FLAG_REFINED
 MAX_PARAMS_BYTES = 1 << 30
 
 # Caps: a reader refuses anything beyond these before allocating.
@@ -81,6 +83,16 @@ class FileHeader:
         return bool(self.flags & FLAG_ROTATED)
 
     @property
+    def refine_start(self) -> int:
+        """First refined token (num_tokens when none)."""
+        p = self.params
+        return self.num_tokens - (p.refine_tokens if p is not None else 0)
+
+    def refined_in(self, first_token: int, token_count: int) -> int:
+        """How many of tokens [first_token, first_token + token_count) are refined."""
+        return max(0, first_token + token_count - max(first_token, self.refine_start))
+
+    @property
     def raw_bytes_per_value(self) -> int:
         """Version 2, lossless: the low bytes of each word stored raw in a chunk."""
         if self.version == FORMAT_VERSION_2 and self.method == METHOD_LOSSLESS:
@@ -109,10 +121,14 @@ class FileHeader:
         first = index * self.chunk_tokens
         return min(self.chunk_tokens, self.num_tokens - first)
 
-    def section_sizes(self, token_count: int) -> tuple[int, int, int]:
-        """Sizes of the scales (v2: raw bytes), CDF-codes and lengths sections of a chunk."""
+    def section_sizes(self, token_count: int, first_token: int = 0) -> tuple[int, int, int]:
+        """Sizes of the scales (v2: raw bytes: lossless low bytes or refinement bits), CDF-codes and
+        lengths sections of a chunk."""
         if self.version == FORMAT_VERSION_2:
             raw = self.num_layers * 2 * token_count * self.num_channels * self.raw_bytes_per_value
+            if self.flags & FLAG_REFINED:
+                raw += refinement_bytes(self.num_layers, self.num_channels, self.refined_in(first_token, token_count),
+                                        self.params.refine_bits)
             return raw, 0, self.streams_per_chunk * 2
         scales = self.num_layers * 2 * token_count * 2
         cdf = self.num_channels * int(((self.alphabets + 1) // 2).sum())
@@ -279,7 +295,7 @@ def _read_file_header_v2(f: BinaryIO, raw: bytes, file_size: int | None) -> tupl
         raise UnsupportedVersionError(f"unknown quantization method {method} for format version 2")
     if cdf_coding != CDF_CODING_SHARED:
         raise UnsupportedVersionError(f"unknown CDF coding {cdf_coding} for format version 2")
-    if flags & ~FLAG_ROTATED or reserved:
+    if flags & ~KNOWN_FLAGS or reserved:
         raise UnsupportedVersionError("reserved header bits are set (written by a newer cachegen?)")
     if method == METHOD_LOSSLESS and (flags or sink_tokens):
         raise SizeError("a lossless file has no rotation and no sink tokens")
@@ -295,7 +311,8 @@ def _read_file_header_v2(f: BinaryIO, raw: bytes, file_size: int | None) -> tupl
     if _crc(raw[:-4], desc_raw, params_raw) != crc:
         raise ChecksumError("file header CRC mismatch: the file is corrupted")
     descriptor = _parse_descriptor(desc_raw, num_layers, num_tokens, num_channels)
-    params = parse_params(params_raw, method, num_layers, num_channels, sink_tokens, dtype, bool(flags & FLAG_ROTATED))
+    params = parse_params(params_raw, method, num_layers, num_channels, sink_tokens, dtype, bool(flags & FLAG_ROTATED),
+                          bool(flags & FLAG_REFINED), num_tokens)
     bins = np.zeros((num_layers, 2), np.int32)
     header = FileHeader(num_tokens, num_layers, num_channels, chunk_tokens, num_chunks, group, dtype, layout,
                         bins, descriptor, method, prob_bits, cdf_coding, FORMAT_VERSION_2, flags, sink_tokens, params)
@@ -457,7 +474,7 @@ def read_chunk_record(f: BinaryIO, h: FileHeader, index: int, remaining: int | N
         raise SizeError(f"chunk {index} says it is chunk {chunk_index}")
     if first_token != index * h.chunk_tokens or token_count != h.chunk_tokens_at(index):
         raise SizeError(f"chunk {index} covers tokens [{first_token}, +{token_count}), not what the header implies")
-    want = h.section_sizes(token_count)
+    want = h.section_sizes(token_count, first_token)
     if (scales_size, cdf_size, lengths_size) != want:
         raise SizeError(f"chunk {index} section sizes {(scales_size, cdf_size, lengths_size)} differ from {want}")
     if payload_size > h.max_payload(token_count):

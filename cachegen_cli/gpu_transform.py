@@ -106,7 +106,8 @@ def _code(dev: _Dev, h: FileHeader, sym, cum):
 
 def encode_v2_gpu(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
                   calibration: Calibration | None = None) -> "EncodedV2":
-    from .transform_codec import EncodedV2, _chunks, make_header_v2, sink_words, step_params, tables_from_stats
+    from .transform_codec import (EncodedV2, _chunks, make_header_v2, plane_sensitivity, refine_plan, sink_words,
+                                  step_params, tables_from_stats)
 
     k = _k()
     dev = _Dev()
@@ -140,26 +141,33 @@ def encode_v2_gpu(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
     sums = dev.empty((L, 2, C), np.float64)
     sumsq = dev.empty((L, 2, C), np.float64)
     k.transform_stats(x, rot, sink, sums, sumsq)
-    offsets_bits, m, steps_bits, steps = step_params(dev.get(sums), dev.get(sumsq), T - sink, cfg.steps_table(L))
+    offsets_bits, m, steps_bits, steps = step_params(dev.get(sums), dev.get(sumsq), T - sink, cfg.steps_table(L),
+                                                     plane_sensitivity(cfg, calibration))
     q = dev.empty((L, 2, T, C), np.int16)
-    k.transform_quantize(x, rot, sink, dev.put(m.astype(np.float32)), dev.put(steps), TRANSFORM_QMAX,
-                         float(cfg.rounding), q)
+    m_d, steps_d = dev.put(m.astype(np.float32)), dev.put(steps)
+    k.transform_quantize(x, rot, sink, m_d, steps_d, TRANSFORM_QMAX, float(cfg.rounding), q)
+    R, bits = refine_plan(cfg, T, sink)
+    ref = None
+    if R:
+        ref_d = dev.empty((L, 2, R, C), np.uint8)
+        k.transform_refine(x, rot, T - R, m_d, steps_d, q, bits, ref_d)
+        ref = dev.get(ref_d)
     stats = dev.empty((L, 2, C, 6), np.int64)
     k.level_stats(q, chunk_tokens, stats)
     modes, lo, alphabet = tables_from_stats(dev.get(stats), cfg.token_delta, T)
     params = Params(METHOD_TRANSFORM, modes, lo, alphabet, np.zeros((L, 2, C, 1), np.uint8), digest,
-                    steps_bits, offsets_bits, sink_words(cache, sink))
+                    steps_bits, offsets_bits, sink_words(cache, sink), refine_tokens=R, refine_bits=bits)
     h = make_header_v2(cache, cfg, chunk_tokens, params, sink)
     sym, cum, codes, shared, modes, lo, alphabet = _tables(dev, q, h, modes, lo, alphabet)
     lengths, payload, offsets = _code(dev, h, sym, cum)
     params.codes, params.shared, params.modes, params.lo, params.alphabet = codes, shared, modes, lo, alphabet
-    return EncodedV2(h, _chunks(h, lengths, payload, offsets, None))
+    return EncodedV2(h, _chunks(h, lengths, payload, offsets, None, ref))
 
 
 def decode_v2_gpu(h: FileHeader, chunks: list[Chunk], dtype: torch.dtype,
                   calibration: Calibration | None = None) -> torch.Tensor:
     """Decode on the device; returns a CUDA tensor on a real GPU (a CPU one under the simulator)."""
-    from .transform_codec import check_calibration, gather_raw, gather_streams
+    from .transform_codec import check_calibration, gather_raw, gather_refinement, gather_streams
 
     k = _k()
     dev = _Dev()
@@ -184,8 +192,10 @@ def decode_v2_gpu(h: FileHeader, chunks: list[Chunk], dtype: torch.dtype,
         return torch.as_tensor(words, device=device).view(dtype)
     out = dev.empty((L, 2, T, C), np.float32)
     rot = dev.put(rot_h) if rot_h.size else rot_h
+    ref = gather_refinement(h, chunks)
     k.transform_dequantize(q, rot, h.sink_tokens, dev.put(bf16_values(p.offsets).astype(np.float32)),
-                           dev.put(bf16_values(p.steps)), out)
+                           dev.put(bf16_values(p.steps)), h.refine_start, p.refine_bits,
+                           dev.put(ref if ref.size else np.zeros((1, 1, 1, 1), np.uint8)), out)
     data = torch.as_tensor(out, device=device).to(dtype)
     S = h.sink_tokens
     if S:

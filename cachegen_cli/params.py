@@ -1,6 +1,6 @@
 """The Params block of a version-2 .cgen file: what every chunk shares.
 
-    method 2 (transform):  calibration SHA-256 | steps | offsets | sink tokens | tables
+    method 2 (transform):  calibration SHA-256 | steps | offsets | sink tokens | [refinement] | tables
     method 3 (lossless):   tables
 
 A table per (layer, K/V, channel) replaces version 1's per-chunk CDF codes: one
@@ -11,6 +11,7 @@ the reader checks every value against the header before anything uses it.
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,8 @@ from .kernels.transform import MODE_DELTA, MODE_DIRECT, MODE_SAME, TRANSFORM_QMA
 METHOD_TRANSFORM = 2
 METHOD_LOSSLESS = 3
 MAX_TABLE_ALPHABET = 256
+MAX_REFINE_BITS = 8
+REFINEMENT_BYTES = 5  # u32 tokens, u8 bits
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
 
@@ -38,6 +41,8 @@ class Params:
     offsets: np.ndarray | None = None  # uint16 [L, 2, C] bfloat16 bits     (method 2)
     sink: np.ndarray | None = None  # uint8 [L, 2, S, C, itemsize] raw words (method 2)
     shared: np.ndarray | None = None  # bool [L, 2, C]: uses the table of the previous own-table channel
+    refine_tokens: int = 0  # the last refine_tokens tokens carry refine_bits more bits each (FLAG_REFINED)
+    refine_bits: int = 0
 
     @property
     def width(self) -> int:
@@ -61,11 +66,34 @@ def params_size(method: int, num_layers: int, num_channels: int, sink_tokens: in
     return size
 
 
+def refinement_bytes(num_layers: int, num_channels: int, tokens: int, bits: int) -> int:
+    """Bytes of ``tokens`` tokens' refinement indices, ``bits`` bits each, packed (a chunk's raw section)."""
+    return -(-(num_layers * 2 * tokens * num_channels * bits) // 8)
+
+
+def pack_refinement(ref: np.ndarray, bits: int) -> bytes:
+    """uint8 indices (any shape, row-major) -> ``bits`` bits each, least significant bit first."""
+    v = np.ascontiguousarray(ref, np.uint8).reshape(-1)
+    planes = (v[:, None] >> np.arange(bits, dtype=np.uint8)) & 1
+    return np.packbits(planes.reshape(-1), bitorder="little").tobytes()
+
+
+def unpack_refinement(raw: np.ndarray, count: int, bits: int) -> np.ndarray:
+    """Inverse of pack_refinement: ``count`` indices; the padding bits must be zero."""
+    allbits = np.unpackbits(np.asarray(raw, np.uint8), bitorder="little")
+    if allbits[count * bits :].any():
+        raise SizeError("nonzero padding bits after a refinement section")
+    weights = (1 << np.arange(bits)).astype(np.uint8)
+    return (allbits[: count * bits].reshape(count, bits) * weights).sum(axis=1).astype(np.uint8)
+
+
 def pack_params(p: Params) -> bytes:
     parts: list[bytes] = []
     if p.method == METHOD_TRANSFORM:
         parts += [p.calibration, np.ascontiguousarray(p.steps, "<u2").tobytes(),
                   np.ascontiguousarray(p.offsets, "<u2").tobytes(), np.ascontiguousarray(p.sink, np.uint8).tobytes()]
+        if p.refine_tokens:
+            parts.append(struct.pack("<IB", p.refine_tokens, p.refine_bits))
     shared = p.shared if p.shared is not None else np.zeros(p.modes.shape, np.bool_)
     parts.append(pack_tables(p.modes, p.lo, p.alphabet, p.codes, shared))
     return b"".join(parts)
@@ -106,15 +134,16 @@ def pack_tables(modes: np.ndarray, lo: np.ndarray, alphabet: np.ndarray, codes: 
 
 
 def parse_params(raw: bytes, method: int, num_layers: int, num_channels: int, sink_tokens: int, dtype: str,
-                 rotated: bool) -> Params:
-    """Parse and check a Params block of exactly len(raw) bytes."""
+                 rotated: bool, refined: bool = False, num_tokens: int = 0) -> Params:
+    """Parse and check a Params block of exactly len(raw) bytes (``refined``: the header's FLAG_REFINED)."""
     L, C = num_layers, num_channels
     itemsize = ITEMSIZE[dtype]
     o = 0
     calibration = bytes(32)
     steps = offsets = sink = None
+    refine_tokens = refine_bits = 0
     if method == METHOD_TRANSFORM:
-        fixed = 32 + 4 * L + 4 * L * C + 2 * L * sink_tokens * C * itemsize
+        fixed = 32 + 4 * L + 4 * L * C + 2 * L * sink_tokens * C * itemsize + (REFINEMENT_BYTES if refined else 0)
         if fixed > len(raw):
             raise SizeError("the Params block is shorter than its fixed part")
         calibration = bytes(raw[:32])
@@ -128,6 +157,14 @@ def parse_params(raw: bytes, method: int, num_layers: int, num_channels: int, si
         n = 2 * L * sink_tokens * C * itemsize
         sink = np.frombuffer(raw, np.uint8, n, o).reshape(L, 2, sink_tokens, C, itemsize).copy()
         o += n
+        if refined:
+            refine_tokens, refine_bits = struct.unpack_from("<IB", raw, o)
+            o += REFINEMENT_BYTES
+            if not 1 <= refine_bits <= MAX_REFINE_BITS:
+                raise SizeError(f"{refine_bits} refinement bits (1..{MAX_REFINE_BITS})")
+            if not 1 <= refine_tokens <= num_tokens - sink_tokens:
+                raise SizeError(f"{refine_tokens} refined tokens in a cache of {num_tokens} with {sink_tokens} sink "
+                                "token(s)")
         if (steps & 0x8000).any() or ((steps & 0x7F80) == 0x7F80).any() or (steps == 0).any():
             raise SizeError("a quantization step is not positive and finite")
         if ((offsets & 0x7F80) == 0x7F80).any():
@@ -142,7 +179,7 @@ def parse_params(raw: bytes, method: int, num_layers: int, num_channels: int, si
         from .transform_codec import expand_shared
 
         arrays = expand_shared(shared, *arrays)
-    return Params(method, *arrays, calibration, steps, offsets, sink, shared)
+    return Params(method, *arrays, calibration, steps, offsets, sink, shared, refine_tokens, refine_bits)
 
 
 def parse_tables(raw: bytes, start: int, count: int, method: int, per_plane: int):

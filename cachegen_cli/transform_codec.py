@@ -23,7 +23,7 @@ import torch
 
 from . import container
 from .calibration import Calibration, CalibrationError
-from .config import TransformConfig
+from .config import ALLOCATION_MAX_STEP, ALLOCATION_STRENGTH, MIN_STEP, TransformConfig
 from .container import Chunk, FileHeader
 from .errors import ConfigError
 from .kernels import cpu as cpu_kernels
@@ -31,7 +31,7 @@ from .kernels import cpu_transform as k2
 from .kernels.coding_params import max_stream_bytes
 from .kernels.transform import MODE_DELTA, MODE_DIRECT, TRANSFORM_QMAX
 from .kvio import KVCache
-from .params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, Params, bf16_values
+from .params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, Params, bf16_values, pack_refinement, unpack_refinement
 
 _WORDS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
@@ -62,7 +62,8 @@ def make_header_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, para
         group=container.choose_group_v2(chunk_tokens, cache.num_channels), dtype=cache.dtype_name,
         layout=cache.layout, bins=np.zeros((cache.num_layers, 2), np.int32), descriptor=cache.descriptor(),
         method=params.method, cdf_coding=container.CDF_CODING_SHARED, version=container.FORMAT_VERSION_2,
-        flags=container.FLAG_ROTATED if rotated else 0, sink_tokens=sink, params=params)
+        flags=(container.FLAG_ROTATED if rotated else 0) | (container.FLAG_REFINED if params.refine_tokens else 0),
+        sink_tokens=sink, params=params)
 
 
 def _choose_tables(q: np.ndarray, chunk_tokens: int, allow_delta: bool, method: int):
@@ -144,21 +145,47 @@ def expand_shared(shared, *arrays):
     return out
 
 
-def _chunks(h: FileHeader, lengths, payload, offsets, raw: np.ndarray | None) -> list[Chunk]:
+def _chunks(h: FileHeader, lengths, payload, offsets, raw: np.ndarray | None, ref: np.ndarray | None = None) -> list[Chunk]:
+    """Chunks from the streams; ``raw``: the lossless low bytes [L, 2, T, C, nraw];
+    ``ref``: the refinement indices [L, 2, R, C] of the last R tokens."""
     L, ct = h.num_layers, h.chunk_tokens
     per = h.streams_per_chunk
     lengths = lengths.reshape(h.num_chunks, L, 2, h.groups)
     out = []
     empty = np.empty(0, np.uint8)
+    r0 = h.refine_start
     for k in range(h.num_chunks):
         t0, t1 = k * ct, min(h.num_tokens, (k + 1) * ct)
         body = empty if raw is None else np.ascontiguousarray(raw[:, :, t0:t1]).reshape(-1)
+        if ref is not None and t1 > r0:
+            part = ref[:, :, max(t0, r0) - r0 : t1 - r0]
+            body = np.frombuffer(pack_refinement(part, h.params.refine_bits), np.uint8)
         out.append(Chunk(k, t0, t1 - t0, body, empty, lengths[k], payload[offsets[k * per] : offsets[(k + 1) * per]]))
     return out
 
 
-def step_params(sums: np.ndarray, sumsq: np.ndarray, n: int, rel: np.ndarray):
-    """(offset bits, offsets, step bits, steps) from transform_stats' sums over n tokens."""
+def allocate(rel: np.ndarray, rms: np.ndarray, sensitivity: np.ndarray) -> np.ndarray:
+    """Relative steps [L, 2] scaled by the planes' allocation factors.
+
+    A plane's expected damage is about sensitivity x (step x rms)^2 and its size about
+    -log2(step) bits per value, so the smallest file at a given total damage has
+    step_i ~ (rms_i^2 s_i)^(-1/2); the codec goes ``ALLOCATION_STRENGTH`` of the way
+    (the sensitivities come from other caches: an estimate).  The factors have a
+    geometric mean of 1 over the planes with any spread, so the mean log step (about the
+    size) stays that of ``rel``.  Steps stay within [MIN_STEP, max(ALLOCATION_MAX_STEP, rel)]."""
+    live = rms > 1e-30
+    factor = np.ones_like(rel)
+    if live.any():
+        w = np.where(live, rms * rms * sensitivity, 1.0)
+        logw = np.log(w)
+        logw -= logw[live].mean()
+        factor = np.where(live, np.exp(-0.5 * ALLOCATION_STRENGTH * logw), 1.0)
+    return np.clip(rel * factor, MIN_STEP, np.maximum(ALLOCATION_MAX_STEP, rel))
+
+
+def step_params(sums: np.ndarray, sumsq: np.ndarray, n: int, rel: np.ndarray, sensitivity: np.ndarray | None = None):
+    """(offset bits, offsets, step bits, steps) from transform_stats' sums over n tokens;
+    ``sensitivity`` [L, 2] (a calibration's) scales the relative steps ``rel`` (:func:`allocate`)."""
     C = sums.shape[2]
     mean = sums / n if n > 0 else np.zeros_like(sums)
     offsets_bits = _bf16_bits(mean)
@@ -166,6 +193,8 @@ def step_params(sums: np.ndarray, sumsq: np.ndarray, n: int, rel: np.ndarray):
     # Residual energy around the stored (rounded) means: sum (v - m)^2 = sumsq - 2 m sum + n m^2.
     resid = np.maximum(sumsq - 2.0 * m * sums + n * m * m, 0.0).sum(axis=2)
     rms = np.sqrt(resid / max(n * C, 1))
+    if sensitivity is not None:
+        rel = allocate(rel, rms, sensitivity)
     step = rel * rms
     # A plane with no spread (all values equal to their means) gets any positive step: 1.
     step = np.where(step > 1e-30, step, 1.0)
@@ -205,17 +234,51 @@ def encode_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
     sums = np.empty((L, 2, C), np.float64)
     sumsq = np.empty((L, 2, C), np.float64)
     k2.transform_stats(x, rot, sink, sums, sumsq)
-    offsets_bits, m, steps_bits, steps = step_params(sums, sumsq, T - sink, cfg.steps_table(L))
+    offsets_bits, m, steps_bits, steps = step_params(sums, sumsq, T - sink, cfg.steps_table(L),
+                                                     plane_sensitivity(cfg, calibration))
     q = np.empty((L, 2, T, C), np.int16)
-    k2.transform_quantize(x, rot, sink, m.astype(np.float32), steps, TRANSFORM_QMAX, float(cfg.rounding), q)
+    m32 = m.astype(np.float32)
+    k2.transform_quantize(x, rot, sink, m32, steps, TRANSFORM_QMAX, float(cfg.rounding), q)
+    R, bits = refine_plan(cfg, T, sink)
+    ref = None
+    if R:
+        ref = np.empty((L, 2, R, C), np.uint8)
+        k2.transform_refine(x, rot, T - R, m32, steps, q, bits, ref)
     del x
     modes, lo, alphabet = _choose_tables(q, chunk_tokens, cfg.token_delta, METHOD_TRANSFORM)
     params = Params(METHOD_TRANSFORM, modes, lo, alphabet, np.zeros((L, 2, C, 1), np.uint8), digest,
-                    steps_bits, offsets_bits, sink_words(cache, sink))
+                    steps_bits, offsets_bits, sink_words(cache, sink), refine_tokens=R, refine_bits=bits)
     h = make_header_v2(cache, cfg, chunk_tokens, params, sink)
     codes, lengths, payload, offsets, shared, modes, lo, alphabet = _code(h, q, modes, lo, alphabet)
     params.codes, params.shared, params.modes, params.lo, params.alphabet = codes, shared, modes, lo, alphabet
-    return EncodedV2(h, _chunks(h, lengths, payload, offsets, None))
+    return EncodedV2(h, _chunks(h, lengths, payload, offsets, None, ref))
+
+
+def refine_plan(cfg: TransformConfig, T: int, sink: int) -> tuple[int, int]:
+    """(refined tokens, bits): the config's last ``recent_tokens`` tokens past the sink tokens."""
+    R = min(cfg.recent_tokens, T - sink) if cfg.recent_bits else 0
+    return (R, cfg.recent_bits) if R > 0 else (0, 0)
+
+
+def gather_refinement(h: FileHeader, chunks: list[Chunk]) -> np.ndarray:
+    """The refinement indices [L, 2, R, C] of a refined file's last R tokens, from the chunks' raw sections."""
+    L, C = h.num_layers, h.num_channels
+    p = h.params
+    parts = []
+    for c in chunks:
+        n = h.refined_in(c.first_token, c.token_count)
+        if n:
+            parts.append(unpack_refinement(c.scales, L * 2 * n * C, p.refine_bits).reshape(L, 2, n, C))
+    if not parts:
+        return np.zeros((L, 2, 0, C), np.uint8)
+    return np.ascontiguousarray(np.concatenate(parts, axis=2))
+
+
+def plane_sensitivity(cfg: TransformConfig, calibration: Calibration | None) -> np.ndarray | None:
+    """The sensitivities the steps follow: the calibration's, unless the config says "none"."""
+    if calibration is None or cfg.allocation == "none":
+        return None
+    return calibration.sensitivity
 
 
 def sink_words(cache: KVCache, sink: int) -> np.ndarray:
@@ -293,8 +356,9 @@ def decode_v2(h: FileHeader, chunks: list[Chunk], dtype: torch.dtype,
         signed = words.view(np.int16 if nraw == 1 else np.int32)
         return torch.from_numpy(signed).view(dtype)
     out = np.zeros((L, 2, T, C), np.float32)
+    ref = gather_refinement(h, chunks)
     k2.transform_dequantize(q, rot, h.sink_tokens, bf16_values(p.offsets).astype(np.float32),
-                            bf16_values(p.steps), out)
+                            bf16_values(p.steps), h.refine_start, p.refine_bits, ref, out)
     data = torch.from_numpy(out).to(dtype)
     S = h.sink_tokens
     if S:

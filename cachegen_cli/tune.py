@@ -102,7 +102,7 @@ def roundtrip(data: torch.Tensor, num_kv_heads: int, head_dim: int, cfg: Transfo
 def config_from_steps(steps: np.ndarray, name: str = "tuned") -> TransformConfig:
     """A TransformConfig with one key and one value step per layer (``steps`` [L, 2])."""
     return TransformConfig("transform", tuple(float(s) for s in steps[:, 0]),
-                           tuple(float(s) for s in steps[:, 1]), name=name)
+                           tuple(float(s) for s in steps[:, 1]), allocation="none", name=name)
 
 
 # --- measures --------------------------------------------------------------------
@@ -185,54 +185,104 @@ class KLMeasure(Measure):
         For a small perturbation d of the cache, KL(p || p_d) ~ 1/2 d^T F d with F the Fisher
         information.  Quantization noise of step s x rms is about uniform, variance (s rms)^2 / 12
         per value, so the expected KL of plane i alone is s^2 rms_i^2 tr(F_i) / 24, i.e.
-        w_i = rms_i^2 tr(F_i) / 24.  tr(F_i) = E_y ||grad_i sum_t log p_t(y_t)||^2 / C with y_t
-        drawn from the original next-token distributions (Hutchinson-style; the cross terms
-        between positions vanish in expectation): one forward pass and ``samples`` backward
-        passes.  The first ``sink_tokens`` tokens, which the codec keeps verbatim, are left out."""
-        from . import evaluate
-
-        ref = self.ref
-        model = ref.model
-        dtype = next(model.parameters()).dtype
-        data = ref.cache
-        L, _, T, C = data.shape
-        sink = min(sink_tokens, T)
+        w_i = rms_i^2 tr(F_i) / 24 (tr(F_i) from :func:`fisher_traces`).  The first
+        ``sink_tokens`` tokens, which the codec keeps verbatim, are left out."""
+        data = self.ref.cache
+        sink = min(sink_tokens, data.shape[2])
         x = data[:, :, sink:].double()
         rms2 = (x - x.mean(dim=2, keepdim=True)).pow(2).mean(dim=(2, 3)).numpy()  # [L, 2]
-        leaves = [(k.requires_grad_(True), v.requires_grad_(True))
-                  for k, v in evaluate.layers_from_internal(data, ref.num_kv_heads, ref.head_dim, dtype)]
-        flat = [t for kv in leaves for t in kv]
-        ids = ref.continuation_ids[:-1]
-        n = len(ids)
-        kwargs = {
-            "input_ids": torch.tensor([ids], dtype=torch.long),
-            "position_ids": torch.arange(ref.num_tokens, ref.num_tokens + n, dtype=torch.long).unsqueeze(0),
-            evaluate._cache_kw(model): evaluate.make_cache(model, leaves),
-            "use_cache": True,
-        }
-        if "cache_position" in evaluate.forward_params(model):
-            kwargs["cache_position"] = torch.arange(ref.num_tokens, ref.num_tokens + n, dtype=torch.long)
-        params = [p for p in model.parameters() if p.requires_grad]
-        for p in params:
-            p.requires_grad_(False)
-        try:
-            with torch.enable_grad():
-                logp = torch.log_softmax(model(**kwargs).logits[0].float(), dim=-1)  # [n, vocab]
-                gen = torch.Generator().manual_seed(seed)
-                probs = logp.detach().exp()
-                tr = np.zeros((L, 2), np.float64)
-                for i in range(samples):
-                    y = torch.multinomial(probs, 1, generator=gen).squeeze(1)
-                    total = logp[torch.arange(n), y].sum()
-                    grads = torch.autograd.grad(total, flat, retain_graph=i + 1 < samples)
-                    for l in range(L):
-                        for kv in range(2):
-                            tr[l, kv] += float(grads[2 * l + kv][:, :, sink:].double().pow(2).sum())
-        finally:
-            for p in params:
-                p.requires_grad_(True)
+        tr = fisher_traces(self.ref, samples, sink_tokens, seed)
         self.evaluations += 1
-        return rms2 * (tr / (samples * n)) / 24.0
+        return rms2 * tr / 24.0
+
+
+def fisher_traces(ref: Any, samples: int = GRADIENT_SAMPLES, sink_tokens: int = 1, seed: int = 0) -> np.ndarray:
+    """float64 [L, 2]: tr(F_i) of each plane's block of the Fisher information of the mean
+    next-token log-likelihood over ``ref``'s scored continuation, tokens below ``sink_tokens`` left out.
+
+    tr(F_i) = E_y ||grad_i (1/n) sum_t log p_t(y_t)||^2 x n with y_t drawn from the original
+    next-token distributions (Hutchinson-style; the cross terms between positions vanish in
+    expectation): one forward pass and ``samples`` backward passes."""
+    from . import evaluate
+
+    model = ref.model
+    dtype = next(model.parameters()).dtype
+    data = ref.cache
+    L, _, T, C = data.shape
+    sink = min(sink_tokens, T)
+    leaves = [(k.requires_grad_(True), v.requires_grad_(True))
+              for k, v in evaluate.layers_from_internal(data, ref.num_kv_heads, ref.head_dim, dtype)]
+    flat = [t for kv in leaves for t in kv]
+    ids = ref.continuation_ids[:-1]
+    n = len(ids)
+    kwargs = {
+        "input_ids": torch.tensor([ids], dtype=torch.long),
+        "position_ids": torch.arange(ref.num_tokens, ref.num_tokens + n, dtype=torch.long).unsqueeze(0),
+        evaluate._cache_kw(model): evaluate.make_cache(model, leaves),
+        "use_cache": True,
+    }
+    if "cache_position" in evaluate.forward_params(model):
+        kwargs["cache_position"] = torch.arange(ref.num_tokens, ref.num_tokens + n, dtype=torch.long)
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        with torch.enable_grad():
+            logp = torch.log_softmax(model(**kwargs).logits[0].float(), dim=-1)  # [n, vocab]
+            gen = torch.Generator().manual_seed(seed)
+            probs = logp.detach().exp()
+            tr = np.zeros((L, 2), np.float64)
+            for i in range(samples):
+                y = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+                total = logp[torch.arange(n), y].sum()
+                grads = torch.autograd.grad(total, flat, retain_graph=i + 1 < samples)
+                for l in range(L):
+                    for kv in range(2):
+                        tr[l, kv] += float(grads[2 * l + kv][:, :, sink:].double().pow(2).sum())
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+    return tr / (samples * n)
+
+
+#: Backward passes per sample cache of the calibration sensitivities (a one-off cost, so more
+#: than the tuner's: the per-plane estimates are noisy).
+CALIBRATION_SAMPLES = 8
+
+
+def sensitivity_from_caches(model: Any, caches: list[tuple[torch.Tensor, list[int]]], num_kv_heads: int,
+                            head_dim: int, *, continuation: int = DEFAULT_CONTINUATION,
+                            samples: int = CALIBRATION_SAMPLES, sink_tokens: int = 1, log: Log | None = None) -> np.ndarray:
+    """float64 [L, 2]: how much an error of a given size in each (layer, K/V) plane changes the
+    model's predictions, per value (the mean diagonal Fisher information of the plane), from
+    sample caches with their token ids, normalized to a geometric mean of 1.
+
+    Each cache [L, 2, T, C] is split as ``cachegen tune`` does without a text: its last
+    ``min(continuation, (T - 1) // 2)`` tokens are held out and scored on the cache of the
+    tokens before them.  Each cache's estimate is normalized before the caches are averaged
+    (texts differ in how predictable they are; the allocation needs the shape)."""
+    if not caches:
+        raise TuneError("sensitivities need at least one sample cache")
+    total = None
+    for i, (data, ids) in enumerate(caches):
+        L, _, T, C = data.shape
+        if len(ids) != T:
+            raise TuneError(f"sample {i}: {len(ids)} token ids for {T} tokens")
+        n = min(continuation, (T - 1) // 2)
+        if n < 8:
+            raise TuneError(f"sample {i} holds only {T} tokens: too few to hold out a continuation to score")
+        T0 = T - n - 1
+        part = data[:, :, :T0].contiguous()
+        ref = reference_from_cache(model, part, num_kv_heads, head_dim, ids[:T0], ids[T0:T])
+        t0 = time.perf_counter()
+        per_value = fisher_traces(ref, samples, sink_tokens) / max((T0 - min(sink_tokens, T0)) * C, 1)
+        per_value = np.maximum(per_value, 1e-300)
+        per_value /= np.exp(np.log(per_value).mean())
+        total = per_value if total is None else total + per_value
+        if log:
+            log(f"sensitivity of sample {i + 1}/{len(caches)}: {T0} tokens, {n} scored ({time.perf_counter() - t0:.0f} s)")
+    s = total / len(caches)
+    return s / np.exp(np.log(s).mean())
 
 
 class AttentionMeasure(Measure):
@@ -544,6 +594,7 @@ def to_toml(result: TuneResult, *, source: str = "", calibration_path: str | Non
         'method = "transform"',
         "sink_tokens = 1",
         "token_delta = true",
+        'allocation = "none"  # the steps below are already per layer: no calibration sensitivities on top',
         f"key_step = {_toml_list(result.steps[:, 0])}",
         f"value_step = {_toml_list(result.steps[:, 1])}",
         "",

@@ -29,7 +29,8 @@ from .cdf import codes_to_cum, counts_to_codes
 from .coding_params import PROB_BITS
 from .cpu import _FAST, INTERLEAVE, _decode_plane_streams, _encode_plane_streams, _plane_index, build_lut
 from .range_coder import decode_stream, encode_stream, stream_coords
-from .transform import level_value, rotate_row, step_level, symbol_top_byte, top_byte_symbol, unrotate_row
+from .transform import (level_value, refine_index, refined_value, rotate_row, step_level, symbol_top_byte,
+                        top_byte_symbol, unrotate_row)
 
 _JIT = dict(cache=True, nogil=True)
 
@@ -88,8 +89,32 @@ def transform_quantize(x, rot, sink, offsets, steps, qmax, threshold, q):
 
 
 @njit(parallel=True, **_JIT)
-def transform_dequantize(q, rot, sink, offsets, steps, out):
-    """out = (q * step + offset) rotated back, float32; tokens below ``sink`` are left alone."""
+def transform_refine(x, rot, t0, offsets, steps, q, bits, ref):
+    """ref [L, 2, T - t0, C] = transform.refine_index of tokens t0.. (their levels q refined
+    with ``bits`` bits each)."""
+    L, _, T, C = x.shape
+    R = T - t0
+    rotated = rot.shape[0] > 0
+    for row in prange(L * 2 * R):
+        l = row // (2 * R)
+        kv = (row // R) % 2
+        t = t0 + row % R
+        step = steps[l, kv]
+        if rotated:
+            y = np.empty(C, np.float64)
+            rotate_row(x[l, kv, t], rot[l, kv], y)
+            for c in range(C):
+                ref[l, kv, t - t0, c] = refine_index(y[c], offsets[l, kv, c], step, q[l, kv, t, c], bits)
+        else:
+            for c in range(C):
+                ref[l, kv, t - t0, c] = refine_index(np.float64(x[l, kv, t, c]), offsets[l, kv, c], step,
+                                                     q[l, kv, t, c], bits)
+
+
+@njit(parallel=True, **_JIT)
+def transform_dequantize(q, rot, sink, offsets, steps, t0, bits, ref, out):
+    """out = (q * step + offset) rotated back, float32; tokens below ``sink`` are left alone;
+    tokens from ``t0`` on are refined by ``ref`` [L, 2, T - t0, C] (``bits`` bits each)."""
     L, _, T, C = q.shape
     rotated = rot.shape[0] > 0
     for row in prange(L * 2 * T):
@@ -99,14 +124,21 @@ def transform_dequantize(q, rot, sink, offsets, steps, out):
         if t < sink:
             continue
         step = steps[l, kv]
+        refined = t >= t0 and bits > 0
         if rotated:
             z = np.empty(C, np.float64)
             for d in range(C):
-                z[d] = np.float64(level_value(q[l, kv, t, d], offsets[l, kv, d], step))
+                if refined:
+                    z[d] = np.float64(refined_value(q[l, kv, t, d], ref[l, kv, t - t0, d], bits, offsets[l, kv, d], step))
+                else:
+                    z[d] = np.float64(level_value(q[l, kv, t, d], offsets[l, kv, d], step))
             unrotate_row(z, rot[l, kv], out[l, kv, t])
         else:
             for c in range(C):
-                out[l, kv, t, c] = level_value(q[l, kv, t, c], offsets[l, kv, c], step)
+                if refined:
+                    out[l, kv, t, c] = refined_value(q[l, kv, t, c], ref[l, kv, t - t0, c], bits, offsets[l, kv, c], step)
+                else:
+                    out[l, kv, t, c] = level_value(q[l, kv, t, c], offsets[l, kv, c], step)
 
 
 @njit(parallel=True, **_JIT)

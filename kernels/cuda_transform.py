@@ -10,6 +10,7 @@ Who does what (host wrappers launch on ``stream`` without synchronising):
   transform_stats       one thread per (layer, K/V, coordinate), walking the tokens in order
                         (the CPU's summation order); a warp reads 32 neighbouring channels
   transform_quantize,
+  transform_refine,
   transform_dequantize  one thread per value (a rotated value: one output coordinate,
                         its dot product in the CPU's order)
   split_words,
@@ -31,7 +32,7 @@ import numpy as np
 from .cuda import BLOCK, _grid, _stream_coords_dev, as_device, cuda  # noqa: F401  (cuda.py restores np.row_stack)
 from .cdf import codes_to_cum, counts_to_codes
 from .range_coder import decode_stream, encode_stream
-from .transform import level_value, step_level, symbol_top_byte, top_byte_symbol
+from .transform import level_value, refine_index, refined_value, step_level, symbol_top_byte, top_byte_symbol
 
 
 def _cfg(n: int):
@@ -120,7 +121,38 @@ def transform_quantize(x, rot, sink, offsets, steps, qmax, threshold, q, stream=
 
 
 @cuda.jit
-def _dequantize_kernel(q, rot, rotated, sink, offsets, steps, out):
+def _refine_kernel(x, rot, rotated, t0, offsets, steps, q, bits, ref):
+    i = cuda.grid(1)
+    L, _, R, C = ref.shape
+    if i >= L * 2 * R * C:
+        return
+    l, kv, r, d = _value_coords(i, R, C)
+    t = t0 + r
+    if rotated:
+        y = _rotated(x, rot, l, kv, t, d, C)
+    else:
+        y = np.float64(x[l, kv, t, d])
+    ref[l, kv, r, d] = refine_index(y, offsets[l, kv, d], steps[l, kv], q[l, kv, t, d], bits)
+
+
+def transform_refine(x, rot, t0, offsets, steps, q, bits, ref, stream=0):
+    n = ref.size
+    if n == 0:
+        return
+    _refine_kernel[(*_cfg(n), stream)](as_device(x), as_device(rot), rot.shape[0] > 0, np.int64(t0),
+                                            as_device(offsets), as_device(steps), as_device(q), np.int64(bits),
+                                            as_device(ref))
+
+
+@cuda.jit(device=True)
+def _value_at(q, offsets, steps, t0, bits, ref, l, kv, t, d):
+    if t >= t0 and bits > 0:
+        return refined_value(q[l, kv, t, d], ref[l, kv, t - t0, d], bits, offsets[l, kv, d], steps[l, kv])
+    return level_value(q[l, kv, t, d], offsets[l, kv, d], steps[l, kv])
+
+
+@cuda.jit
+def _dequantize_kernel(q, rot, rotated, sink, offsets, steps, t0, bits, ref, out):
     i = cuda.grid(1)
     L, _, T, C = q.shape
     if i >= L * 2 * T * C:
@@ -128,23 +160,23 @@ def _dequantize_kernel(q, rot, rotated, sink, offsets, steps, out):
     l, kv, t, c = _value_coords(i, T, C)
     if t < sink:
         return
-    step = steps[l, kv]
     if rotated:
         acc = 0.0
         for d in range(C):
-            z = np.float64(level_value(q[l, kv, t, d], offsets[l, kv, d], step))
+            z = np.float64(_value_at(q, offsets, steps, t0, bits, ref, l, kv, t, d))
             acc += z * np.float64(rot[l, kv, c, d])
         out[l, kv, t, c] = np.float32(acc)
     else:
-        out[l, kv, t, c] = level_value(q[l, kv, t, c], offsets[l, kv, c], step)
+        out[l, kv, t, c] = _value_at(q, offsets, steps, t0, bits, ref, l, kv, t, c)
 
 
-def transform_dequantize(q, rot, sink, offsets, steps, out, stream=0):
+def transform_dequantize(q, rot, sink, offsets, steps, t0, bits, ref, out, stream=0):
     n = q.size
     if n == 0:
         return
     _dequantize_kernel[(*_cfg(n), stream)](as_device(q), as_device(rot), rot.shape[0] > 0, np.int64(sink),
-                                                as_device(offsets), as_device(steps), as_device(out))
+                                                as_device(offsets), as_device(steps), np.int64(t0), np.int64(bits),
+                                                as_device(ref), as_device(out))
 
 
 @cuda.jit

@@ -83,6 +83,35 @@ def level_value(q, offset, step):
 
 
 @register_jitable
+def refine_index(y, offset, step, q, bits):
+    """Refinement of a level (the recent tokens of a file with FLAG_REFINED): y's offset
+    from level q's centre in units of step / 2^bits, rounded half up, as an index
+    j = d + 2^(bits-1) clamped to 0 .. 2^bits - 1 (d = 2^(bits-1), the cell's upper edge,
+    and a clamped level's far values go to the nearest end).  A value on a level's centre
+    (a constant channel, an exact zero) stays exact.  Every step is exact or correctly
+    rounded in float64: the same index on any device."""
+    n = np.int64(1) << bits
+    half = n >> 1
+    v = (np.float64(y) - np.float64(offset)) / np.float64(step)
+    r = np.floor((v - np.float64(q)) * np.float64(n) + 0.5) + np.float64(half)
+    if not r >= 0.0:
+        return 0
+    if r >= np.float64(n):
+        return n - 1
+    return np.int64(r)
+
+
+@register_jitable
+def refined_value(q, j, bits, offset, step):
+    """float32 reconstruction of level q refined by index j: q + (j - 2^(bits-1)) / 2^bits
+    steps from the offset.  That multiplier is a short dyadic number, so its product with
+    the (bfloat16) step is exact and a fused multiply-add gives the same value."""
+    n = np.int64(1) << bits
+    z = np.float64(q) + np.float64(np.int64(j) - (n >> 1)) / np.float64(n)
+    return np.float32(z * np.float64(step) + np.float64(offset))
+
+
+@register_jitable
 def top_byte_symbol(top):
     """The coded symbol of a word's top byte: sign bit moved to bit 0 (0..255)."""
     t = np.int64(top) & 0xFF

@@ -103,6 +103,10 @@ def methods() -> list[dict]:
         if q != "lossless":
             out.append({"key": f"quality:{q}+cal", "label": f"cachegen --quality {q} --calibration (other texts)",
                         "family": "quality", "quality": q, "calibrated": True})
+    for q in QUALITY_PRESETS:
+        if q != "lossless":
+            out.append({"key": f"quality:{q}+cal+sens", "label": f"cachegen --quality {q} --calibration (other texts, "
+                        "with --sensitivity)", "family": "quality", "quality": q, "calibrated": True, "sensitivity": True})
     out.append({"key": "tuned+cal", "label": f"cachegen tune --target-kl {TUNE_TARGET:g} on another text, "
                 "--calibration (other texts)", "family": "tuned", "calibrated": True})
     out.append({"key": "selftuned+cal", "label": f"cachegen tune on the cache itself (held-out context tokens), "
@@ -122,7 +126,7 @@ TUNE_TARGET = 0.03
 
 
 def run_method(ref: evaluate.Reference, m: dict, tensors: dict, meta: dict, seen: dict, cal=None,
-               rows: dict | None = None, tuned=None) -> dict:
+               rows: dict | None = None, tuned=None, cal_sens=None) -> dict:
     """Compress, decode and score one method; ``seen`` maps the sha256 of .cgen bytes already scored
     to their row (byte-identical files decode to identical caches, so their scores are reused)."""
     values = ref.cache.numel()
@@ -162,7 +166,8 @@ def run_method(ref: evaluate.Reference, m: dict, tensors: dict, meta: dict, seen
             extra_tuned = {"tuned_on": result.tuned_on, "tuned_achieved": result.achieved,
                            "tuned_target": result.target}
         elif m["family"] == "quality":
-            kw = {"quality": m["quality"], "calibration": cal if m.get("calibrated") else None}
+            c = (cal_sens() if m.get("sensitivity") else cal) if m.get("calibrated") else None
+            kw = {"quality": m["quality"], "calibration": c}
         else:
             kw = {"preset": m["preset"]} if m["family"] == "preset" else {"bins": m["bins"]}
         blob = cg.encode(tensors, chunk_tokens=CHUNK_TOKENS, metadata=meta, device="cpu", **kw)
@@ -210,7 +215,7 @@ def build_ref(model, tokenizer, text_name: str, text: str, ctx: int, log):
 
 
 def run_case(model, text_name: str, text: str, ctx: int, log, ids, ref, ref_s, cal, old: dict | None,
-             tuned=None) -> dict:
+             tuned=None, cal_sens=None) -> dict:
     """Score every method on one text and context; rows already in ``old`` are kept."""
     layers = evaluate.layers_from_internal(ref.cache, ref.num_kv_heads, ref.head_dim, torch.bfloat16)
     tensors = capture.layers_to_tensors(layers, "stacked", torch.bfloat16)
@@ -222,7 +227,7 @@ def run_case(model, text_name: str, text: str, ctx: int, log, ids, ref, ref_s, c
         if m["key"] in rows:
             continue
         t0 = time.perf_counter()
-        rows[m["key"]] = run_method(ref, m, tensors, meta, seen, cal, rows, tuned)
+        rows[m["key"]] = run_method(ref, m, tensors, meta, seen, cal, rows, tuned, cal_sens)
         r = rows[m["key"]]
         log(f"    {m['key']:<20} {r['bits_per_value']:6.3f} bits  ppl x{r['ppl_ratio']:.4f}  KL {r['kl_mean']:.2e}  "
             f"top1 {r['top1_agreement']:.3f}  greedy {r['greedy_agreement']:.2f}  ({time.perf_counter() - t0:.1f} s)")
@@ -413,7 +418,9 @@ def _v2_observations(n: int, here: list[dict], ms: list[dict]) -> list[str]:
     else:
         out.append("  No `--quality` row reaches LMCache's mean KL.")
     h = "quality:high"
-    for key in (h, h + "+cal"):
+    for key in (h, h + "+cal", h + "+cal+sens"):
+        if not all(key in c["rows"] for c in here):
+            continue
         out.append(f"  `{key.split(':')[1]}`: KL {mean(key, 'kl_mean'):.2e}, top-1 {mean(key, 'top1_agreement'):.3f}, "
                    f"{16 / mean(key, 'bits_per_value'):.2f}× smaller than bf16 (bar: KL ≤ 0.005, top-1 ≥ 0.97, ≥ 4×: "
                    + ("met" if mean(key, "kl_mean") <= 0.005 and mean(key, "top1_agreement") >= 0.97
@@ -434,6 +441,21 @@ def _v2_observations(n: int, here: list[dict], ms: list[dict]) -> list[str]:
         out.append(f"  Tuned on each cache itself (what `cachegen tune` does; target {SELF_TUNE_FACTOR:g} × LMCache's KL), "
                    f"per text: {per}. At most 0.4× LMCache's size at a KL at or below LMCache's on every text: "
                    f"**{'yes' if ok else 'no'}**.")
+    bar = []
+    for k in v2:
+        if all(c["rows"][k]["kl_mean"] <= c["rows"]["lmcache"]["kl_mean"]
+               and c["rows"][k]["bits_per_value"] <= 0.4 * c["rows"]["lmcache"]["bits_per_value"] for c in here):
+            bar.append(k)
+    if bar:
+        best = min(bar, key=lambda k: max(c["rows"][k]["bits_per_value"] / c["rows"]["lmcache"]["bits_per_value"]
+                                          for c in here))
+        per = "; ".join(f"{c['text']}: {c['rows'][best]['bits_per_value'] / c['rows']['lmcache']['bits_per_value']:.3f}× "
+                        f"LMCache's size, KL {c['rows'][best]['kl_mean']:.2e} vs LMCache's {c['rows']['lmcache']['kl_mean']:.2e}"
+                        for c in here)
+        out.append(f"  Rows at most 0.4× LMCache's size with a KL at or below LMCache's on **every** text: "
+                   f"{', '.join('`' + k.split(':')[-1] + '`' for k in bar)}; e.g. `{best.split(':')[-1]}`, per text: {per}.")
+    else:
+        out.append("  No v2 row is at most 0.4× LMCache's size with a KL at or below LMCache's on every text.")
     sides = [c["rows"][k]["side_fraction"] for c in here for k in v2]
     out.append(f"  Side information of the `--quality` rows (256-token chunks): {100 * min(sides):.1f}–{100 * max(sides):.1f}% of the file.")
     return out
@@ -493,6 +515,9 @@ def _plot(results: dict, out_png: pathlib.Path) -> None:
         v2c = [c["rows"][f"quality:{q}+cal"] for q in ("high", "balanced", "small") if f"quality:{q}+cal" in c["rows"]]
         ax1.plot([r["bits_per_value"] for r in v2c], [max(r["kl_mean"], 1e-7) for r in v2c], ":", color=col, marker="^")
         ax2.plot([r["bits_per_value"] for r in v2c], [r["top1_agreement"] for r in v2c], ":", color=col, marker="^")
+        v2s = [c["rows"][f"quality:{q}+cal+sens"] for q in ("high", "balanced", "small") if f"quality:{q}+cal+sens" in c["rows"]]
+        ax1.plot([r["bits_per_value"] for r in v2s], [max(r["kl_mean"], 1e-7) for r in v2s], "-.", color=col, marker="v")
+        ax2.plot([r["bits_per_value"] for r in v2s], [r["top1_agreement"] for r in v2s], "-.", color=col, marker="v")
         for mk, marker in (("preset:lmcache", "*"), ("int4", "s"), ("int8", "D")):
             r = c["rows"][mk]
             ax1.plot(r["bits_per_value"], max(r["kl_mean"], 1e-7), marker, color=col, ms=9 if marker == "*" else 6,
@@ -513,7 +538,8 @@ def _plot(results: dict, out_png: pathlib.Path) -> None:
                 Line2D([], [], color="k", marker="s", mfc="none", ls="none", label="int4 abs-max"),
                 Line2D([], [], color="k", marker="D", mfc="none", ls="none", label="int8 abs-max"),
                 Line2D([], [], color="k", marker="o", mfc="none", ls=":", label="--quality high/balanced/small"),
-                Line2D([], [], color="k", marker="^", ls=":", label="... with --calibration")]
+                Line2D([], [], color="k", marker="^", ls=":", label="... with --calibration"),
+                Line2D([], [], color="k", marker="v", ls="-.", label="... with --calibration --sensitivity")]
     ax1.legend(handles=handles, fontsize=8)
     fig.suptitle("SmolLM2-135M-Instruct: quality of the decoded KV cache (format v1 --bins 3…255 as lines; v2 --quality dotted)")
     fig.tight_layout()
@@ -574,6 +600,19 @@ def main(argv=None) -> int:
         # Every text's cache at this length: the calibrated rows use a rotation fitted on the
         # *other* texts' caches (leave one out), as a user would calibrate on their own samples.
         refs = {name: build_ref(model, tokenizer, name, text, n, log) for name, text in loaded_texts.items()}
+        sens: dict = {}
+
+        def text_sensitivity(o: str):
+            """What `cachegen calibrate --sensitivity` measures on one text's cache (held-out context tokens)."""
+            if o not in sens:
+                t0 = time.perf_counter()
+                r = refs[o][1]
+                sens[o] = tune.sensitivity_from_caches(model, [(r.cache, list(r.context_ids))], r.num_kv_heads,
+                                                       r.head_dim)
+                torch.set_num_threads(args.threads or torch.get_num_threads())
+                log(f"    sensitivities of {o}/{n} ({time.perf_counter() - t0:.0f} s)")
+            return sens[o]
+
         for name in todo:
             key = f"{name}|{n}"
             others = [refs[o][1].cache for o in refs if o != name]
@@ -593,8 +632,13 @@ def main(argv=None) -> int:
                 r.tuned_on = other
                 return r
 
+            def cal_sens(name=name, cal=cal):
+                """The leave-one-out calibration with the other texts' sensitivities (as calibrate averages them)."""
+                parts = [text_sensitivity(o) for o in refs if o != name]
+                return cal.with_sensitivity(sum(parts) / len(parts), "other texts")
+
             results["cases"][key] = run_case(model, name, loaded_texts[name], n, log, ids, ref, ref_s, cal,
-                                             results["cases"].get(key), tuned)
+                                             results["cases"].get(key), tuned, cal_sens)
             info["wall_seconds"] = elapsed_before + time.perf_counter() - t_start
             results["info"] = info
             RESULTS.write_text(json.dumps(results, indent=1))

