@@ -249,6 +249,9 @@ def _print_stats(s: dict) -> None:
         f"ratio [bold]{s['ratio']:.2f}x[/], [bold]{s['bits_per_value']:.3f}[/] bits/value, side information "
         f"{_human(s['side_bytes'])} = [bold]{100 * s['side_fraction']:.1f}%[/] of the file"
     )
+    if s.get("sink_tokens") or s.get("refined_tokens"):
+        out.print(f"first {s['sink_tokens']} token(s) verbatim; last {s['refined_tokens']} token(s) refined by "
+                  f"{s['refine_bits']} bit(s) per value")
     error = s.get("error")
     table = Table(
         title="per layer (KB and bits/value include each layer's side information)",

@@ -234,9 +234,9 @@ MAX_RECENT_BITS = 8
 #: measurements with `cachegen eval` on SmolLM2-135M caches (docs/quality.md).
 QUALITY_PRESETS: dict[str, TransformConfig] = {
     "lossless": TransformConfig("lossless", name="lossless"),
-    "high": TransformConfig("transform", (0.25,), (0.25,), name="high"),
+    "high": TransformConfig("transform", (0.27,), (0.27,), name="high"),
     "balanced": TransformConfig("transform", (0.5,), (0.5,), name="balanced"),
-    "small": TransformConfig("transform", (0.9,), (0.9,), name="small"),
+    "small": TransformConfig("transform", (0.92,), (0.92,), name="small"),
 }
 
 

@@ -145,8 +145,8 @@ def encode_v2_gpu(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
                                                      plane_sensitivity(cfg, calibration))
     q = dev.empty((L, 2, T, C), np.int16)
     m_d, steps_d = dev.put(m.astype(np.float32)), dev.put(steps)
-    k.transform_quantize(x, rot, sink, m_d, steps_d, TRANSFORM_QMAX, float(cfg.rounding), q)
     R, bits = refine_plan(cfg, T, sink)
+    k.transform_quantize(x, rot, sink, m_d, steps_d, TRANSFORM_QMAX, float(cfg.rounding), T - R, bits, q)
     ref = None
     if R:
         ref_d = dev.empty((L, 2, R, C), np.uint8)

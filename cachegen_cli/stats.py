@@ -44,6 +44,8 @@ def file_stats(path: str | Path, reference: str | Path | None = None, device: st
         if p.method == 2:
             side_lk = side_lk + 2 + 2 * h.num_channels + h.sink_tokens * h.num_channels * _ITEMSIZE[h.dtype]
         raw = h.num_tokens * h.num_channels * h.raw_bytes_per_value
+        if p.refine_tokens:  # the refinement bits of the last tokens count as their layer's payload
+            raw += (p.refine_tokens * h.num_channels * p.refine_bits) // 8
         payload = payload + raw
         total_payload = int(payload.sum())
     layers = []
@@ -81,6 +83,9 @@ def file_stats(path: str | Path, reference: str | Path | None = None, device: st
         "payload_bytes": total_payload,
         "side_bytes": side,
         "side_fraction": side / size if size else 0.0,
+        "sink_tokens": h.sink_tokens,
+        "refined_tokens": int(h.params.refine_tokens) if h.params is not None else 0,
+        "refine_bits": int(h.params.refine_bits) if h.params is not None else 0,
         "layers": layers,
     }
     if reference is not None:

@@ -238,8 +238,8 @@ def encode_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
                                                      plane_sensitivity(cfg, calibration))
     q = np.empty((L, 2, T, C), np.int16)
     m32 = m.astype(np.float32)
-    k2.transform_quantize(x, rot, sink, m32, steps, TRANSFORM_QMAX, float(cfg.rounding), q)
     R, bits = refine_plan(cfg, T, sink)
+    k2.transform_quantize(x, rot, sink, m32, steps, TRANSFORM_QMAX, float(cfg.rounding), T - R, bits, q)
     ref = None
     if R:
         ref = np.empty((L, 2, R, C), np.uint8)

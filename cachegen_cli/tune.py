@@ -196,9 +196,11 @@ class KLMeasure(Measure):
         return rms2 * tr / 24.0
 
 
-def fisher_traces(ref: Any, samples: int = GRADIENT_SAMPLES, sink_tokens: int = 1, seed: int = 0) -> np.ndarray:
+def fisher_traces(ref: Any, samples: int = GRADIENT_SAMPLES, sink_tokens: int = 1, seed: int = 0,
+                  per_token: bool = False) -> np.ndarray:
     """float64 [L, 2]: tr(F_i) of each plane's block of the Fisher information of the mean
-    next-token log-likelihood over ``ref``'s scored continuation, tokens below ``sink_tokens`` left out.
+    next-token log-likelihood over ``ref``'s scored continuation, tokens below ``sink_tokens`` left out
+    (``per_token``: [L, 2, T], each token's share, the sink tokens' entries 0).
 
     tr(F_i) = E_y ||grad_i (1/n) sum_t log p_t(y_t)||^2 x n with y_t drawn from the original
     next-token distributions (Hutchinson-style; the cross terms between positions vanish in
@@ -231,18 +233,20 @@ def fisher_traces(ref: Any, samples: int = GRADIENT_SAMPLES, sink_tokens: int = 
             logp = torch.log_softmax(model(**kwargs).logits[0].float(), dim=-1)  # [n, vocab]
             gen = torch.Generator().manual_seed(seed)
             probs = logp.detach().exp()
-            tr = np.zeros((L, 2), np.float64)
+            tr = np.zeros((L, 2, T), np.float64)
             for i in range(samples):
                 y = torch.multinomial(probs, 1, generator=gen).squeeze(1)
                 total = logp[torch.arange(n), y].sum()
                 grads = torch.autograd.grad(total, flat, retain_graph=i + 1 < samples)
                 for l in range(L):
                     for kv in range(2):
-                        tr[l, kv] += float(grads[2 * l + kv][:, :, sink:].double().pow(2).sum())
+                        g2 = grads[2 * l + kv][:, :, sink:].double().pow(2).sum(dim=(0, 1, 3))  # [T - sink]
+                        tr[l, kv, sink:] += g2.numpy()
     finally:
         for p in params:
             p.requires_grad_(True)
-    return tr / (samples * n)
+    tr /= samples * n
+    return tr if per_token else tr.sum(axis=2)
 
 
 #: Backward passes per sample cache of the calibration sensitivities (a one-off cost, so more

@@ -29,7 +29,7 @@ from .cdf import codes_to_cum, counts_to_codes
 from .coding_params import PROB_BITS
 from .cpu import _FAST, INTERLEAVE, _decode_plane_streams, _encode_plane_streams, _plane_index, build_lut
 from .range_coder import decode_stream, encode_stream, stream_coords
-from .transform import (level_value, refine_index, refined_value, rotate_row, step_level, symbol_top_byte,
+from .transform import (level_value, refine_index, refined_level, refined_value, rotate_row, step_level, symbol_top_byte,
                         top_byte_symbol, unrotate_row)
 
 _JIT = dict(cache=True, nogil=True)
@@ -64,9 +64,10 @@ def transform_stats(x, rot, sink, sums, sumsq):
 
 
 @njit(parallel=True, **_JIT)
-def transform_quantize(x, rot, sink, offsets, steps, qmax, threshold, q):
+def transform_quantize(x, rot, sink, offsets, steps, qmax, threshold, t0, bits, q):
     """q = (y - offset) / step rounded (transform.step_level) and clamped to +-qmax; tokens
-    below ``sink`` get 0."""
+    below ``sink`` get 0; tokens from ``t0`` on, refined with ``bits`` bits, get
+    transform.refined_level."""
     L, _, T, C = x.shape
     rotated = rot.shape[0] > 0
     for row in prange(L * 2 * T):
@@ -78,14 +79,18 @@ def transform_quantize(x, rot, sink, offsets, steps, qmax, threshold, q):
                 q[l, kv, t, c] = 0
             continue
         step = steps[l, kv]
+        refined = t >= t0 and bits > 0
+        y = np.empty(C, np.float64)
         if rotated:
-            y = np.empty(C, np.float64)
             rotate_row(x[l, kv, t], rot[l, kv], y)
-            for c in range(C):
-                q[l, kv, t, c] = step_level(y[c], offsets[l, kv, c], step, qmax, threshold)
         else:
             for c in range(C):
-                q[l, kv, t, c] = step_level(np.float64(x[l, kv, t, c]), offsets[l, kv, c], step, qmax, threshold)
+                y[c] = np.float64(x[l, kv, t, c])
+        for c in range(C):
+            if refined:
+                q[l, kv, t, c] = refined_level(y[c], offsets[l, kv, c], step, qmax, bits)
+            else:
+                q[l, kv, t, c] = step_level(y[c], offsets[l, kv, c], step, qmax, threshold)
 
 
 @njit(parallel=True, **_JIT)

@@ -32,7 +32,8 @@ import numpy as np
 from .cuda import BLOCK, _grid, _stream_coords_dev, as_device, cuda  # noqa: F401  (cuda.py restores np.row_stack)
 from .cdf import codes_to_cum, counts_to_codes
 from .range_coder import decode_stream, encode_stream
-from .transform import level_value, refine_index, refined_value, step_level, symbol_top_byte, top_byte_symbol
+from .transform import (level_value, refine_index, refined_level, refined_value, step_level, symbol_top_byte,
+                        top_byte_symbol)
 
 
 def _cfg(n: int):
@@ -95,7 +96,7 @@ def transform_stats(x, rot, sink, sums, sumsq, stream=0):
 
 
 @cuda.jit
-def _quantize_kernel(x, rot, rotated, sink, offsets, steps, qmax, threshold, q):
+def _quantize_kernel(x, rot, rotated, sink, offsets, steps, qmax, threshold, t0, bits, q):
     i = cuda.grid(1)
     L, _, T, C = x.shape
     if i >= L * 2 * T * C:
@@ -108,16 +109,19 @@ def _quantize_kernel(x, rot, rotated, sink, offsets, steps, qmax, threshold, q):
         y = _rotated(x, rot, l, kv, t, d, C)
     else:
         y = np.float64(x[l, kv, t, d])
-    q[l, kv, t, d] = step_level(y, offsets[l, kv, d], steps[l, kv], qmax, threshold)
+    if t >= t0 and bits > 0:
+        q[l, kv, t, d] = refined_level(y, offsets[l, kv, d], steps[l, kv], qmax, bits)
+    else:
+        q[l, kv, t, d] = step_level(y, offsets[l, kv, d], steps[l, kv], qmax, threshold)
 
 
-def transform_quantize(x, rot, sink, offsets, steps, qmax, threshold, q, stream=0):
+def transform_quantize(x, rot, sink, offsets, steps, qmax, threshold, t0, bits, q, stream=0):
     n = q.size
     if n == 0:
         return
     _quantize_kernel[(*_cfg(n), stream)](as_device(x), as_device(rot), rot.shape[0] > 0, np.int64(sink),
                                               as_device(offsets), as_device(steps), np.int64(qmax),
-                                              np.float64(threshold), as_device(q))
+                                              np.float64(threshold), np.int64(t0), np.int64(bits), as_device(q))
 
 
 @cuda.jit

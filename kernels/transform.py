@@ -83,31 +83,61 @@ def level_value(q, offset, step):
 
 
 @register_jitable
-def refine_index(y, offset, step, q, bits):
-    """Refinement of a level (the recent tokens of a file with FLAG_REFINED): y's offset
-    from level q's centre in units of step / 2^bits, rounded half up, as an index
-    j = d + 2^(bits-1) clamped to 0 .. 2^bits - 1 (d = 2^(bits-1), the cell's upper edge,
-    and a clamped level's far values go to the nearest end).  A value on a level's centre
-    (a constant channel, an exact zero) stays exact.  Every step is exact or correctly
-    rounded in float64: the same index on any device."""
+def _floor(x):
+    """floor of a float64 of magnitude below 2^62, as int64 (no math library call)."""
+    t = np.int64(x)
+    if np.float64(t) > x:
+        t -= 1
+    return t
+
+
+@register_jitable
+def refined_level(y, offset, step, qmax, bits):
+    """Level of a refined token (the last tokens of a file with FLAG_REFINED):
+    q = floor(v + 1/2 - 1/2^(bits+1)), v = (y - offset) / step, clamped to +-qmax.  Its cell
+    [q - 1/2 + 1/2^(bits+1), q + 1/2 + 1/2^(bits+1)) is split by refine_index into 2^bits
+    sub-cells centred on q + k / 2^bits, k = -2^(bits-1) + 1 .. 2^(bits-1): the level's own
+    value is one of the centres (an exact zero stays exact) and no sub-cell is clipped."""
     n = np.int64(1) << bits
-    half = n >> 1
     v = (np.float64(y) - np.float64(offset)) / np.float64(step)
-    r = np.floor((v - np.float64(q)) * np.float64(n) + 0.5) + np.float64(half)
-    if not r >= 0.0:
+    if v >= 9.0e15 or v <= -9.0e15:
+        return qmax if v > 0 else -qmax
+    q = _floor(v + (0.5 - 0.5 / np.float64(n)))
+    if q > qmax:
+        q = qmax
+    elif q < -qmax:
+        q = -qmax
+    return q
+
+
+@register_jitable
+def refine_index(y, offset, step, q, bits):
+    """The sub-cell of a refined value: k = floor((v - q) x 2^bits + 1/2), stored as
+    j = k + 2^(bits-1) - 1 clamped to 0 .. 2^bits - 1 (only a clamped level's far values
+    clamp).  (v - q) x 2^bits is exact, so a fused multiply-add rounds the sum alike: the
+    same index on any device."""
+    n = np.int64(1) << bits
+    v = (np.float64(y) - np.float64(offset)) / np.float64(step)
+    r = (v - np.float64(q)) * np.float64(n) + 0.5
+    if not r >= -np.float64(n):
         return 0
     if r >= np.float64(n):
         return n - 1
-    return np.int64(r)
+    j = _floor(r) + (n >> 1) - 1
+    if j < 0:
+        return 0
+    if j > n - 1:
+        return n - 1
+    return j
 
 
 @register_jitable
 def refined_value(q, j, bits, offset, step):
-    """float32 reconstruction of level q refined by index j: q + (j - 2^(bits-1)) / 2^bits
-    steps from the offset.  That multiplier is a short dyadic number, so its product with
-    the (bfloat16) step is exact and a fused multiply-add gives the same value."""
+    """float32 reconstruction of a refined level: q + (j - 2^(bits-1) + 1) / 2^bits steps from
+    the offset.  That multiplier is a short dyadic number, so its product with the
+    (bfloat16) step is exact and a fused multiply-add gives the same value."""
     n = np.int64(1) << bits
-    z = np.float64(q) + np.float64(np.int64(j) - (n >> 1)) / np.float64(n)
+    z = np.float64(q) + np.float64(np.int64(j) - (n >> 1) + 1) / np.float64(n)
     return np.float32(z * np.float64(step) + np.float64(offset))
 
 

@@ -309,12 +309,17 @@ def write_page(results: dict, info: dict, out_md: pathlib.Path, out_png: pathlib
     L.append("- **LMCache CacheGen, its own output**: the same quantization as `--preset lmcache` (so the same "
              "decoded cache and scores), with the size of LMCache's own serialized output (exact byte count "
              "from `benchmarks/lmcache_reference.py`, docs/lmcache_reference.md): the baseline of issue 5;")
+    steps = " / ".join(f"{QUALITY_PRESETS[q].key_step[0]:g}" for q in ("high", "balanced", "small"))
     L.append("- format version 2, `--quality lossless|high|balanced|small` (the default is `balanced`): "
              "lossless range-codes each bf16 word's top byte and stores the low byte; the others quantize "
-             "each (layer, K/V) with one uniform step (relative step 0.25 / 0.5 / 0.9 × the plane's RMS), keep "
-             "the first token verbatim, choose token delta per channel, and share one table per channel across "
+             f"each (layer, K/V) with one uniform step (relative step {steps} × the plane's RMS), keep "
+             "the first token verbatim, give the last 64 tokens 2 more bits per value (recent-token refinement), "
+             "choose token delta per channel, and share one table per channel across "
              "chunks (docs/config.md); rows marked `--calibration` add a PCA rotation fitted with `cachegen "
-             "calibrate` on the caches of the *other two* texts at the same length (never on the scored text).\n")
+             "calibrate` on the caches of the *other two* texts at the same length (never on the scored text); "
+             "rows marked `with --sensitivity` add those texts' per-plane sensitivities (`cachegen calibrate "
+             "--sensitivity`: the model's Fisher information on each text's own last 128 tokens), which scale "
+             "each plane's step; the `tune` rows write per-layer steps (`cachegen tune`, docs/tune.md).\n")
     L.append("## Texts\n")
     L.append("| text | kind | source | tokens | sha256 |")
     L.append("|---|---|---|---:|---|")
@@ -553,18 +558,28 @@ def main(argv=None) -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
     ap.add_argument("--texts", nargs="+", choices=list(TEXTS), default=list(TEXTS))
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    ap.add_argument("--resume", action="store_true", help=f"reuse finished cases from {RESULTS.relative_to(ROOT)}")
+    ap.add_argument("--resume", action="store_true", help="reuse finished cases from the saved results")
     ap.add_argument("--page-only", action="store_true", help="only rewrite the page from the saved results")
     ap.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "quality.md")
+    ap.add_argument("--results", type=pathlib.Path, default=RESULTS, help="the saved results (JSON)")
+    ap.add_argument("--merge", type=pathlib.Path, nargs="*", default=[],
+                    help="with --page-only: add the cases (and runs) of these results files first")
     args = ap.parse_args(argv)
+    results_path = args.results
     if args.threads:
         torch.set_num_threads(args.threads)
     out_png = args.out.with_suffix(".png")
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
 
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    results = json.loads(RESULTS.read_text()) if (args.resume or args.page_only) and RESULTS.exists() else {"cases": {}}
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    results = json.loads(results_path.read_text()) if (args.resume or args.page_only) and results_path.exists() else {"cases": {}}
     if args.page_only:
+        for other in args.merge:
+            extra = json.loads(other.read_text())
+            results["cases"].update(extra["cases"])
+            info = results["info"]
+            info["runs"] = info.get("runs", []) + [r for r in extra["info"].get("runs", []) if r not in info.get("runs", [])]
+            info["wall_seconds"] = info.get("wall_seconds", 0.0) + extra["info"].get("wall_seconds", 0.0)
         write_page(results, results["info"], args.out, out_png)
         return 0
     t_start = time.perf_counter()
@@ -594,7 +609,7 @@ def main(argv=None) -> int:
                 if not all(k in results["cases"].get(f"{name}|{n}", {}).get("rows", {}) for k in keys)]
         for name in loaded_texts:
             if name not in todo:
-                log(f"  {name}|{n}: kept from {RESULTS.name}")
+                log(f"  {name}|{n}: kept from {results_path.name}")
         if not todo:
             continue
         # Every text's cache at this length: the calibrated rows use a rotation fitted on the
@@ -641,11 +656,11 @@ def main(argv=None) -> int:
                                              results["cases"].get(key), tuned, cal_sens)
             info["wall_seconds"] = elapsed_before + time.perf_counter() - t_start
             results["info"] = info
-            RESULTS.write_text(json.dumps(results, indent=1))
+            results_path.write_text(json.dumps(results, indent=1))
             write_page(results, info, args.out, out_png)  # a partial page if the run is cut short
     info["wall_seconds"] = elapsed_before + time.perf_counter() - t_start
     results["info"] = info
-    RESULTS.write_text(json.dumps(results, indent=1))
+    results_path.write_text(json.dumps(results, indent=1))
     write_page(results, info, args.out, out_png)
     log(f"wrote {args.out} and {out_png}")
     return 0

@@ -39,7 +39,7 @@ def tiny_v2(quality: str = "balanced") -> bytes:
 # header flag that older readers refuse).  "unrefined" is a file without the refinement flag:
 # its bytes are those of the first version-2 writer.
 TINY_V2_SHA256 = {
-    "balanced": "7892fce1effeef591bf426c8578be685906ea08c6f037e32f9f96714a1c73048",
+    "balanced": "2ba40161cd5080ceb5a4bcb1d90b42473ecea2c6d34e8b58ba8e2bdd6ef68eff",
     "unrefined": "abd55f9ed57fd3abdb03ea369d151e206bb6876c33cc02f6a62ff3f8fd97c4f7",
     "lossless": "17e6919a3762240a0cc369fa30518b1766f7c9232d13ff2bf40d4a38cef15673",
 }
