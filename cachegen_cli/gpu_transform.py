@@ -106,7 +106,7 @@ def _code(dev: _Dev, h: FileHeader, sym, cum):
 
 def encode_v2_gpu(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
                   calibration: Calibration | None = None) -> "EncodedV2":
-    from .transform_codec import (EncodedV2, _chunks, make_header_v2, plane_sensitivity, refine_plan, sink_words,
+    from .transform_codec import (EncodedV2, _chunks, make_header_v2, plane_sensitivity, quantize_levels, sink_words,
                                   step_params, tables_from_stats)
 
     k = _k()
@@ -143,15 +143,9 @@ def encode_v2_gpu(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
     k.transform_stats(x, rot, sink, sums, sumsq)
     offsets_bits, m, steps_bits, steps = step_params(dev.get(sums), dev.get(sumsq), T - sink, cfg.steps_table(L),
                                                      plane_sensitivity(cfg, calibration))
-    q = dev.empty((L, 2, T, C), np.int16)
-    m_d, steps_d = dev.put(m.astype(np.float32)), dev.put(steps)
-    R, bits = refine_plan(cfg, T, sink)
-    k.transform_quantize(x, rot, sink, m_d, steps_d, TRANSFORM_QMAX, float(cfg.rounding), T - R, bits, q)
-    ref = None
-    if R:
-        ref_d = dev.empty((L, 2, R, C), np.uint8)
-        k.transform_refine(x, rot, T - R, m_d, steps_d, q, bits, ref_d)
-        ref = dev.get(ref_d)
+    q, ref_d, R, bits = quantize_levels(k, dev.empty, x, rot, sink, dev.put(m.astype(np.float32)), dev.put(steps),
+                                        cfg, (L, T, C))
+    ref = dev.get(ref_d) if ref_d is not None else None
     stats = dev.empty((L, 2, C, 6), np.int64)
     k.level_stats(q, chunk_tokens, stats)
     modes, lo, alphabet = tables_from_stats(dev.get(stats), cfg.token_delta, T)

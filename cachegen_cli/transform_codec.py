@@ -236,14 +236,7 @@ def encode_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
     k2.transform_stats(x, rot, sink, sums, sumsq)
     offsets_bits, m, steps_bits, steps = step_params(sums, sumsq, T - sink, cfg.steps_table(L),
                                                      plane_sensitivity(cfg, calibration))
-    q = np.empty((L, 2, T, C), np.int16)
-    m32 = m.astype(np.float32)
-    R, bits = refine_plan(cfg, T, sink)
-    k2.transform_quantize(x, rot, sink, m32, steps, TRANSFORM_QMAX, float(cfg.rounding), T - R, bits, q)
-    ref = None
-    if R:
-        ref = np.empty((L, 2, R, C), np.uint8)
-        k2.transform_refine(x, rot, T - R, m32, steps, q, bits, ref)
+    q, ref, R, bits = quantize_levels(k2, np.empty, x, rot, sink, m.astype(np.float32), steps, cfg, (L, T, C))
     del x
     modes, lo, alphabet = _choose_tables(q, chunk_tokens, cfg.token_delta, METHOD_TRANSFORM)
     params = Params(METHOD_TRANSFORM, modes, lo, alphabet, np.zeros((L, 2, C, 1), np.uint8), digest,
@@ -252,6 +245,21 @@ def encode_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
     codes, lengths, payload, offsets, shared, modes, lo, alphabet = _code(h, q, modes, lo, alphabet)
     params.codes, params.shared, params.modes, params.lo, params.alphabet = codes, shared, modes, lo, alphabet
     return EncodedV2(h, _chunks(h, lengths, payload, offsets, None, ref))
+
+
+def quantize_levels(kernels, empty, x, rot, sink: int, offsets, steps, cfg: TransformConfig, shape):
+    """Levels [L, 2, T, C] and, for the last R tokens, refinement indices [L, 2, R, C] (None
+    when R = 0), with ``kernels`` (cpu_transform or cuda_transform) on arrays from ``empty``;
+    returns (q, ref, R, bits)."""
+    L, T, C = shape
+    q = empty((L, 2, T, C), np.int16)
+    R, bits = refine_plan(cfg, T, sink)
+    kernels.transform_quantize(x, rot, sink, offsets, steps, TRANSFORM_QMAX, float(cfg.rounding), T - R, bits, q)
+    ref = None
+    if R:
+        ref = empty((L, 2, R, C), np.uint8)
+        kernels.transform_refine(x, rot, T - R, offsets, steps, q, bits, ref)
+    return q, ref, R, bits
 
 
 def refine_plan(cfg: TransformConfig, T: int, sink: int) -> tuple[int, int]:

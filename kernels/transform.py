@@ -69,10 +69,15 @@ def step_level(y, offset, step, qmax, threshold):
         q += 1
     elif frac <= -threshold:
         q -= 1
+    return _clamp(q, qmax)
+
+
+@register_jitable
+def _clamp(q, qmax):
     if q > qmax:
-        q = qmax
-    elif q < -qmax:
-        q = -qmax
+        return qmax
+    if q < -qmax:
+        return -qmax
     return q
 
 
@@ -102,12 +107,7 @@ def refined_level(y, offset, step, qmax, bits):
     v = (np.float64(y) - np.float64(offset)) / np.float64(step)
     if v >= 9.0e15 or v <= -9.0e15:
         return qmax if v > 0 else -qmax
-    q = _floor(v + (0.5 - 0.5 / np.float64(n)))
-    if q > qmax:
-        q = qmax
-    elif q < -qmax:
-        q = -qmax
-    return q
+    return _clamp(_floor(v + (0.5 - 0.5 / np.float64(n))), qmax)
 
 
 @register_jitable

