@@ -332,12 +332,14 @@ def presets() -> None:
     from .config import PRESETS, QUALITY_PRESETS, preset
 
     qt = Table(show_edge=False, header_style="bold", title="--quality (format v2; default balanced)")
-    for col in ("quality", "method", "K step", "V step", "sink tokens", "token delta"):
+    for col in ("quality", "method", "K step", "V step", "sink tokens", "recent tokens", "token delta"):
         qt.add_column(col)
     for name, q in QUALITY_PRESETS.items():
         lossless = q.method == "lossless"
+        recent = f"last {q.recent_tokens}: +{q.recent_bits} bits" if q.recent_bits and q.recent_tokens else "-"
         qt.add_row(name, q.method, "-" if lossless else f"{q.key_step[0]:g} x RMS", "-" if lossless else f"{q.value_step[0]:g} x RMS",
-                   "-" if lossless else str(q.sink_tokens), "-" if lossless else ("yes" if q.token_delta else "no"))
+                   "-" if lossless else str(q.sink_tokens), "-" if lossless else recent,
+                   "-" if lossless else ("yes" if q.token_delta else "no"))
     out.print(qt)
 
     table = Table(show_edge=False, header_style="bold", title="--preset (format v1, LMCache's CacheGen tables)")

@@ -19,7 +19,6 @@ from .config import TransformConfig
 from .container import Chunk, FileHeader
 from .kernels import cpu_transform as k2
 from .kernels.coding_params import max_stream_bytes
-from .kernels.transform import TRANSFORM_QMAX
 from .kvio import KVCache
 from .params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, Params, bf16_values
 
