@@ -189,13 +189,15 @@ def test_cli_target_kl_needs_token_ids(small_file, tmp_path):
 
 
 def test_cli_target_kl_with_the_model(smol, tmp_path):
-    """code_96 has the token ids; the last 24 context tokens are held out and scored."""
+    """code_96 has the token ids; the last 24 context tokens are held out and scored.  (A low
+    target: on a 71-token cache the codec's default refinement of the last 64 tokens keeps
+    the KL small even at the largest steps.)"""
     out = tmp_path / "kl.toml"
-    result = runner.invoke(app, ["tune", str(SAMPLE_CODE_96), "--target-kl", "0.03", "--continuation", "24",
+    result = runner.invoke(app, ["tune", str(SAMPLE_CODE_96), "--target-kl", "0.003", "--continuation", "24",
                                  "-o", str(out), "--json"])
     assert result.exit_code == 0, result.output
     s = json.loads(result.stdout)
-    assert s["kind"] == "kl" and s["achieved"] <= 0.03 and s["tuning_tokens"] == 96 - 25
+    assert s["kind"] == "kl" and s["achieved"] <= 0.003 and s["tuning_tokens"] == 96 - 25
     assert s["scored_tokens"] == 24 and 0 < s["bits_per_value"] < 16
     assert max(s["key_step"] + s["value_step"]) > 1.5 * min(s["key_step"] + s["value_step"])  # per-layer
     cfg = load_config_file(out).quantization
