@@ -574,12 +574,19 @@ def main(argv=None) -> int:
     results_path.parent.mkdir(parents=True, exist_ok=True)
     results = json.loads(results_path.read_text()) if (args.resume or args.page_only) and results_path.exists() else {"cases": {}}
     if args.page_only:
+        if args.merge:
+            results["info"]["runs"] = results["info"].get("runs", [])
         for other in args.merge:
             extra = json.loads(other.read_text())
             results["cases"].update(extra["cases"])
             info = results["info"]
             info["runs"] = info.get("runs", []) + [r for r in extra["info"].get("runs", []) if r not in info.get("runs", [])]
             info["wall_seconds"] = info.get("wall_seconds", 0.0) + extra["info"].get("wall_seconds", 0.0)
+            info["contexts"] = sorted(set(info.get("contexts", [])) | set(extra["info"].get("contexts", [])))
+        if args.merge:
+            results["info"]["runs"].append({
+                "command": "python scripts/quality_report.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+                "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")})
         write_page(results, results["info"], args.out, out_png)
         return 0
     t_start = time.perf_counter()
