@@ -105,8 +105,8 @@ def _code(dev: _Dev, h: FileHeader, sym, cum):
 
 def encode_v2_gpu(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
                   calibration: Calibration | None = None) -> "EncodedV2":
-    from .transform_codec import (EncodedV2, _chunks, make_header_v2, plane_sensitivity, quantize_levels, sink_words,
-                                  step_params, tables_from_stats)
+    from .transform_codec import (EncodedV2, _chunks, encoder_rotation, make_header_v2, plane_sensitivity,
+                                  quantize_levels, sink_words, step_params, tables_from_stats)
 
     k = _k()
     dev = _Dev()
@@ -130,12 +130,7 @@ def encode_v2_gpu(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
 
     x, _keep = dev.tensor_in(cache.data.float())
     sink = min(cfg.sink_tokens, T)
-    rot_h = np.zeros((0, 0, 0, 0), np.float32)
-    digest = bytes(32)
-    if calibration is not None:
-        calibration.check_shape(L, C)
-        rot_h = calibration.rotation
-        digest = calibration.sha256
+    rot_h, digest = encoder_rotation(calibration, L, C)
     rot = dev.put(rot_h) if rot_h.size else rot_h
     sums = dev.empty((L, 2, C), np.float64)
     sumsq = dev.empty((L, 2, C), np.float64)

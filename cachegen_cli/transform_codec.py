@@ -225,12 +225,7 @@ def encode_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
 
     x = cache.data.to(torch.float32).contiguous().numpy() if cache.data.dtype != torch.float32 else cache.data.contiguous().numpy()
     sink = min(cfg.sink_tokens, T)
-    rot = np.zeros((0, 0, 0, 0), np.float32)
-    digest = bytes(32)
-    if calibration is not None:
-        calibration.check_shape(L, C)
-        rot = calibration.rotation
-        digest = calibration.sha256
+    rot, digest = encoder_rotation(calibration, L, C)
     sums = np.empty((L, 2, C), np.float64)
     sumsq = np.empty((L, 2, C), np.float64)
     k2.transform_stats(x, rot, sink, sums, sumsq)
@@ -245,6 +240,14 @@ def encode_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
     codes, lengths, payload, offsets, shared, modes, lo, alphabet = _code(h, q, modes, lo, alphabet)
     params.codes, params.shared, params.modes, params.lo, params.alphabet = codes, shared, modes, lo, alphabet
     return EncodedV2(h, _chunks(h, lengths, payload, offsets, None, ref))
+
+
+def encoder_rotation(calibration: Calibration | None, L: int, C: int) -> tuple[np.ndarray, bytes]:
+    """(rotation [L, 2, C, C] or [0, 0, 0, 0], the Params block's calibration hash) for encoding."""
+    if calibration is None:
+        return np.zeros((0, 0, 0, 0), np.float32), bytes(32)
+    calibration.check_shape(L, C)
+    return calibration.rotation, calibration.sha256
 
 
 def quantize_levels(kernels, empty, x, rot, sink: int, offsets, steps, cfg: TransformConfig, shape):

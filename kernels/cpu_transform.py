@@ -29,8 +29,8 @@ from .cdf import codes_to_cum, counts_to_codes
 from .coding_params import PROB_BITS
 from .cpu import _FAST, INTERLEAVE, _decode_plane_streams, _encode_plane_streams, _plane_index, build_lut
 from .range_coder import decode_stream, encode_stream, stream_coords
-from .transform import (level_value, refine_index, refined_level, refined_value, rotate_row, step_level, symbol_top_byte,
-                        top_byte_symbol, unrotate_row)
+from .transform import (refine_index, rotate_row, symbol_top_byte, token_level, token_value, top_byte_symbol,
+                        unrotate_row)
 
 _JIT = dict(cache=True, nogil=True)
 
@@ -80,17 +80,15 @@ def transform_quantize(x, rot, sink, offsets, steps, qmax, threshold, t0, bits, 
             continue
         step = steps[l, kv]
         refined = t >= t0 and bits > 0
-        y = np.empty(C, np.float64)
         if rotated:
+            y = np.empty(C, np.float64)
             rotate_row(x[l, kv, t], rot[l, kv], y)
+            for c in range(C):
+                q[l, kv, t, c] = token_level(y[c], offsets[l, kv, c], step, qmax, threshold, refined, bits)
         else:
             for c in range(C):
-                y[c] = np.float64(x[l, kv, t, c])
-        for c in range(C):
-            if refined:
-                q[l, kv, t, c] = refined_level(y[c], offsets[l, kv, c], step, qmax, bits)
-            else:
-                q[l, kv, t, c] = step_level(y[c], offsets[l, kv, c], step, qmax, threshold)
+                q[l, kv, t, c] = token_level(np.float64(x[l, kv, t, c]), offsets[l, kv, c], step, qmax, threshold,
+                                             refined, bits)
 
 
 @njit(parallel=True, **_JIT)
@@ -130,20 +128,17 @@ def transform_dequantize(q, rot, sink, offsets, steps, t0, bits, ref, out):
             continue
         step = steps[l, kv]
         refined = t >= t0 and bits > 0
+        r = t - t0 if refined else 0  # ref's row (only read when refined)
         if rotated:
             z = np.empty(C, np.float64)
             for d in range(C):
-                if refined:
-                    z[d] = np.float64(refined_value(q[l, kv, t, d], ref[l, kv, t - t0, d], bits, offsets[l, kv, d], step))
-                else:
-                    z[d] = np.float64(level_value(q[l, kv, t, d], offsets[l, kv, d], step))
+                j = ref[l, kv, r, d] if refined else 0
+                z[d] = np.float64(token_value(q[l, kv, t, d], j, refined, bits, offsets[l, kv, d], step))
             unrotate_row(z, rot[l, kv], out[l, kv, t])
         else:
             for c in range(C):
-                if refined:
-                    out[l, kv, t, c] = refined_value(q[l, kv, t, c], ref[l, kv, t - t0, c], bits, offsets[l, kv, c], step)
-                else:
-                    out[l, kv, t, c] = level_value(q[l, kv, t, c], offsets[l, kv, c], step)
+                j = ref[l, kv, r, c] if refined else 0
+                out[l, kv, t, c] = token_value(q[l, kv, t, c], j, refined, bits, offsets[l, kv, c], step)
 
 
 @njit(parallel=True, **_JIT)

@@ -32,8 +32,7 @@ import numpy as np
 from .cuda import BLOCK, _grid, _stream_coords_dev, as_device, cuda  # noqa: F401  (cuda.py restores np.row_stack)
 from .cdf import codes_to_cum, counts_to_codes
 from .range_coder import decode_stream, encode_stream
-from .transform import (level_value, refine_index, refined_level, refined_value, step_level, symbol_top_byte,
-                        top_byte_symbol)
+from .transform import refine_index, symbol_top_byte, token_level, token_value, top_byte_symbol
 
 
 def _cfg(n: int):
@@ -109,10 +108,7 @@ def _quantize_kernel(x, rot, rotated, sink, offsets, steps, qmax, threshold, t0,
         y = _rotated(x, rot, l, kv, t, d, C)
     else:
         y = np.float64(x[l, kv, t, d])
-    if t >= t0 and bits > 0:
-        q[l, kv, t, d] = refined_level(y, offsets[l, kv, d], steps[l, kv], qmax, bits)
-    else:
-        q[l, kv, t, d] = step_level(y, offsets[l, kv, d], steps[l, kv], qmax, threshold)
+    q[l, kv, t, d] = token_level(y, offsets[l, kv, d], steps[l, kv], qmax, threshold, t >= t0 and bits > 0, bits)
 
 
 def transform_quantize(x, rot, sink, offsets, steps, qmax, threshold, t0, bits, q, stream=0):
@@ -150,9 +146,9 @@ def transform_refine(x, rot, t0, offsets, steps, q, bits, ref, stream=0):
 
 @cuda.jit(device=True)
 def _value_at(q, offsets, steps, t0, bits, ref, l, kv, t, d):
-    if t >= t0 and bits > 0:
-        return refined_value(q[l, kv, t, d], ref[l, kv, t - t0, d], bits, offsets[l, kv, d], steps[l, kv])
-    return level_value(q[l, kv, t, d], offsets[l, kv, d], steps[l, kv])
+    refined = t >= t0 and bits > 0
+    j = ref[l, kv, t - t0, d] if refined else 0
+    return token_value(q[l, kv, t, d], j, refined, bits, offsets[l, kv, d], steps[l, kv])
 
 
 @cuda.jit

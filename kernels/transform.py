@@ -111,6 +111,14 @@ def refined_level(y, offset, step, qmax, bits):
 
 
 @register_jitable
+def token_level(y, offset, step, qmax, threshold, refined, bits):
+    """A coordinate's level: refined_level for the refined tokens, step_level for the others."""
+    if refined:
+        return refined_level(y, offset, step, qmax, bits)
+    return step_level(y, offset, step, qmax, threshold)
+
+
+@register_jitable
 def refine_index(y, offset, step, q, bits):
     """The sub-cell of a refined value: k = floor((v - q) x 2^bits + 1/2), stored as
     j = k + 2^(bits-1) - 1 clamped to 0 .. 2^bits - 1 (only a clamped level's far values
@@ -139,6 +147,15 @@ def refined_value(q, j, bits, offset, step):
     n = np.int64(1) << bits
     z = np.float64(q) + np.float64(np.int64(j) - (n >> 1) + 1) / np.float64(n)
     return np.float32(z * np.float64(step) + np.float64(offset))
+
+
+@register_jitable
+def token_value(q, j, refined, bits, offset, step):
+    """A coordinate's float32 reconstruction: refined_value for the refined tokens, level_value
+    for the others (whose j is ignored)."""
+    if refined:
+        return refined_value(q, j, bits, offset, step)
+    return level_value(q, offset, step)
 
 
 @register_jitable

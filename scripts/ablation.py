@@ -23,7 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from quality_report import CONTINUATION, TEXTS, _machine  # noqa: E402
+from quality_report import TEXTS, _machine, text_references  # noqa: E402
 
 import cachegen_cli as cg  # noqa: E402
 from cachegen_cli import calibration, capture, evaluate, tune  # noqa: E402
@@ -40,12 +40,7 @@ def main() -> None:
     n_ctx = ap.parse_args().context
     torch.set_num_threads(1)
     model, tokenizer = capture.load_model(None)
-    refs = {}
-    for name, (_, loader) in TEXTS.items():
-        text, _ = loader()
-        ids = capture.tokenize(tokenizer, text)
-        refs[name] = evaluate.build_reference(model, ids[:n_ctx], ids[n_ctx:n_ctx + CONTINUATION + 1], 0,
-                                              torch.bfloat16)
+    refs = text_references(model, tokenizer, n_ctx)
     base = QUALITY_PRESETS["small"]
     from dataclasses import replace
 

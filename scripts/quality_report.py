@@ -214,6 +214,19 @@ def build_ref(model, tokenizer, text_name: str, text: str, ctx: int, log):
     return ids, ref, ref_s
 
 
+def text_references(model, tokenizer, ctx: int, log=None) -> dict:
+    """Every text's reference at a context of ``ctx`` tokens, scored on the next CONTINUATION
+    tokens, without greedy generation (what ablation.py, tune_check.py and recency.py need)."""
+    refs = {}
+    for name, (_, loader) in TEXTS.items():
+        text, _ = loader()
+        ids = capture.tokenize(tokenizer, text)
+        refs[name] = evaluate.build_reference(model, ids[:ctx], ids[ctx:ctx + CONTINUATION + 1], 0, torch.bfloat16)
+        if log:
+            log(f"reference {name}: {ctx} tokens")
+    return refs
+
+
 def run_case(model, text_name: str, text: str, ctx: int, log, ids, ref, ref_s, cal, old: dict | None,
              tuned=None, cal_sens=None) -> dict:
     """Score every method on one text and context; rows already in ``old`` are kept."""

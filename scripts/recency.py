@@ -25,9 +25,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from quality_report import CONTINUATION, TEXTS, _machine  # noqa: E402
+from quality_report import TEXTS, _machine, text_references  # noqa: E402
 
-from cachegen_cli import capture, evaluate, tune  # noqa: E402
+from cachegen_cli import capture, tune  # noqa: E402
 
 LAST = (16, 64, 256)
 
@@ -43,10 +43,7 @@ def main() -> None:
     print("| text | context | " + " | ".join(f"last {n} tokens" for n in LAST) + " |")
     print("|---|---:|" + "---:|" * len(LAST))
     for n_ctx in args.contexts:
-        for name, (_, loader) in TEXTS.items():
-            text, _ = loader()
-            ids = capture.tokenize(tokenizer, text)
-            ref = evaluate.build_reference(model, ids[:n_ctx], ids[n_ctx:n_ctx + CONTINUATION + 1], 0, torch.bfloat16)
+        for name, ref in text_references(model, tokenizer, n_ctx).items():
             per = tune.fisher_traces(ref, samples=8, per_token=True)  # [L, 2, T]
             x = ref.cache[:, :, 1:].double()
             rms2 = (x - x.mean(dim=2, keepdim=True)).pow(2).mean(dim=(2, 3)).numpy()

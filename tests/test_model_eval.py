@@ -12,7 +12,6 @@ an error.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -31,14 +30,9 @@ CODE = ROOT / "sample_data" / "texts" / "json_decoder.py.txt"
 SAMPLE_CODE_96 = ROOT / "sample_data" / "smollm2_code_96.safetensors"
 CONTEXT, CONTINUATION, GENERATE = 64, 32, 8
 
+from conftest import one_line as _one_line  # noqa: E402
+
 runner = CliRunner()
-
-
-def _one_line(result) -> str:
-    text = (result.stderr if hasattr(result, "stderr") else result.output).strip()
-    assert "Traceback" not in text
-    assert len(text.splitlines()) == 1, text
-    return text
 
 
 # --- without the model ---------------------------------------------------------

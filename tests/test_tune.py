@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import numpy as np
@@ -24,14 +23,9 @@ from cachegen_cli.config import TransformConfig, load_config_file
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_CODE_96 = ROOT / "sample_data" / "smollm2_code_96.safetensors"
 
+from conftest import one_line as _one_line  # noqa: E402
+
 runner = CliRunner()
-
-
-def _one_line(result) -> str:
-    text = (result.stderr if hasattr(result, "stderr") else result.output).strip()
-    assert "Traceback" not in text
-    assert len(text.splitlines()) == 1, text
-    return text
 
 
 @pytest.fixture(scope="module")
