@@ -19,6 +19,7 @@ from .config import TransformConfig
 from .container import Chunk, FileHeader
 from .kernels import cpu_transform as k2
 from .kernels.coding_params import max_stream_bytes
+from .kernels.tables import SYMBOL_COST
 from .kvio import KVCache
 from .params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, Params, bf16_values
 
@@ -78,7 +79,7 @@ def _tables(dev: _Dev, q, h: FileHeader, modes, lo, alphabet):
     k.build_tables(counts, dev.put(alphabet), codes, cum)
     counts_h, codes_h, cum_h = dev.get(counts), dev.get(codes), dev.get(cum)
     shared = np.zeros((L, 2, C), np.bool_)
-    k2.share_tables(counts_h, lo, alphabet, modes, cum_h, 3 + (alphabet + 1) // 2, shared)
+    k2.share_tables(counts_h, lo, alphabet, modes, cum_h, SYMBOL_COST, shared, np.empty((L, 2, C), np.int64))
     if shared.any():
         modes, lo, alphabet, codes_h, cum_h = expand_shared(shared, modes, lo, alphabet, codes_h, cum_h)
         k.levels_to_symbols(q, dev.put(modes), dev.put(lo), ct, sym, counts)

@@ -29,6 +29,7 @@ from .errors import ConfigError
 from .kernels import cpu as cpu_kernels
 from .kernels import cpu_transform as k2
 from .kernels.coding_params import max_stream_bytes
+from .kernels.tables import SYMBOL_COST
 from .kernels.transform import MODE_DELTA, MODE_DIRECT, TRANSFORM_QMAX
 from .kvio import KVCache
 from .params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, Params, bf16_values, pack_refinement, unpack_refinement
@@ -109,7 +110,7 @@ def _code(h: FileHeader, q: np.ndarray, modes, lo, alphabet):
     # ordered by variance): a channel that codes about as well with the previous table
     # sends a one-byte reference instead of its own table.
     shared = np.zeros((L, 2, C), np.bool_)
-    k2.share_tables(counts, lo, alphabet, modes, cum, 3 + (alphabet + 1) // 2, shared)
+    k2.share_tables(counts, lo, alphabet, modes, cum, SYMBOL_COST, shared, np.empty((L, 2, C), np.int64))
     if shared.any():
         modes, lo, alphabet, codes, cum = expand_shared(shared, modes, lo, alphabet, codes, cum)
         k2.levels_to_symbols(q, modes, lo, ct, sym, np.empty((L, 2, C, width), np.int64))

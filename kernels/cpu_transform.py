@@ -29,7 +29,8 @@ from .cdf import codes_to_cum, counts_to_codes
 from .coding_params import PROB_BITS
 from .cpu import _FAST, INTERLEAVE, _decode_plane_streams, _encode_plane_streams, _plane_index, build_lut
 from .range_coder import decode_stream, encode_stream, stream_coords
-from .transform import (refine_index, rotate_row, symbol_top_byte, token_level, token_value, top_byte_symbol,
+from .tables import share_plane
+from .transform import (STATS_BLOCK, refine_index, rotate_row, symbol_top_byte, token_level, token_value, top_byte_symbol,
                         unrotate_row)
 
 _JIT = dict(cache=True, nogil=True)
@@ -37,9 +38,11 @@ _JIT = dict(cache=True, nogil=True)
 
 @njit(parallel=True, **_JIT)
 def transform_stats(x, rot, sink, sums, sumsq):
-    """sums / sumsq [L, 2, C] = sum over tokens >= sink of v and v*v (float64, token order),
-    v = float32(y): the square of a float32 is exact in float64, so a GPU's fused
-    multiply-add gives the same sums."""
+    """sums / sumsq [L, 2, C] = sum over tokens >= sink of v and v*v (float64), v = float32(y),
+    summed in a fixed tree that a GPU can split across threads: tokens in blocks of
+    STATS_BLOCK (by absolute position), each block summed in token order from 0, the block
+    sums added in block order.  The square of a float32 is exact in float64, so a GPU's
+    fused multiply-add gives the same sums."""
     L, _, T, C = x.shape
     rotated = rot.shape[0] > 0
     for p in prange(L * 2):
@@ -48,6 +51,8 @@ def transform_stats(x, rot, sink, sums, sumsq):
         y = np.empty(C, np.float64)
         s1 = np.zeros(C, np.float64)
         s2 = np.zeros(C, np.float64)
+        b1 = np.zeros(C, np.float64)
+        b2 = np.zeros(C, np.float64)
         for t in range(sink, T):
             if rotated:
                 rotate_row(x[l, kv, t], rot[l, kv], y)
@@ -56,8 +61,14 @@ def transform_stats(x, rot, sink, sums, sumsq):
                     y[c] = np.float64(x[l, kv, t, c])
             for c in range(C):
                 v = np.float64(np.float32(y[c]))
-                s1[c] += v
-                s2[c] += v * v
+                b1[c] += v
+                b2[c] += v * v
+            if (t + 1) % STATS_BLOCK == 0 or t == T - 1:
+                for c in range(C):
+                    s1[c] += b1[c]
+                    s2[c] += b2[c]
+                    b1[c] = 0.0
+                    b2[c] = 0.0
         for c in range(C):
             sums[l, kv, c] = s1[c]
             sumsq[l, kv, c] = s2[c]
@@ -266,35 +277,16 @@ def build_tables(counts, alphabet, codes, cum):
 
 
 @njit(parallel=True, **_JIT)
-def share_tables(counts, lo, alphabet, modes, cum, table_bytes, shared):
-    """Encoder side, per (layer, K/V) plane in channel order: shared[c] = True when coding
-    channel c with the table of the last channel that kept its own (same mode, a range that
-    covers c's symbols) costs fewer bits than sending c's own table (``table_bytes`` each).
-    Costs use the integer CDFs: a symbol of frequency f costs PROB_BITS - log2(f) bits."""
-    L, _, C, S = counts.shape
+def share_tables(counts, lo, alphabet, modes, cum, cost, shared, ref):
+    """Encoder side, per (layer, K/V) plane in channel order (tables.share_plane): shared[c] =
+    True when channel c codes more cheaply with the table of ref[c], the last channel before
+    it that kept its own table.  ``cost``: tables.SYMBOL_COST."""
+    L = counts.shape[0]
     for p in prange(L * 2):
         l = p // 2
         kv = p % 2
-        ref = -1
-        for c in range(C):
-            shared[l, kv, c] = False
-            a = alphabet[l, kv, c]
-            if ref >= 0 and modes[l, kv, c] == modes[l, kv, ref]:
-                shift = lo[l, kv, c] - lo[l, kv, ref]
-                if shift >= 0 and shift + a <= alphabet[l, kv, ref]:
-                    own = 8.0 * table_bytes[l, kv, c]
-                    other = 8.0  # the one-byte "same table" entry
-                    for sym in range(a):
-                        n = counts[l, kv, c, sym]
-                        if n > 0:
-                            f_own = cum[l, kv, c, sym + 1] - cum[l, kv, c, sym]
-                            f_ref = cum[l, kv, ref, sym + shift + 1] - cum[l, kv, ref, sym + shift]
-                            own += n * (PROB_BITS - np.log2(np.float64(f_own)))
-                            other += n * (PROB_BITS - np.log2(np.float64(f_ref)))
-                    if other < own:
-                        shared[l, kv, c] = True
-                        continue
-            ref = c
+        share_plane(counts[l, kv], lo[l, kv], alphabet[l, kv], modes[l, kv], cum[l, kv], cost, shared[l, kv],
+                    ref[l, kv])
 
 
 @njit(parallel=True, **_JIT)

@@ -25,6 +25,11 @@ from numba.extending import register_jitable
 #: in a uint8 alphabet of at most 255 entries.
 TRANSFORM_QMAX = 127
 
+#: The encoder's per-coordinate sums run over blocks of this many tokens (by absolute
+#: position), each summed in order, then the block sums in order: one fixed summation tree
+#: for every device (kernels/cpu_transform.transform_stats).
+STATS_BLOCK = 256
+
 MODE_DIRECT = 0
 MODE_DELTA = 1
 MODE_SAME = 2  # in a file's tables only: "the table of the previous channel with its own"
