@@ -1,0 +1,440 @@
+"""Format version 2 resident on the GPU: a cache tensor on the device -> the whole .cgen
+file in a uint8 device tensor, and back, through kernels/cuda_pipeline.py.  The bytes are
+the CPU's (transform_codec.encode_v2); decoding gives the CPU's values and makes every
+check of docs/format.md's reader rules.
+
+Encoding runs the stages of the CPU path as device kernels
+
+  [statistics -> steps]  ->  levels + per-chunk level statistics  ->  table choice  ->
+  histogram  ->  codes and CDFs  ->  table sharing  ->  range coding  ->  the file's sections
+
+with two host synchronisations whatever the cache's size: the per-coordinate sums come back
+for the steps (the same numpy code as the CPU path computes them, so both devices pick the
+same bfloat16 steps and offsets), and the chunks' payload sizes and the tables' size come
+back to place the records.  Decoding parses the header, descriptor, Params block and index
+on the host (only those bytes are copied), gathers the 40-byte chunk headers, decodes and
+dequantizes on the device, and copies back one small table of check results; when a check
+fails, the CPU reader reruns on the file so that the error is exactly the CPU's.
+
+Covered: methods 2 (transform, refinement, sink tokens, token deltas) and 3 (lossless)
+without a rotation; a rotated file goes through gpu_transform.py.  Under numba's CUDA
+simulator the same code runs on CPU tensors (the kernels get numpy views): that is how
+``make test`` checks that both devices write the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import threading
+import zlib
+
+import numpy as np
+import torch
+
+from . import container
+from .config import TransformConfig
+from .container import FileHeader
+from .errors import FormatError
+from .kernels.coding_params import PROB_BITS, max_stream_bytes
+from .kernels.tables import SYMBOL_COST
+from .kernels.transform import STATS_BLOCK
+from .kvio import DTYPE_BY_NAME, KVCache
+from .params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, bf16_values
+
+_FMT = {"float32": 0, "bfloat16": 1, "float16": 2}
+_LOCK = threading.RLock()  # the cached constants below are shared between calls
+_COST: dict = {}
+_HEAD_DTYPE = np.dtype([("magic", "S4"), ("index", "<u4"), ("first_token", "<u4"), ("token_count", "<u4"),
+                        ("raw_size", "<u4"), ("cdf_size", "<u4"), ("lengths_size", "<u4"), ("payload_size", "<u4"),
+                        ("reserved", "<u4"), ("crc", "<u4")])
+#: CRC-32 segment of the header's Params block: one thread each.
+PARAMS_CRC_SEGMENT = 2048
+
+
+def _k():
+    from .kernels import cuda_pipeline
+
+    return cuda_pipeline
+
+
+def _k1():
+    from .kernels import cuda as cuda_kernels
+
+    return cuda_kernels
+
+
+def _real_gpu() -> bool:
+    from numba import config
+
+    return bool(torch.cuda.is_available()) and not config.ENABLE_CUDASIM
+
+
+def device() -> torch.device:
+    """Where the pipeline's tensors live: the GPU, or the CPU under numba's simulator."""
+    return torch.device("cuda") if _real_gpu() else torch.device("cpu")
+
+
+def _nb(t: torch.Tensor):
+    """What a kernel takes for a tensor: a numba view of a CUDA tensor (no sync), a numpy view
+    of a CPU tensor (simulator)."""
+    if t.is_cuda:
+        return _k1().as_device(t)
+    return t.numpy()
+
+
+def supports(cfg: TransformConfig, calibration) -> bool:
+    """True when this pipeline encodes with ``cfg``: any quality without a rotation."""
+    return calibration is None or cfg.method == "lossless"
+
+
+def _cost(dev: torch.device) -> torch.Tensor:
+    key = str(dev)
+    t = _COST.get(key)
+    if t is None:
+        t = _COST[key] = torch.from_numpy(SYMBOL_COST).to(dev)
+    return t
+
+
+def _empty(shape, dtype, dev):
+    return torch.empty(shape, dtype=dtype, device=dev)
+
+
+def _int64_view(t: torch.Tensor, C: int):
+    """t [L, 2, T, C] (one byte per value) viewed as int64 words [L, 2, T, C / 8], or a
+    placeholder when C is not a multiple of 8."""
+    if C % 8 == 0 and t.numel():
+        return t.view(torch.int64)
+    return torch.zeros((1, 1, 1, 1), dtype=torch.int64, device=t.device)
+
+
+def _upload(parts: list[np.ndarray], dev: torch.device) -> list[torch.Tensor]:
+    """Small host int64 arrays to the device in one copy."""
+    flat = np.concatenate([np.asarray(p, np.int64).reshape(-1) for p in parts])
+    d = torch.from_numpy(flat).to(dev)
+    out, o = [], 0
+    for p in parts:
+        n = int(np.asarray(p).size)
+        out.append(d[o : o + n])
+        o += n
+    return out
+
+
+# ---------------------------------------------------------------- encoding
+
+
+def encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[torch.Tensor, int]:
+    """The .cgen file of ``cache`` (format version 2, no rotation) as a uint8 tensor on the
+    device, and its payload bytes (the streams)."""
+    with _LOCK:
+        return _encode(cache, cfg, chunk_tokens)
+
+
+def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[torch.Tensor, int]:
+    from . import transform_codec as tc
+
+    k = _k()
+    dev = device()
+    x = cache.data.to(dev).contiguous()
+    L, _, T, C = x.shape
+    ct = chunk_tokens
+    K = -(-T // ct)
+    G = container.choose_group_v2(ct, C)
+    groups = -(-C // G)
+    per = L * 2 * groups
+    n = K * per
+    dt = cache.dtype_name
+    itemsize = ITEMSIZE[dt]
+    words = x.view(torch.int16 if itemsize == 2 else torch.int32)
+    lossless = cfg.method == "lossless"
+    q = _empty((L, 2, T, C), torch.uint8 if lossless else torch.int8, dev)
+    stats = _empty((L, 2, K, C, 6), torch.int32, dev)
+    sink = R = bits = 0
+    nraw = 0
+    if lossless:
+        nraw = itemsize - 1
+        k.split_levels(_nb(words), 8 * nraw, ct, _nb(q), _nb(stats))
+        method, allow_delta, fixed = METHOD_LOSSLESS, False, b""
+        ref = torch.zeros((1, 1, 1, 1), dtype=torch.uint8, device=dev)
+    else:
+        sink = min(cfg.sink_tokens, T)
+        NB = -(-T // STATS_BLOCK)
+        part = _empty((2, L, 2, NB, C), torch.float64, dev)
+        sums = _empty((2, L, 2, C), torch.float64, dev)
+        k.transform_stats(_nb(words), _FMT[dt], sink, _nb(part[0]), _nb(part[1]), _nb(sums[0]), _nb(sums[1]))
+        sums_h = sums.cpu().numpy()  # synchronisation 1: the steps come from the sums
+        offsets_bits, m, steps_bits, steps = tc.step_params(sums_h[0], sums_h[1], T - sink, cfg.steps_table(L), None)
+        R, bits = tc.refine_plan(cfg, T, sink)
+        ref = _empty((L, 2, max(R, 1), C), torch.uint8, dev)
+        m_d = torch.from_numpy(np.ascontiguousarray(m, np.float32)).to(dev)
+        steps_d = torch.from_numpy(np.ascontiguousarray(steps, np.float64)).to(dev)
+        k.quantize_levels(_nb(words), _FMT[dt], sink, _nb(m_d), _nb(steps_d), float(cfg.rounding), T - R, bits, ct,
+                          _nb(q), _nb(ref), _nb(stats))
+        method, allow_delta = METHOD_TRANSFORM, cfg.token_delta
+        fixed = (bytes(32) + np.ascontiguousarray(steps_bits, "<u2").tobytes()
+                 + np.ascontiguousarray(offsets_bits, "<u2").tobytes())
+    modes = _empty((L, 2, C), torch.uint8, dev)
+    lo = _empty((L, 2, C), torch.int32, dev)
+    alphabet = _empty((L, 2, C), torch.int32, dev)
+    k.choose_tables(_nb(stats), allow_delta, T, _nb(modes), _nb(lo), _nb(alphabet))
+    counts = torch.zeros((L, 2, C, 256), dtype=torch.int32, device=dev)
+    k.histogram(_nb(q), not lossless, _nb(modes), _nb(lo), ct, _nb(counts))
+    codes = _empty((L, 2, C, 256), torch.uint8, dev)
+    cum = _empty((L, 2, C, 257), torch.int32, dev)
+    k.build_tables(_nb(counts), _nb(alphabet), _nb(codes), _nb(cum))
+    shared = _empty((L, 2, C), torch.uint8, dev)
+    refc = _empty((L, 2, C), torch.int32, dev)
+    k.share_tables(_nb(counts), _nb(lo), _nb(alphabet), _nb(modes), _nb(cum), _nb(_cost(dev)), _nb(shared), _nb(refc))
+    tab = _empty((L, 2, C, 257), torch.int32, dev)
+    lo_eff = _empty((L, 2, C), torch.int32, dev)
+    alphabet_eff = _empty((L, 2, C), torch.int32, dev)
+    k.coder_tables(_nb(cum), _nb(refc), _nb(lo), _nb(alphabet), _nb(tab), _nb(lo_eff), _nb(alphabet_eff))
+    slots = _empty((n, max_stream_bytes(ct * G)), torch.uint8, dev)
+    lengths = _empty((n,), torch.int32, dev)
+    k.encode_streams(_nb(q), _nb(_int64_view(q, C)), not lossless, _nb(modes), _nb(lo_eff), _nb(tab), ct, G,
+                     _nb(slots), _nb(lengths))
+    incl = torch.cumsum(lengths, 0, dtype=torch.int64)
+    entry = torch.where(shared.bool(), 1, 3 + (alphabet + 1) // 2).reshape(-1).to(torch.int64)
+    tincl = torch.cumsum(entry, 0)
+    ends = torch.cat([incl[per - 1 :: per], tincl[-1:]]).cpu().numpy()  # synchronisation 2: the layout
+    payload = np.diff(ends[:-1], prepend=0).astype(np.int64)
+    tables_size = int(ends[-1])
+
+    # The layout, on the host: header | descriptor | Params | records | index | trailer.
+    desc = json.dumps(cache.descriptor(), separators=(",", ":"), ensure_ascii=False, sort_keys=True).encode("utf-8")
+    sink_bytes = 2 * L * sink * C * itemsize
+    refine = struct.pack("<IB", R, bits) if R else b""
+    params_size = len(fixed) + sink_bytes + len(refine) + tables_size
+    flags = container.FLAG_REFINED if R else 0
+    head60 = container.FILE_HEADER_V2.pack(
+        container.MAGIC, container.FORMAT_VERSION_2, container.FILE_HEADER_V2.size, len(desc), T, L, C, ct, K, G,
+        container.DTYPE_CODES[dt], container.LAYOUT_CODES[cache.layout], method, PROB_BITS,
+        container.CDF_CODING_SHARED, flags, params_size, sink, 0, 0)[:-4]
+    params_at = 64 + len(desc)
+    tables_at = params_at + len(fixed) + sink_bytes + len(refine)
+    kk = np.arange(K, dtype=np.int64)
+    t0s = kk * ct
+    tks = np.minimum(ct, T - t0s)
+    raw = raw_sizes(L, C, T, ct, nraw, R, bits)
+    rec_sizes = container.CHUNK_HEADER.size + raw + 2 * per + payload
+    rec0 = params_at + params_size
+    rec_at = rec0 + np.concatenate([[0], np.cumsum(rec_sizes)[:-1]]).astype(np.int64)
+    index_at = rec0 + int(rec_sizes.sum())
+    tail = container.pack_index(rec_at.tolist()) + container.pack_trailer(index_at)
+    total = index_at + len(tail)
+    heads = np.zeros(K, _HEAD_DTYPE)
+    heads["magic"] = container.CHUNK_MAGIC
+    heads["index"] = kk
+    heads["first_token"] = t0s
+    heads["token_count"] = tks
+    heads["raw_size"] = raw
+    heads["lengths_size"] = 2 * per
+    heads["payload_size"] = payload
+    head_bytes = head60 + bytes(4) + desc + fixed
+    host = np.frombuffer(head_bytes + refine + tail + heads.tobytes(), np.uint8)
+    up = torch.from_numpy(host.copy()).to(dev)
+    out = _empty((total,), torch.uint8, dev)
+    o = len(head_bytes)
+    out[:o] = up[:o]
+    if sink:
+        out[o : o + sink_bytes] = x[:, :, :sink].contiguous().view(torch.uint8).reshape(-1)
+    if refine:
+        out[o + sink_bytes : tables_at] = up[o : o + len(refine)]
+    o += len(refine)
+    out[index_at:] = up[o : o + len(tail)]
+    o += len(tail)
+    raw_at = rec_at + container.CHUNK_HEADER.size
+    lengths_at = raw_at + raw
+    payload_at = lengths_at + 2 * per
+    raw_first = np.concatenate([[0], np.cumsum(raw)]).astype(np.int64)
+    seg_first = _k1().chunk_crc_segments(rec_at, rec_sizes)
+    nseg = -(-params_size // PARAMS_CRC_SEGMENT)
+    seg_start = params_at + np.arange(nseg, dtype=np.int64) * PARAMS_CRC_SEGMENT
+    seg_len = np.minimum(PARAMS_CRC_SEGMENT, params_at + params_size - seg_start)
+    (rec_at_d, rec_sizes_d, raw_at_d, lengths_at_d, payload_at_d, raw_first_d, seg_first_d, seg_start_d,
+     seg_len_d) = _upload([rec_at, rec_sizes, raw_at, lengths_at, payload_at, raw_first, seg_first, seg_start,
+                           seg_len], dev)
+    at = (rec_at_d[:, None] + torch.arange(container.CHUNK_HEADER.size, device=dev)[None, :]).reshape(-1)
+    out[at] = up[o:]
+    out_nb = _nb(out)
+    texcl = tincl - entry
+    k.write_tables(out_nb, tables_at, _nb(texcl), _nb(shared), _nb(modes), _nb(lo), _nb(alphabet), _nb(codes))
+    excl = incl - lengths
+    k.write_streams(out_nb, _nb(payload_at_d), _nb(lengths_at_d), _nb(lengths), _nb(excl), per, _nb(slots))
+    k.write_raw(out_nb, _nb(raw_at_d), _nb(raw_first_d), ct, T - R, bits, _nb(ref), _nb(words), nraw,
+                int(raw_first[-1]))
+    k1 = _k1()
+    crc = torch.zeros(K, dtype=torch.int64, device=dev)
+    k1.crc32_chunks(out_nb, _words64(out), _nb(rec_at_d), _nb(rec_sizes_d), _nb(seg_first_d), _nb(crc),
+                    int(seg_first[-1]))
+    k1.put_crcs(out_nb, _nb(rec_at_d), _nb(crc))
+    seg_crc = _empty((nseg,), torch.int64, dev)
+    params_crc = _empty((1,), torch.int64, dev)
+    zero = torch.zeros(1, dtype=torch.int64, device=dev)
+    count = torch.full((1,), nseg, dtype=torch.int64, device=dev)
+    k1.crc32_records(out_nb, _nb(seg_start_d), _nb(seg_len_d), _nb(zero), _nb(count), _nb(seg_crc), _nb(params_crc))
+    k.put_header_crc(out_nb, _nb(params_crc), _nb(torch.full((1,), params_size, dtype=torch.int64, device=dev)),
+                     zlib.crc32(head60 + desc), 60)
+    return out, int(payload.sum())
+
+
+def raw_sizes(L: int, C: int, T: int, ct: int, nraw: int, refine_tokens: int, bits: int) -> np.ndarray:
+    """Bytes of each chunk's raw section (FileHeader.section_sizes' first value, for all
+    chunks at once): the lossless low bytes, or the refined tokens' packed indices."""
+    t0 = np.arange(-(-T // ct), dtype=np.int64) * ct
+    tk = np.minimum(ct, T - t0)
+    if nraw:
+        return 2 * L * tk * C * nraw
+    if refine_tokens:
+        refined = np.maximum(0, t0 + tk - np.maximum(t0, T - refine_tokens))
+        return -(-(2 * L * refined * C * bits) // 8)
+    return np.zeros(t0.size, np.int64)
+
+
+def _words64(t: torch.Tensor):
+    """The first len // 8 bytes of a uint8 tensor as int64 words (aligned), or None."""
+    n = int(t.numel()) // 8 * 8
+    if n == 0 or t.data_ptr() % 8:
+        return None
+    return _nb(t[:n].view(torch.int64))
+
+
+# ---------------------------------------------------------------- decoding
+
+
+def decodable(h: FileHeader) -> bool:
+    """True when this pipeline decodes a file with this header."""
+    return h.version == container.FORMAT_VERSION_2 and not h.rotated and h.num_chunks > 0
+
+
+def decode(blob: torch.Tensor, h: FileHeader, offsets: list[int], size: int) -> torch.Tensor:
+    """The [L, 2, T, C] cache of the .cgen file in ``blob`` (a uint8 device tensor) whose
+    header and index were parsed (codec.read_header_and_index): on the device, in the file's
+    dtype.  Raises the CPU reader's error when a check fails."""
+    with _LOCK:
+        out, failed = _decode(blob, h, offsets, size)
+    if failed:
+        _raise_cpu_error(blob)
+    return out
+
+
+def _raise_cpu_error(blob: torch.Tensor) -> None:
+    """Rerun the CPU reader on the file to raise its exact error for the first bad chunk."""
+    from . import codec
+
+    reader, _ = codec.open_input(blob.cpu().numpy().tobytes())
+    codec.decode_from_stream(reader, device="cpu")
+    raise FormatError("the file is corrupted (a chunk failed a check on the GPU)")
+
+
+def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int) -> tuple[torch.Tensor, bool]:
+    from .kernels import cuda_transform
+
+    k = _k()
+    k1 = _k1()
+    dev = blob.device
+    p = h.params
+    L, T, C, K = h.num_layers, h.num_tokens, h.num_channels, h.num_chunks
+    ct, G = h.chunk_tokens, h.group
+    groups = h.groups
+    per = h.streams_per_chunk
+    n = K * per
+    dtype = DTYPE_BY_NAME[h.dtype]
+    offsets = np.asarray(offsets_l, np.int64)
+    hb = container.CHUNK_HEADER.size
+    at = torch.from_numpy((offsets[:, None] + np.arange(hb, dtype=np.int64)[None, :]).reshape(-1)).to(dev)
+    heads = np.frombuffer(blob[at].cpu().numpy().tobytes(), _HEAD_DTYPE)
+    kk = np.arange(K, dtype=np.int64)
+    tks = np.minimum(ct, T - kk * ct)
+    refined = h.flags & container.FLAG_REFINED
+    bits = p.refine_bits if refined else 0
+    raw = raw_sizes(L, C, T, ct, h.raw_bytes_per_value, p.refine_tokens if refined else 0, bits)
+    payload = heads["payload_size"].astype(np.int64)
+    rec_sizes = hb + raw + 2 * per + payload
+    index_offset = size - container.TRAILER.size - (12 + 8 * K)
+    ends = offsets + rec_sizes
+    ok = ((heads["magic"] == container.CHUNK_MAGIC) & (heads["index"] == kk) & (heads["first_token"] == kk * ct)
+          & (heads["token_count"] == tks) & (heads["raw_size"] == raw) & (heads["cdf_size"] == 0)
+          & (heads["lengths_size"] == 2 * per) & (payload <= per * (2 * tks * G + 8)) & (ends <= index_offset)
+          & (np.append(offsets[1:], index_offset) == ends) & (heads["reserved"] == 0))
+    if not ok.all():
+        return None, True
+    raw_at = offsets + hb
+    lengths_at = raw_at + raw
+    payload_at = lengths_at + 2 * per
+    seg_first = k1.chunk_crc_segments(offsets, rec_sizes)
+    r0 = h.refine_start
+    # where each refined chunk's padding bits are: the last byte of its raw section
+    used = (L * 2 * np.maximum(0, kk * ct + tks - np.maximum(kk * ct, r0)) * C * max(bits, 1)) % 8
+    pad_mask = np.where((raw > 0) & (used > 0) & (h.method == METHOD_TRANSFORM), (0xFF << used) & 0xFF, 0)
+    pad_at = raw_at + np.maximum(raw - 1, 0)
+    (offsets_d, rec_sizes_d, raw_at_d, lengths_at_d, payload_at_d, seg_first_d, pad_mask_d, pad_at_d,
+     tks_d) = _upload([offsets, rec_sizes, raw_at, lengths_at, payload_at, seg_first, pad_mask, pad_at, tks], dev)
+    # stream lengths and starts, from the lengths sections
+    li = (lengths_at_d[:, None] + 2 * torch.arange(per, device=dev)[None, :]).reshape(-1)
+    lens = blob[li].to(torch.int64) | (blob[li + 1].to(torch.int64) << 8)
+    by_chunk = lens.view(K, per)
+    starts = (payload_at_d[:, None] + torch.cumsum(by_chunk, 1) - by_chunk).reshape(-1)
+    starts = torch.clamp(starts, max=size)
+    lens_c = torch.minimum(lens, size - starts)  # a corrupt table never reads past the file
+    # the tables, expanded by the parser (shared channels carry their table's arrays)
+    width = p.width
+    codes_d = torch.from_numpy(np.ascontiguousarray(p.codes)).to(dev)
+    alphabet_d = torch.from_numpy(np.ascontiguousarray(p.alphabet, np.int32)).to(dev)
+    lo_d = torch.from_numpy(np.ascontiguousarray(p.lo, np.int32)).to(dev)
+    modes_d = torch.from_numpy(np.ascontiguousarray(p.modes, np.uint8)).to(dev)
+    cum = _empty((L, 2, C, 257), torch.int32, dev)
+    cuda_transform.cum_from_table_codes(_nb(codes_d), _nb(alphabet_d), _nb(cum))
+    tab = _empty((L, 2, C, 257), torch.int32, dev)
+    lo_eff = _empty((L, 2, C), torch.int32, dev)
+    alphabet_eff = _empty((L, 2, C), torch.int32, dev)
+    ident = torch.arange(C, dtype=torch.int32, device=dev).expand(L, 2, C).contiguous()
+    k.coder_tables(_nb(cum), _nb(ident), _nb(lo_d), _nb(alphabet_d), _nb(tab), _nb(lo_eff), _nb(alphabet_eff))
+    lut = _empty((L, 2, C, k.LUT_SIZE), torch.uint8, dev)
+    k.decoder_luts(_nb(tab), _nb(lut))
+    del width
+    sym = _empty((L, 2, T, C), torch.uint8, dev)
+    blob_nb = _nb(blob)
+    k.decode_streams(blob_nb, _nb(starts), _nb(lens_c), _nb(tab), _nb(lut), ct, G, _nb(sym), _nb(_int64_view(sym, C)))
+    lossless = h.method == METHOD_LOSSLESS
+    nraw = h.raw_bytes_per_value
+    if lossless or dtype == torch.bfloat16:
+        words = _empty((L, 2, T, C), torch.int16 if ITEMSIZE[h.dtype] == 2 else torch.int32, dev)
+        out_fmt = 1
+    else:
+        words = _empty((L, 2, T, C), torch.int32, dev)  # float32 bits; float16 files are cast after
+        out_fmt = 0
+    S = h.sink_tokens
+    if lossless:
+        offsets_f = torch.zeros((1, 1, 1), dtype=torch.float32, device=dev)
+        steps_f = torch.zeros((1, 1), dtype=torch.float64, device=dev)
+    else:
+        offsets_f = torch.from_numpy(np.ascontiguousarray(bf16_values(p.offsets), np.float32)).to(dev)
+        steps_f = torch.from_numpy(np.ascontiguousarray(bf16_values(p.steps), np.float64)).to(dev)
+    k.dequantize(_nb(sym), _nb(modes_d), _nb(lo_eff), ct, not lossless, S, _nb(offsets_f), _nb(steps_f), r0, bits,
+                 blob_nb, _nb(raw_at_d), nraw, out_fmt, _nb(words))
+    if lossless:
+        data = words.view(dtype)
+    elif dtype == torch.bfloat16:
+        data = words.view(torch.bfloat16)
+    else:
+        data = words.view(torch.float32)
+        if dtype != torch.float32:
+            data = data.to(dtype)
+    if S:
+        sink = torch.from_numpy(np.ascontiguousarray(p.sink).reshape(-1)).to(dev).view(dtype).reshape(L, 2, S, C)
+        data[:, :, :S] = sink
+    # the checks of the reader's rules that need the chunks' bytes, in one copy back
+    crc = torch.zeros(K, dtype=torch.int64, device=dev)
+    k1.crc32_chunks(blob_nb, _words64(blob), _nb(offsets_d), _nb(rec_sizes_d), _nb(seg_first_d), _nb(crc),
+                    int(seg_first[-1]))
+    bound = 2 * tks_d * G + 8
+    checks = torch.stack([
+        crc,
+        by_chunk.sum(dim=1),
+        (by_chunk > bound[:, None]).any(dim=1).to(torch.int64),
+        (blob[pad_at_d].to(torch.int64) & pad_mask_d),
+    ]).cpu().numpy()
+    failed = bool((checks[0] != heads["crc"]).any() or (checks[1] != payload).any() or checks[2].any()
+                  or checks[3].any())
+    return data, failed

@@ -1,0 +1,941 @@
+"""CUDA kernels of the device-resident pipeline for the shared-table methods (format version
+2: transform without a rotation, and lossless): a cache tensor on the GPU -> the whole
+.cgen file in a uint8 GPU tensor, and back, with the bytes and values of the CPU kernels.
+
+The arithmetic that decides bytes is the shared ``register_jitable`` device functions
+(transform.py: levels and refinement; tables.py: table choice and sharing costs; cdf.py:
+codes and CDFs; range_coder.py: the coder), so every decision matches the CPU's; what
+differs is who does what, so that every kernel has enough threads and adjacent threads
+touch adjacent memory.
+
+Who does what (host wrappers launch on ``stream`` without synchronising):
+  stats_partial      one thread per (layer, K/V, 256-token block, channel): the block's sum
+                     and sum of squares in token order (transform.STATS_BLOCK's tree)
+  stats_reduce       one thread per (layer, K/V, channel): the block sums in block order
+  quantize_levels    one thread per (layer, K/V, chunk, channel), walking the chunk's tokens:
+                     levels (int8), refinement indices, and the chunk's level statistics
+  split_levels       the same for the lossless method: top-byte symbols and statistics
+  choose_tables      one thread per table: statistics over the chunks -> mode, lo, alphabet
+  histogram          one block per (layer, K/V, 32 channels): 32 lanes x 8 chunk slices,
+                     counts in shared memory (rows padded to 257: no bank conflicts)
+  build_tables       one thread per table: counts -> 4-bit codes -> CDF
+  share_tables       one warp per (layer, K/V): channels in order, lanes over symbols
+  encode_streams,
+  decode_streams     one thread per stream; threads are ordered (layer, K/V, group, chunk) so
+                     that a block's threads share a few groups' tables, copied to shared
+                     memory (dynamic) when they fit, read from global memory otherwise
+  write_tables       one thread per table entry of the Params block
+  write_records      chunk records: lengths, streams (a warp each), raw sections
+  dequantize         one thread per (layer, K/V, chunk, channel): symbols -> levels (token
+                     delta) -> values (refinement bits read from the file), bfloat16 or
+                     float32 out; the lossless join likewise
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .cuda import BLOCK, SIM, _bits_f32, _f32_bits, _grid, as_device, cuda  # noqa: F401  (restores np.row_stack)
+from .cdf import codes_to_cum, counts_to_codes
+from .coding_params import MASK32, PROB_BITS, PROB_TOTAL, RANGE_INIT, RANGE_TOP
+from .crc import CRC_TABLE, crc32_combine
+from .quantize import float_from_bits16
+from .range_coder import _add_carry
+from .tables import COST_ONE, STAT_EMPTY, choose_table, table_bytes
+from .transform import (MODE_DELTA, STATS_BLOCK, TRANSFORM_QMAX, refine_index, symbol_top_byte, token_level,
+                        token_value, top_byte_symbol)
+
+#: Histogram blocks: 32 channels (lanes) x HIST_SLICES chunk slices.
+HIST_SLICES = 8
+HIST_ROW = 257  # 256 symbols + 1: rows start on different banks
+#: Threads per coder block.
+CODER_THREADS = 128
+#: Shared memory a coder block may take for its tables (bytes): the default limit of a
+#: launch without an opt-in attribute.
+CODER_SHARED_BYTES = 48 * 1024
+#: Entries of a packed table row in global memory: every symbol of an 8-bit alphabet + 1.
+TAB_WIDTH = 257
+#: Decoder lookup table per channel: one entry per 2**LUT_SHIFT of the probability scale.
+LUT_SHIFT = 8
+LUT_SIZE = PROB_TOTAL >> LUT_SHIFT
+
+
+def _cfg(n: int, block: int = BLOCK):
+    """(blocks, threads) for n threads of work; small launches get small blocks (the
+    simulator starts every thread of a block)."""
+    block = min(block, max(32, (n + 31) // 32 * 32))
+    return _grid(n, block), block
+
+
+@cuda.jit(device=True)
+def _value(words, l, kv, t, c, fmt):
+    """float32 value of the cache word x[l, kv, t, c]: float32 bits (fmt 0), bfloat16 (1),
+    float16 (2); words are the tensor's raw int32 / int16 words."""
+    w = np.int64(words[l, kv, t, c])
+    if fmt == 0:
+        return _bits_f32(w)
+    if fmt == 1:
+        return _bits_f32((w & 0xFFFF) << 16)
+    return float_from_bits16(w, 2)
+
+
+# ---------------------------------------------------------------- statistics (method 2)
+
+
+@cuda.jit
+def _stats_partial_kernel(words, fmt, sink, part1, part2):
+    i = cuda.grid(1)
+    L, _, T, C = words.shape
+    NB = part1.shape[2]
+    if i >= L * 2 * NB * C:
+        return
+    c = i % C
+    r = i // C
+    b = r % NB
+    p = r // NB
+    l = p // 2
+    kv = p % 2
+    s1 = 0.0
+    s2 = 0.0
+    for t in range(max(sink, b * STATS_BLOCK), min(T, (b + 1) * STATS_BLOCK)):
+        v = np.float64(_value(words, l, kv, t, c, fmt))
+        s1 += v
+        s2 += v * v
+    part1[l, kv, b, c] = s1
+    part2[l, kv, b, c] = s2
+
+
+@cuda.jit
+def _stats_reduce_kernel(part1, part2, sums, sumsq):
+    i = cuda.grid(1)
+    L, _, NB, C = part1.shape
+    if i >= L * 2 * C:
+        return
+    c = i % C
+    p = i // C
+    l = p // 2
+    kv = p % 2
+    s1 = 0.0
+    s2 = 0.0
+    for b in range(NB):
+        s1 += part1[l, kv, b, c]
+        s2 += part2[l, kv, b, c]
+    sums[l, kv, c] = s1
+    sumsq[l, kv, c] = s2
+
+
+def transform_stats(words, fmt, sink, part1, part2, sums, sumsq, stream=0):
+    """sums / sumsq [L, 2, C]: cpu_transform.transform_stats of an unrotated cache given as its
+    raw words; part1 / part2: float64 scratch [L, 2, ceil(T / STATS_BLOCK), C]."""
+    L, _, NB, C = part1.shape
+    if L * 2 * NB * C:
+        _stats_partial_kernel[(*_cfg(L * 2 * NB * C), stream)](as_device(words), np.int64(fmt), np.int64(sink),
+                                                                as_device(part1), as_device(part2))
+    _stats_reduce_kernel[(*_cfg(L * 2 * C), stream)](as_device(part1), as_device(part2), as_device(sums),
+                                                      as_device(sumsq))
+
+
+# ---------------------------------------------------------------- levels and their statistics
+
+
+@cuda.jit(device=True)
+def _chunk_thread(i, L, K, C):
+    """(layer, K/V, chunk, channel) of thread i of a (layer, K/V, chunk, channel) launch."""
+    c = i % C
+    r = i // C
+    k = r % K
+    p = r // K
+    return p // 2, p % 2, k, c
+
+
+@cuda.jit(device=True)
+def _put_stats(stats, l, kv, k, c, mn, mx, ab, dmn, dmx, dab):
+    stats[l, kv, k, c, 0] = mn
+    stats[l, kv, k, c, 1] = mx
+    stats[l, kv, k, c, 2] = ab
+    stats[l, kv, k, c, 3] = dmn
+    stats[l, kv, k, c, 4] = dmx
+    stats[l, kv, k, c, 5] = dab
+
+
+@cuda.jit
+def _quantize_kernel(words, fmt, sink, offsets, steps, threshold, t_ref, bits, chunk_tokens, q, ref, stats):
+    i = cuda.grid(1)
+    L, _, T, C = words.shape
+    K = stats.shape[2]
+    if i >= L * 2 * K * C:
+        return
+    l, kv, k, c = _chunk_thread(i, L, K, C)
+    t0 = k * chunk_tokens
+    t1 = min(T, t0 + chunk_tokens)
+    off = offsets[l, kv, c]
+    step = steps[l, kv]
+    mn = mx = dmn = dmx = np.int64(0)
+    ab = dab = np.int64(0)
+    prev = np.int64(0)
+    for t in range(t0, t1):
+        v = np.int64(0)
+        if t >= sink:
+            y = np.float64(_value(words, l, kv, t, c, fmt))
+            refined = bits > 0 and t >= t_ref
+            v = np.int64(token_level(y, off, step, TRANSFORM_QMAX, threshold, refined, bits))
+            if refined:
+                ref[l, kv, t - t_ref, c] = refine_index(y, off, step, v, bits)
+        q[l, kv, t, c] = v
+        d = v - prev
+        prev = v
+        if t == t0:
+            mn = mx = dmn = dmx = v
+        mn = min(mn, v)
+        mx = max(mx, v)
+        ab += abs(v)
+        dmn = min(dmn, d)
+        dmx = max(dmx, d)
+        dab += abs(d)
+    _put_stats(stats, l, kv, k, c, mn, mx, ab, dmn, dmx, dab)
+
+
+def quantize_levels(words, fmt, sink, offsets, steps, threshold, t_ref, bits, chunk_tokens, q, ref, stats, stream=0):
+    """Levels q (int8 [L, 2, T, C]) of cpu_transform.transform_quantize, the refinement indices
+    ref [L, 2, T - t_ref, C] of cpu_transform.transform_refine (tokens t_ref.. when bits > 0), and
+    stats [L, 2, K, C, 6] (int32): per chunk, cpu_transform.level_stats' quantities."""
+    L, _, K, C, _ = stats.shape
+    n = L * 2 * K * C
+    if n == 0:
+        return
+    _quantize_kernel[(*_cfg(n), stream)](as_device(words), np.int64(fmt), np.int64(sink), as_device(offsets),
+                                         as_device(steps), np.float64(threshold), np.int64(t_ref), np.int64(bits),
+                                         np.int64(chunk_tokens), as_device(q), as_device(ref), as_device(stats))
+
+
+@cuda.jit
+def _split_kernel(words, shift, chunk_tokens, q, stats):
+    i = cuda.grid(1)
+    L, _, T, C = words.shape
+    K = stats.shape[2]
+    if i >= L * 2 * K * C:
+        return
+    l, kv, k, c = _chunk_thread(i, L, K, C)
+    t0 = k * chunk_tokens
+    t1 = min(T, t0 + chunk_tokens)
+    mn = mx = np.int64(0)
+    ab = np.int64(0)
+    for t in range(t0, t1):
+        v = np.int64(top_byte_symbol(np.int64(words[l, kv, t, c]) >> shift))
+        q[l, kv, t, c] = v
+        if t == t0:
+            mn = mx = v
+        mn = min(mn, v)
+        mx = max(mx, v)
+        ab += v
+    _put_stats(stats, l, kv, k, c, mn, mx, ab, mn, mx, ab)
+
+
+def split_levels(words, shift, chunk_tokens, q, stats, stream=0):
+    """Lossless: q (uint8 [L, 2, T, C]) = the coded symbol of each word's top byte
+    (cpu_transform.split_words), and per-chunk statistics as quantize_levels (no deltas)."""
+    L, _, K, C, _ = stats.shape
+    n = L * 2 * K * C
+    if n == 0:
+        return
+    _split_kernel[(*_cfg(n), stream)](as_device(words), np.int64(shift), np.int64(chunk_tokens), as_device(q),
+                                      as_device(stats))
+
+
+# ---------------------------------------------------------------- tables
+
+
+@cuda.jit
+def _choose_kernel(stats, allow_delta, num_tokens, modes, lo, alphabet):
+    i = cuda.grid(1)
+    L, _, K, C, _ = stats.shape
+    if i >= L * 2 * C:
+        return
+    c = i % C
+    p = i // C
+    l = p // 2
+    kv = p % 2
+    mn = np.int64(STAT_EMPTY)
+    mx = np.int64(-STAT_EMPTY)
+    dmn = np.int64(STAT_EMPTY)
+    dmx = np.int64(-STAT_EMPTY)
+    ab = np.int64(0)
+    dab = np.int64(0)
+    for k in range(K):
+        mn = min(mn, np.int64(stats[l, kv, k, c, 0]))
+        mx = max(mx, np.int64(stats[l, kv, k, c, 1]))
+        ab += np.int64(stats[l, kv, k, c, 2])
+        dmn = min(dmn, np.int64(stats[l, kv, k, c, 3]))
+        dmx = max(dmx, np.int64(stats[l, kv, k, c, 4]))
+        dab += np.int64(stats[l, kv, k, c, 5])
+    mode, base, a = choose_table(mn, mx, ab, dmn, dmx, dab, allow_delta, num_tokens)
+    modes[l, kv, c] = mode
+    lo[l, kv, c] = base
+    alphabet[l, kv, c] = a
+
+
+def choose_tables(stats, allow_delta, num_tokens, modes, lo, alphabet, stream=0):
+    """Per table [L, 2, C]: tables.choose_table of the chunks' statistics (uint8 modes, int32
+    lo and alphabet)."""
+    L, _, _, C, _ = stats.shape
+    _choose_kernel[(*_cfg(L * 2 * C), stream)](as_device(stats), np.int64(bool(allow_delta)), np.int64(num_tokens),
+                                               as_device(modes), as_device(lo), as_device(alphabet))
+
+
+@cuda.jit(device=True)
+def _level(q, l, kv, t, c, signed):
+    v = np.int64(q[l, kv, t, c])
+    if not signed and v < 0:  # lossless symbols 128..255 read back from an int8 view
+        v += 256
+    return v
+
+
+@cuda.jit
+def _histogram_kernel(q, signed, modes, lo, chunk_tokens, counts):
+    hist = cuda.shared.array((32, HIST_ROW), np.int32)
+    L, _, T, C = q.shape
+    K = (T + chunk_tokens - 1) // chunk_tokens
+    tiles = (C + 31) // 32
+    p = cuda.blockIdx.x // tiles
+    tile = cuda.blockIdx.x % tiles
+    l = p // 2
+    kv = p % 2
+    tid = cuda.threadIdx.x
+    lane = tid % 32
+    part = tid // 32
+    for j in range(tid, 32 * HIST_ROW, cuda.blockDim.x):
+        hist[j // HIST_ROW, j % HIST_ROW] = 0
+    cuda.syncthreads()
+    c = tile * 32 + lane
+    if c < C:
+        delta = modes[l, kv, c] == MODE_DELTA
+        base = np.int64(lo[l, kv, c])
+        per = (K + HIST_SLICES - 1) // HIST_SLICES
+        for k in range(part * per, min(K, (part + 1) * per)):
+            t0 = k * chunk_tokens
+            prev = np.int64(0)
+            for t in range(t0, min(T, t0 + chunk_tokens)):
+                v = _level(q, l, kv, t, c, signed)
+                s = v - base
+                if delta:
+                    s = v - prev - base
+                prev = v
+                cuda.atomic.add(hist, (lane, s), 1)
+    cuda.syncthreads()
+    for j in range(tid, 32 * 256, cuda.blockDim.x):
+        r = j // 256
+        cc = tile * 32 + r
+        if cc < C:
+            counts[l, kv, cc, j % 256] = hist[r, j % 256]
+
+
+def histogram(q, signed, modes, lo, chunk_tokens, counts, stream=0):
+    """counts [L, 2, C, 256] (int32) = the symbols of each table under its own mode and lo, over
+    every token (cpu_transform.levels_to_symbols' counts)."""
+    L, _, T, C = q.shape
+    if T == 0:
+        return
+    blocks = L * 2 * ((C + 31) // 32)
+    _histogram_kernel[blocks, 32 * HIST_SLICES, stream](as_device(q), np.int64(bool(signed)), as_device(modes),
+                                                        as_device(lo), np.int64(chunk_tokens), as_device(counts))
+
+
+@cuda.jit
+def _build_kernel(counts, alphabet, codes, cum):
+    i = cuda.grid(1)
+    L, _, C, _ = counts.shape
+    if i >= L * 2 * C:
+        return
+    c = i % C
+    p = i // C
+    l = p // 2
+    kv = p % 2
+    a = np.int64(alphabet[l, kv, c])
+    counts_to_codes(counts[l, kv, c], a, codes[l, kv, c])
+    codes_to_cum(codes[l, kv, c], a, cum[l, kv, c])
+
+
+def build_tables(counts, alphabet, codes, cum, stream=0):
+    """codes [L, 2, C, 256] and cum [L, 2, C, 257] of every table (cpu_transform.build_tables)."""
+    L, _, C, _ = counts.shape
+    _build_kernel[(*_cfg(L * 2 * C), stream)](as_device(counts), as_device(alphabet), as_device(codes),
+                                              as_device(cum))
+
+
+if SIM:
+
+    @cuda.jit(device=True)
+    def _warp_sum(v, scratch, lane):
+        """Sum of v over the 32 threads of the block (a single warp)."""
+        scratch[lane] = v
+        cuda.syncthreads()
+        total = np.int64(0)
+        for j in range(32):
+            total += scratch[j]
+        cuda.syncthreads()
+        return total
+
+else:
+
+    @cuda.jit(device=True)
+    def _warp_sum(v, scratch, lane):
+        off = 16
+        while off > 0:
+            v += cuda.shfl_xor_sync(0xFFFFFFFF, v, off)
+            off //= 2
+        return v
+
+
+@cuda.jit
+def _share_kernel(counts, lo, alphabet, modes, cum, cost, shared, ref):
+    scratch = cuda.shared.array(32, np.int64)
+    p = cuda.blockIdx.x
+    lane = cuda.threadIdx.x
+    l = p // 2
+    kv = p % 2
+    C = alphabet.shape[2]
+    r = np.int64(-1)
+    for c in range(C):
+        a = np.int64(alphabet[l, kv, c])
+        use = False
+        if r >= 0 and modes[l, kv, c] == modes[l, kv, r]:
+            shift = np.int64(lo[l, kv, c]) - np.int64(lo[l, kv, r])
+            if shift >= 0 and shift + a <= alphabet[l, kv, r]:
+                own = np.int64(0)
+                other = np.int64(0)
+                for s in range(lane, a, 32):
+                    n = np.int64(counts[l, kv, c, s])
+                    if n > 0:
+                        own += n * cost[cum[l, kv, c, s + 1] - cum[l, kv, c, s]]
+                        other += n * cost[cum[l, kv, r, s + shift + 1] - cum[l, kv, r, s + shift]]
+                own = _warp_sum(own, scratch, lane) + np.int64(8 * COST_ONE) * table_bytes(a)
+                other = _warp_sum(other, scratch, lane) + np.int64(8 * COST_ONE)
+                use = other < own
+        if lane == 0:
+            shared[l, kv, c] = use
+            ref[l, kv, c] = r if use else c
+        if not use:
+            r = c
+
+
+def share_tables(counts, lo, alphabet, modes, cum, cost, shared, ref, stream=0):
+    """tables.share_plane of every (layer, K/V) plane: shared [L, 2, C] (uint8) and ref [L, 2, C]
+    (int32: the channel whose table each channel codes with).  cost: tables.SYMBOL_COST."""
+    L = alphabet.shape[0]
+    _share_kernel[L * 2, 32, stream](as_device(counts), as_device(lo), as_device(alphabet), as_device(modes),
+                                     as_device(cum), as_device(cost), as_device(shared), as_device(ref))
+
+
+@cuda.jit
+def _coder_table_kernel(cum, ref, lo, alphabet, tab, lo_eff, alphabet_eff):
+    i = cuda.grid(1)
+    L, _, C, W = tab.shape
+    if i >= L * 2 * C * W:
+        return
+    s = i % W
+    r = i // W
+    c = r % C
+    p = r // C
+    l = p // 2
+    kv = p % 2
+    src = ref[l, kv, c]
+    if s < W - 1:
+        a = np.int64(cum[l, kv, src, s])
+        tab[l, kv, c, s] = a | ((np.int64(cum[l, kv, src, s + 1]) - a) << 16)
+    else:
+        tab[l, kv, c, s] = PROB_TOTAL
+    if s == 0:
+        lo_eff[l, kv, c] = lo[l, kv, src]
+        alphabet_eff[l, kv, c] = alphabet[l, kv, src]
+
+
+def coder_tables(cum, ref, lo, alphabet, tab, lo_eff, alphabet_eff, stream=0):
+    """Each channel's coding table, its own or the one it shares (ref): tab [L, 2, C, W] int32
+    holding the 32 bits cum[s] | freq[s] << 16 (W - 1 symbols, then PROB_TOTAL: the decoder's scan stops
+    there), and the lo and alphabet it codes with (transform_codec.expand_shared's)."""
+    L, _, C, W = tab.shape
+    n = L * 2 * C * W
+    if n == 0:
+        return
+    _coder_table_kernel[(*_cfg(n), stream)](as_device(cum), as_device(ref), as_device(lo), as_device(alphabet),
+                                            as_device(tab), as_device(lo_eff), as_device(alphabet_eff))
+
+
+@cuda.jit
+def _lut_kernel(tab, lut):
+    i = cuda.grid(1)
+    L, _, C, W = tab.shape
+    if i >= L * 2 * C * LUT_SIZE:
+        return
+    b = i % LUT_SIZE
+    r = i // LUT_SIZE
+    c = r % C
+    p = r // C
+    l = p // 2
+    kv = p % 2
+    target = np.int64(b) << LUT_SHIFT
+    lo_s = 0
+    hi_s = W - 1  # cum[W - 1] = PROB_TOTAL > target
+    while hi_s - lo_s > 1:  # the last s with cum[s] <= target
+        mid = (lo_s + hi_s) >> 1
+        if (np.int64(tab[l, kv, c, mid]) & 0xFFFF) <= target:
+            lo_s = mid
+        else:
+            hi_s = mid
+    lut[l, kv, c, b] = lo_s
+
+
+def decoder_luts(tab, lut, stream=0):
+    """lut [L, 2, C, LUT_SIZE] (uint8): for each channel and b, the symbol s with cum[s] <=
+    b << LUT_SHIFT < cum[s + 1] (cpu.build_lut): the decoder's first guess."""
+    L, _, C, _ = tab.shape
+    n = L * 2 * C * LUT_SIZE
+    if n == 0:
+        return
+    _lut_kernel[(*_cfg(n), stream)](as_device(tab), as_device(lut))
+
+
+# ---------------------------------------------------------------- the range coder
+#
+# One thread per stream, threads numbered (layer, K/V, group, chunk), chunk fastest: the
+# lanes of a warp code the same group of channels in different chunks, so at each step they
+# read the same table row (one or two cache lines: the tables stay in L1) and each reads
+# its own symbols, eight at a time when a group is a whole number of 8-byte words.  Stream
+# numbers, which order the lengths and the payload, stay the format's (chunk, layer, K/V,
+# group).
+
+
+@cuda.jit(device=True)
+def _coder_thread(i, K, L, groups):
+    """(stream number, chunk, layer, K/V, group) of coder thread i."""
+    k = i % K
+    pair = i // K
+    g = pair % groups
+    p = pair // groups
+    l = p // 2
+    kv = p % 2
+    return ((k * L + l) * 2 + kv) * groups + g, k, l, kv, g
+
+
+@cuda.jit(device=True)
+def _byte_level(w, j, signed):
+    """Level held in byte j of the 8-byte word w (int8 when signed, else uint8)."""
+    v = (w >> (8 * j)) & 0xFF
+    if signed and v >= 128:
+        v -= 256
+    return v
+
+
+@cuda.jit(device=True)
+def _code_symbol(low, rng, n, out, entry):
+    """One symbol of range_coder.encode_stream; entry = cum | freq << 16."""
+    r = rng >> PROB_BITS
+    low += r * (entry & 0xFFFF)
+    rng = r * ((entry >> 16) & 0xFFFF)
+    if low > MASK32:
+        _add_carry(out, n)
+        low &= MASK32
+    while rng < RANGE_TOP:
+        out[n] = (low >> 24) & 0xFF
+        n += 1
+        low = (low << 8) & MASK32
+        rng <<= 8
+    return low, rng, n
+
+
+@cuda.jit(device=True)
+def _flush(low, rng, n, out):
+    """The end of range_coder.encode_stream; returns the stream's length."""
+    nbytes = 4
+    value = low
+    for k in range(5):
+        unit = np.int64(1) << (32 - 8 * k)
+        candidate = (low + unit - 1) & ~(unit - 1)
+        if candidate < low + rng:
+            nbytes = k
+            value = candidate
+            break
+    if value > MASK32:
+        _add_carry(out, n)
+        value &= MASK32
+    for j in range(nbytes):
+        out[n] = (value >> (24 - 8 * j)) & 0xFF
+        n += 1
+    while n > 0 and out[n - 1] == 0:
+        n -= 1
+    return n
+
+
+@cuda.jit
+def _encode_kernel(q, q64, words8, signed, modes, lo_eff, tab, chunk_tokens, group, slots, lengths):
+    L, _, T, C = q.shape
+    K = (T + chunk_tokens - 1) // chunk_tokens
+    groups = (C + group - 1) // group
+    i = cuda.grid(1)
+    if i >= K * L * 2 * groups:
+        return
+    s, k, l, kv, g = _coder_thread(i, K, L, groups)
+    t0 = k * chunk_tokens
+    t1 = min(T, t0 + chunk_tokens)
+    c0 = g * group
+    c1 = min(C, c0 + group)
+    out = slots[s]
+    low = np.int64(0)
+    rng = np.int64(RANGE_INIT)
+    n = 0
+    for t in range(t0, t1):
+        if words8:
+            for wj in range(c0 // 8, c1 // 8):
+                w = np.int64(q64[l, kv, t, wj])
+                pw = np.int64(0)
+                if t > t0:
+                    pw = np.int64(q64[l, kv, t - 1, wj])
+                for j in range(8):
+                    c = wj * 8 + j
+                    v = _byte_level(w, j, signed)
+                    if t > t0 and modes[l, kv, c] == MODE_DELTA:
+                        v -= _byte_level(pw, j, signed)
+                    entry = np.int64(tab[l, kv, c, v - np.int64(lo_eff[l, kv, c])])
+                    low, rng, n = _code_symbol(low, rng, n, out, entry)
+        else:
+            for c in range(c0, c1):
+                v = _level(q, l, kv, t, c, signed)
+                if t > t0 and modes[l, kv, c] == MODE_DELTA:
+                    v -= _level(q, l, kv, t - 1, c, signed)
+                entry = np.int64(tab[l, kv, c, v - np.int64(lo_eff[l, kv, c])])
+                low, rng, n = _code_symbol(low, rng, n, out, entry)
+    lengths[s] = _flush(low, rng, n, out)
+
+
+def encode_streams(q, q64, signed, modes, lo_eff, tab, chunk_tokens, group, slots, lengths, stream=0):
+    """Range-code every stream of the levels q [L, 2, T, C] (int8, or uint8 when not signed):
+    symbols = (level, or its token delta) - lo_eff, coded with tab (coder_tables); slots[s]
+    gets stream s (the format's order), lengths[s] its length: the bytes of
+    cpu_transform.encode_table_planes.  q64: q viewed as int64 words, used when group and C
+    are multiples of 8 (else any placeholder)."""
+    L, _, T, C = q.shape
+    n = lengths.shape[0]
+    if n == 0:
+        return
+    words8 = group % 8 == 0 and C % 8 == 0
+    _encode_kernel[(*_cfg(n), stream)](
+        as_device(q), as_device(q64), np.int64(words8), np.int64(bool(signed)), as_device(modes), as_device(lo_eff),
+        as_device(tab), np.int64(chunk_tokens), np.int64(group), as_device(slots), as_device(lengths))
+
+
+@cuda.jit(device=True)
+def _next_byte(blob, start, length, pos):
+    if pos < length:
+        return np.int64(blob[start + pos])
+    return np.int64(0)
+
+
+@cuda.jit(device=True)
+def _decode_symbol(code, rng, pos, blob, start, length, tab, lut, l, kv, c):
+    """One symbol of range_coder.decode_stream: (symbol, code, rng, pos).  The lookup table
+    gives the first candidate; the scan stops at the row's PROB_TOTAL entries at the latest."""
+    r = rng >> PROB_BITS
+    qq = np.int64(np.float64(code) / np.float64(r))
+    if qq >= PROB_TOTAL:
+        qq = PROB_TOTAL - 1
+    s = np.int64(lut[l, kv, c, qq >> LUT_SHIFT])
+    while (np.int64(tab[l, kv, c, s + 1]) & 0xFFFF) <= qq:
+        s += 1
+    entry = np.int64(tab[l, kv, c, s])
+    code -= r * (entry & 0xFFFF)
+    rng = r * ((entry >> 16) & 0xFFFF)
+    while rng < RANGE_TOP:
+        code = ((code << 8) | _next_byte(blob, start, length, pos)) & MASK32
+        pos += 1
+        rng <<= 8
+    return s, code, rng, pos
+
+
+@cuda.jit
+def _decode_kernel(blob, starts, lens, tab, lut, chunk_tokens, group, sym, sym64, words8):
+    L, _, T, C = sym.shape
+    K = (T + chunk_tokens - 1) // chunk_tokens
+    groups = (C + group - 1) // group
+    i = cuda.grid(1)
+    if i >= K * L * 2 * groups:
+        return
+    s, k, l, kv, g = _coder_thread(i, K, L, groups)
+    t0 = k * chunk_tokens
+    t1 = min(T, t0 + chunk_tokens)
+    c0 = g * group
+    c1 = min(C, c0 + group)
+    start = np.int64(starts[s])
+    length = np.int64(lens[s])
+    pos = 0
+    code = np.int64(0)
+    for _ in range(4):
+        code = (code << 8) | _next_byte(blob, start, length, pos)
+        pos += 1
+    rng = np.int64(RANGE_INIT)
+    for t in range(t0, t1):
+        if words8:
+            for wj in range(c0 // 8, c1 // 8):
+                w = np.int64(0)
+                for j in range(8):
+                    x, code, rng, pos = _decode_symbol(code, rng, pos, blob, start, length, tab, lut, l, kv, wj * 8 + j)
+                    w |= x << (8 * j)
+                sym64[l, kv, t, wj] = w
+        else:
+            for c in range(c0, c1):
+                x, code, rng, pos = _decode_symbol(code, rng, pos, blob, start, length, tab, lut, l, kv, c)
+                sym[l, kv, t, c] = x
+
+
+def decode_streams(blob, starts, lens, tab, lut, chunk_tokens, group, sym, sym64, stream=0):
+    """Decode every stream s = blob[starts[s]:starts[s] + lens[s]] (the format's order) into
+    sym [L, 2, T, C] (uint8) with the coding tables tab and lookup tables lut; sym64: sym
+    viewed as int64 words (group and C multiples of 8), else a placeholder.  The symbols of
+    cpu_transform.decode_table_planes; a corrupt stream decodes to some symbols of the
+    table (the chunk CRC is what reports it)."""
+    L, _, T, C = sym.shape
+    n = lens.shape[0]
+    if n == 0:
+        return
+    words8 = group % 8 == 0 and C % 8 == 0
+    _decode_kernel[(*_cfg(n), stream)](as_device(blob), as_device(starts), as_device(lens), as_device(tab),
+                                       as_device(lut), np.int64(chunk_tokens), np.int64(group), as_device(sym),
+                                       as_device(sym64), np.int64(words8))
+
+
+# ---------------------------------------------------------------- the file's sections
+
+
+@cuda.jit
+def _tables_kernel(out, at, excl, shared, modes, lo, alphabet, codes):
+    e = cuda.grid(1)
+    L, _, C = alphabet.shape
+    if e >= L * 2 * C:
+        return
+    c = e % C
+    p = e // C
+    l = p // 2
+    kv = p % 2
+    o = at + excl[e]
+    if shared[l, kv, c]:
+        out[o] = 2  # transform.MODE_SAME
+        return
+    a = np.int64(alphabet[l, kv, c])
+    out[o] = modes[l, kv, c]
+    out[o + 1] = np.int64(lo[l, kv, c]) & 0xFF
+    out[o + 2] = a - 1
+    for j in range((a + 1) // 2):
+        hi = np.int64(0)
+        if 2 * j + 1 < a:
+            hi = np.int64(codes[l, kv, c, 2 * j + 1])
+        out[o + 3 + j] = np.int64(codes[l, kv, c, 2 * j]) | (hi << 4)
+
+
+def write_tables(out, at, excl, shared, modes, lo, alphabet, codes, stream=0):
+    """The tables of the Params block (params.pack_tables) at out[at:]: entry e at at + excl[e]
+    (excl: exclusive prefix sums of the entries' sizes, tables.table_bytes or 1 when shared)."""
+    L, _, C = alphabet.shape
+    n = L * 2 * C
+    if n == 0:
+        return
+    _tables_kernel[(*_cfg(n), stream)](as_device(out), np.int64(at), as_device(excl), as_device(shared),
+                                       as_device(modes), as_device(lo), as_device(alphabet), as_device(codes))
+
+
+@cuda.jit
+def _lengths_payload_kernel(out, payload_at, lengths_at, lengths, excl, per, slots):
+    # A warp per stream: lane 0 writes the u16 length, all lanes copy the stream's bytes.
+    s = cuda.grid(1) // 32
+    lane = cuda.threadIdx.x % 32
+    if s >= lengths.shape[0]:
+        return
+    k = s // per
+    n = np.int64(lengths[s])
+    if lane == 0:
+        a = lengths_at[k] + 2 * (s - k * per)
+        out[a] = n & 0xFF
+        out[a + 1] = (n >> 8) & 0xFF
+    o = payload_at[k] + excl[s] - excl[k * per]
+    src = slots[s]
+    for i in range(lane, n, 32):
+        out[o + i] = src[i]
+
+
+def write_streams(out, payload_at, lengths_at, lengths, excl, per, slots, stream=0):
+    """Each chunk's stream lengths (u16 LE at lengths_at[k]) and streams (back to back from
+    payload_at[k]; excl: exclusive prefix sums of all lengths; per: streams per chunk)."""
+    n = lengths.shape[0]
+    if n == 0:
+        return
+    _lengths_payload_kernel[_grid(32 * n, 256), 256, stream](as_device(out), as_device(payload_at),
+                                                             as_device(lengths_at), as_device(lengths),
+                                                             as_device(excl), np.int64(per), as_device(slots))
+
+
+@cuda.jit(device=True)
+def _chunk_of(i, first):
+    """The k with first[k] <= i < first[k + 1] (first: K + 1 non-decreasing offsets)."""
+    lo_k = 0
+    hi_k = first.shape[0] - 1
+    while hi_k - lo_k > 1:
+        mid = (lo_k + hi_k) >> 1
+        if first[mid] <= i:
+            lo_k = mid
+        else:
+            hi_k = mid
+    return lo_k
+
+
+@cuda.jit
+def _raw_kernel(out, raw_at, raw_first, chunk_tokens, refine_start, bits, ref, words, nraw):
+    i = cuda.grid(1)
+    K = raw_first.shape[0] - 1
+    if i >= raw_first[K]:
+        return
+    k = _chunk_of(i, raw_first)
+    j = i - raw_first[k]
+    L, _, T, C = words.shape
+    t0 = k * chunk_tokens
+    t1 = min(T, t0 + chunk_tokens)
+    if nraw > 0:  # lossless: the low bytes of each word, [L][2][Tk][C][nraw]
+        v = j // nraw
+        b = j % nraw
+        c = v % C
+        r = v // C
+        tk = t1 - t0
+        tl = r % tk
+        p = r // tk
+        w = np.int64(words[p // 2, p % 2, t0 + tl, c])
+        out[raw_at[k] + j] = (w >> (8 * b)) & 0xFF
+        return
+    # refinement indices of the chunk's refined tokens, [L][2][n][C], bits each, LSB first
+    r0 = max(t0, refine_start)
+    nk = t1 - r0
+    count = L * 2 * nk * C
+    byte = np.int64(0)
+    for bit in range(8):
+        pos = 8 * j + bit
+        idx = pos // bits
+        if idx < count:
+            c = idx % C
+            r = (idx // C) % nk
+            p = idx // (C * nk)
+            v = np.int64(ref[p // 2, p % 2, r0 - refine_start + r, c])
+            byte |= ((v >> (pos % bits)) & 1) << bit
+    out[raw_at[k] + j] = byte
+
+
+def write_raw(out, raw_at, raw_first, chunk_tokens, refine_start, bits, ref, words, nraw, total, stream=0):
+    """The chunks' raw sections: lossless low bytes (nraw > 0, from the cache's words) or the
+    refinement indices (params.pack_refinement of ref [L, 2, R, C], tokens refine_start..);
+    chunk k's at out[raw_at[k]:], raw_first its prefix sums (K + 1), total = raw_first[K]."""
+    if total == 0:
+        return
+    _raw_kernel[(*_cfg(total), stream)](as_device(out), as_device(raw_at), as_device(raw_first),
+                                        np.int64(chunk_tokens), np.int64(refine_start), np.int64(max(bits, 1)),
+                                        as_device(ref), as_device(words), np.int64(nraw))
+
+
+@cuda.jit
+def _header_crc_kernel(out, seg_crc, seg_len, crc_head, at):
+    if cuda.grid(1) != 0:
+        return
+    crc = np.int64(crc_head)
+    for j in range(seg_crc.shape[0]):
+        crc = crc32_combine(crc, seg_crc[j], seg_len[j])
+    for b in range(4):
+        out[at + b] = (crc >> (8 * b)) & 0xFF
+
+
+def put_header_crc(out, seg_crc, seg_len, crc_head, at, stream=0):
+    """out[at:at + 4] = the CRC-32 that continues crc_head over the segments whose CRCs are
+    seg_crc (lengths seg_len), little-endian: the file header's CRC."""
+    _header_crc_kernel[1, 1, stream](as_device(out), as_device(seg_crc), as_device(seg_len), np.int64(crc_head),
+                                     np.int64(at))
+
+
+# ---------------------------------------------------------------- decoding: symbols -> values
+
+
+@cuda.jit(device=True)
+def _bf16_nearest(v):
+    """bfloat16 bits of a float32 value, rounded to nearest even (as torch casts; no NaN here)."""
+    u = _f32_bits(v) & MASK32
+    b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+    if b >= 32768:
+        b -= 65536
+    return b
+
+
+@cuda.jit(device=True)
+def _raw_bits(blob, at, pos, bits):
+    """``bits`` bits (<= 8) of the bit string at blob[at:], from bit pos, least significant first."""
+    o = at + (pos >> 3)
+    sh = pos & 7
+    v = np.int64(blob[o]) >> sh
+    if sh + bits > 8:
+        v |= np.int64(blob[o + 1]) << (8 - sh)
+    return v & ((np.int64(1) << bits) - 1)
+
+
+@cuda.jit
+def _dequantize_kernel(sym, modes, lo_eff, chunk_tokens, method2, sink, offsets, steps, refine_start, bits, blob,
+                       raw_at, nraw, shift, out_fmt, out):
+    i = cuda.grid(1)
+    L, _, T, C = sym.shape
+    K = (T + chunk_tokens - 1) // chunk_tokens
+    if i >= L * 2 * K * C:
+        return
+    l, kv, k, c = _chunk_thread(i, L, K, C)
+    t0 = k * chunk_tokens
+    t1 = min(T, t0 + chunk_tokens)
+    base = np.int64(lo_eff[l, kv, c])
+    delta = modes[l, kv, c] == MODE_DELTA
+    r0 = max(t0, refine_start)
+    nk = t1 - r0
+    prev = np.int64(0)
+    for t in range(t0, t1):
+        v = np.int64(sym[l, kv, t, c]) + base
+        if delta and t > t0:
+            v += prev
+        prev = v
+        if method2:
+            if t < sink:
+                continue
+            refined = bits > 0 and t >= refine_start
+            j = np.int64(0)
+            if refined:
+                idx = (((l * 2 + kv) * nk + (t - r0)) * C + c) * bits
+                j = _raw_bits(blob, raw_at[k], idx, bits)
+            z = token_value(v, j, refined, bits, offsets[l, kv, c], steps[l, kv])
+            if out_fmt == 1:
+                out[l, kv, t, c] = _bf16_nearest(z)
+            else:
+                out[l, kv, t, c] = _f32_bits(z)
+        else:
+            w = np.int64(symbol_top_byte(v)) << shift
+            o = raw_at[k] + ((((l * 2 + kv) * (t1 - t0)) + (t - t0)) * C + c) * nraw
+            for b in range(nraw):
+                w |= np.int64(blob[o + b]) << (8 * b)
+            width = 8 * (nraw + 1)
+            if w >= np.int64(1) << (width - 1):  # the output words are signed
+                w -= np.int64(1) << width
+            out[l, kv, t, c] = w
+
+
+def dequantize(sym, modes, lo_eff, chunk_tokens, method2, sink, offsets, steps, refine_start, bits, blob, raw_at,
+               nraw, out_fmt, out, stream=0):
+    """Decoded symbols -> the cache: levels (symbols + lo, token deltas summed within each
+    chunk: cpu_transform.symbols_to_levels), then method 2's values (token_value, refinement
+    indices read from the chunks' raw sections at raw_at[k]) as bfloat16 bits (out_fmt 1,
+    int16 out) or float32 bits (out_fmt 0, int32 out), tokens below sink left alone; or the
+    lossless words (the top byte joined with the nraw raw low bytes).  Same values as
+    transform_codec.decode_v2 on the CPU."""
+    L, _, T, C = sym.shape
+    K = (T + chunk_tokens - 1) // chunk_tokens
+    n = L * 2 * K * C
+    if n == 0:
+        return
+    _dequantize_kernel[(*_cfg(n), stream)](
+        as_device(sym), as_device(modes), as_device(lo_eff), np.int64(chunk_tokens), np.int64(bool(method2)),
+        np.int64(sink), as_device(offsets), as_device(steps), np.int64(refine_start), np.int64(bits),
+        as_device(blob), as_device(raw_at), np.int64(nraw), np.int64(8 * nraw), np.int64(out_fmt), as_device(out))
