@@ -9,8 +9,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -22,7 +23,8 @@ from .config import DEFAULT_CHUNK_TOKENS, QuantizationConfig, TransformConfig, r
 from .errors import InputNotFoundError
 from .fileio import atomic_output, check_output
 
-__all__ = ["encode", "encode_to_device", "decode", "encode_file", "decode_file", "default_encoded_path", "default_decoded_path"]
+__all__ = ["encode", "encode_to_device", "decode", "encode_file", "decode_file", "default_encoded_path", "default_decoded_path",
+           "using_threads"]
 
 
 def encode(
@@ -46,24 +48,49 @@ def encode(
     LMCache-style ``preset`` name, a ``--bins`` string, or a config object;
     ``calibration`` (a file or Calibration) adds the rotation of the transform
     qualities.  ``device``: "auto" (the GPU when one is present), "cpu" or "cuda";
-    --preset / --bins run on either with the same bytes, the qualities on the CPU.
+    every method runs on either with the same bytes.
     """
     cache = kvio.from_tensors(kv, layout, metadata)
     quant = resolve_quantization(cache.num_layers, quantization=quantization, preset_name=preset, bins=bins,
                                  quality=quality)
-    if isinstance(quant, TransformConfig) or calibration is not None:
-        buf = _Collector()
-        codec.encode_to_stream(cache, buf, quant, chunk_tokens, device=device, calibration=_calibration(calibration))
-        return buf.getvalue()
+    cal = _calibration(calibration)
     if codec.resolve_device(device) == "cuda":
         from . import gpu_codec
 
-        if gpu_codec.torch_cuda_ok():  # the whole file is assembled on the GPU, then copied once
-            h = codec.make_header(cache, quant, chunk_tokens)
-            return gpu_codec.to_host_bytes(gpu_codec.encode_file_device(h, cache.data))
+        if gpu_codec.torch_cuda_ok() and _device_resident(cache, quant, cal):
+            # the whole file is assembled on the GPU, then copied once
+            return gpu_codec.to_host_bytes(_encode_on_device(cache, quant, cal, chunk_tokens))
     buf = _Collector()
-    codec.encode_to_stream(cache, buf, quant, chunk_tokens, device=device)
+    codec.encode_to_stream(cache, buf, quant, chunk_tokens, device=device, calibration=cal)
     return buf.getvalue()
+
+
+def _device_resident(cache: kvio.KVCache, quant, calibration) -> bool:
+    """True when the device-resident pipeline encodes this: every method but a rotation, and
+    caches of at least one token."""
+    from . import device_pipeline
+
+    if cache.num_tokens == 0:
+        return False
+    if isinstance(quant, TransformConfig):
+        return device_pipeline.supports(quant, calibration)
+    return calibration is None
+
+
+def _encode_on_device(cache: kvio.KVCache, quant, calibration, chunk_tokens: int) -> torch.Tensor:
+    """The .cgen bytes as a uint8 CUDA tensor, by the device-resident pipelines."""
+    from . import gpu_codec
+
+    if isinstance(quant, TransformConfig):
+        from . import device_pipeline
+        from .config import validate_chunk_tokens
+
+        if quant.method == "lossless" and calibration is not None:
+            from .errors import ConfigError
+
+            raise ConfigError("--calibration does not apply to --quality lossless")
+        return device_pipeline.encode(cache, quant, validate_chunk_tokens(chunk_tokens))[0]
+    return gpu_codec.encode_file_device(codec.make_header(cache, quant, chunk_tokens), cache.data)
 
 
 def encode_to_device(
@@ -71,25 +98,31 @@ def encode_to_device(
     *,
     preset: str | None = None,
     bins: str | int | None = None,
-    quantization: QuantizationConfig | None = None,
+    quantization: QuantizationConfig | TransformConfig | None = None,
+    quality: str | None = None,
+    calibration: Calibration | str | Path | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     layout: str = "auto",
     metadata: Mapping[str, str] | None = None,
 ) -> torch.Tensor:
     """Like encode(), on a CUDA GPU, but the .cgen bytes stay on the GPU: returns a uint8
     CUDA tensor (byte for byte what encode() returns), e.g. to send over NVLink/NCCL.
-    ``decode`` accepts such a tensor."""
+    ``decode`` accepts such a tensor.  Every method; a rotation (``calibration``) runs on the
+    GPU's unfused kernels and is assembled on the host."""
     from . import gpu_codec
     from .errors import ConfigError
 
     if codec.resolve_device("cuda") != "cuda" or not gpu_codec.torch_cuda_ok():
         raise ConfigError("encode_to_device needs a CUDA GPU that torch can use")
     cache = kvio.from_tensors(kv, layout, metadata)
-    quant = resolve_quantization(cache.num_layers, quantization=quantization, preset_name=preset, bins=bins)
-    if isinstance(quant, TransformConfig):
-        raise ConfigError("encode_to_device covers --preset / --bins (format version 1); for --quality use "
-                          "encode(kv, quality=..., device='cuda'), which returns host bytes")
-    return gpu_codec.encode_file_device(codec.make_header(cache, quant, chunk_tokens), cache.data)
+    quant = resolve_quantization(cache.num_layers, quantization=quantization, preset_name=preset, bins=bins,
+                                 quality=quality)
+    cal = _calibration(calibration)
+    if _device_resident(cache, quant, cal):
+        return _encode_on_device(cache, quant, cal, chunk_tokens)
+    blob = encode(kv, preset=preset, bins=bins, quantization=quantization, quality=quality, calibration=cal,
+                  chunk_tokens=chunk_tokens, layout=layout, metadata=metadata, device="cuda")
+    return gpu_codec.device_bytes(blob)
 
 
 class _Collector:
@@ -128,31 +161,35 @@ def decode(data: bytes | bytearray | memoryview | torch.Tensor, *, device: str =
            calibration: Calibration | str | Path | None = None) -> dict[str, torch.Tensor]:
     """Decompress .cgen bytes to the original tensor names, shapes and dtype.
 
-    With ``device="auto"`` (the default) the GPU decodes when one is present and the
-    tensors are returned on it; ``device="cpu"`` keeps everything on the CPU.
-    ``calibration``: the calibration file a rotated file was encoded with."""
-    cal = _calibration(calibration)
-    if cal is not None or _is_v2(data):
-        if isinstance(data, torch.Tensor):
-            data = memoryview(data.cpu().numpy())
-        reader, _ = codec.open_input(data)
-        header, tensor = codec.decode_from_stream(reader, device=device, calibration=cal)
-        return kvio.to_tensors(tensor, header.descriptor)
-    if isinstance(data, torch.Tensor):  # .cgen bytes in a uint8 tensor, e.g. from encode_to_device
-        if data.dtype != torch.uint8 or data.dim() != 1:
-            from .errors import FormatError
+    ``data``: the bytes, or a one-dimensional uint8 tensor holding them (e.g. from
+    encode_to_device).  With ``device="auto"`` (the default) the GPU decodes when one is
+    present and the tensors are returned on it; ``device="cpu"`` keeps everything on the
+    CPU.  ``calibration``: the calibration file a rotated file was encoded with."""
+    from .errors import FormatError
 
-            raise FormatError("a .cgen tensor must be one-dimensional uint8")
+    cal = _calibration(calibration)
+    if isinstance(data, torch.Tensor) and (data.dtype != torch.uint8 or data.dim() != 1):
+        raise FormatError("a .cgen tensor must be one-dimensional uint8")
     if codec.resolve_device(device) == "cuda":
         from . import gpu_codec
 
         if gpu_codec.torch_cuda_ok():  # checked and decoded on the GPU, from a device copy of the bytes
-            header, tensor = gpu_codec.decode_device(gpu_codec.device_bytes(data))
-            return kvio.to_tensors(tensor, header.descriptor)
+            blob = gpu_codec.device_bytes(data)
+            if _is_v2(data):
+                from . import device_pipeline
+
+                reader = gpu_codec._DeviceReader(blob)
+                header, _, offsets, size = codec.read_header_and_index(reader)
+                if device_pipeline.decodable(header):
+                    tensor = device_pipeline.decode(blob, header, offsets, size)
+                    return kvio.to_tensors(tensor, header.descriptor)
+            else:
+                header, tensor = gpu_codec.decode_device(blob)
+                return kvio.to_tensors(tensor, header.descriptor)
     if isinstance(data, torch.Tensor):
         data = memoryview(data.cpu().numpy())
     reader, _ = codec.open_input(data)
-    header, tensor = codec.decode_from_stream(reader, device=device)
+    header, tensor = codec.decode_from_stream(reader, device=device, calibration=cal)
     return kvio.to_tensors(tensor, header.descriptor)
 
 
@@ -174,6 +211,31 @@ def _close_quietly(closer) -> None:
         closer.close()
     except BufferError:
         pass
+
+
+@contextlib.contextmanager
+def using_threads(threads: int | None) -> Iterator[None]:
+    """Run the block with ``threads`` numba and torch threads (then restore them); None or 0:
+    leave them as they are (all cores, unless NUMBA_NUM_THREADS or the caller limited them).
+    More threads than numba was started with are capped there."""
+    if threads is None or threads == 0:
+        yield
+        return
+    if not isinstance(threads, int) or isinstance(threads, bool) or threads < 0:
+        from .errors import ConfigError
+
+        raise ConfigError(f"threads must be a non-negative whole number, not {threads!r}")
+    import numba
+
+    n = min(threads, numba.config.NUMBA_NUM_THREADS)
+    old_numba, old_torch = numba.get_num_threads(), torch.get_num_threads()
+    numba.set_num_threads(n)
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(old_numba)
+        torch.set_num_threads(old_torch)
 
 
 def default_encoded_path(src: Path) -> Path:
@@ -198,19 +260,25 @@ def encode_file(
     layout: str = "auto",
     device: str = "auto",
     progress: codec.ProgressFn | None = None,
+    threads: int | None = None,
 ) -> codec.EncodeSummary:
-    """Compress a safetensors KV file to a .cgen file (atomically; never over the input)."""
+    """Compress a safetensors KV file to a .cgen file (atomically; never over the input).
+
+    The input is read a slab (a run of whole chunks) at a time and the chunks are written as
+    they are coded, so memory stays a few slabs whatever the cache's size.  ``threads``: numba
+    and torch threads for the call (None or 0: all cores)."""
     src = Path(src)
     dst = Path(dst) if dst is not None else default_encoded_path(src)
     if not src.is_file():
         raise InputNotFoundError(f"no such file: {src}")
     check_output(dst, [src], force)
-    cal = _calibration(calibration)
-    cache = kvio.read_safetensors(src, layout)
-    quant = resolve_quantization(cache.num_layers, quantization=quantization, preset_name=preset, bins=bins,
-                                 quality=quality)
-    with atomic_output(dst) as tmp, open(tmp, "wb") as out:
-        summary = codec.encode_to_stream(cache, out, quant, chunk_tokens, progress, device, cal)
+    with using_threads(threads):
+        cal = _calibration(calibration)
+        with kvio.SafetensorsSource(src, layout) as source:
+            quant = resolve_quantization(source.cache.num_layers, quantization=quantization, preset_name=preset,
+                                         bins=bins, quality=quality)
+            with atomic_output(dst) as tmp, open(tmp, "wb") as out:
+                summary = codec.encode_to_stream(source, out, quant, chunk_tokens, progress, device, cal)
     return summary
 
 
@@ -222,20 +290,27 @@ def decode_file(
     device: str = "auto",
     calibration: Calibration | str | Path | None = None,
     progress: codec.ProgressFn | None = None,
+    threads: int | None = None,
 ) -> Path:
-    """Decompress a .cgen file to safetensors in the original layout (atomically)."""
+    """Decompress a .cgen file to safetensors in the original layout (atomically).
+
+    Decoded a slab at a time straight into the output file (the same bytes safetensors'
+    save_file writes), so memory stays a slab whatever the cache's size.  ``threads``: numba
+    and torch threads for the call (None or 0: all cores)."""
     src = Path(src)
     dst = Path(dst) if dst is not None else default_decoded_path(src)
     if not src.is_file():
         raise InputNotFoundError(f"no such file: {src}")
     check_output(dst, [src], force)
-    cal = _calibration(calibration)
-    reader, closer = codec.open_input(src)
-    try:
-        header, tensor = codec.decode_from_stream(reader, progress, device, cal)
-    finally:
-        del reader
-        _close_quietly(closer)
-    tensors = kvio.to_tensors(tensor, header.descriptor)
-    kvio.write_safetensors_atomic(tensors, header.descriptor.get("metadata", {}), dst)
+    with using_threads(threads):
+        cal = _calibration(calibration)
+        # Plain reads, not a mapping: the decoder holds one slab of the input at a time.
+        reader, closer = codec.open_input(src, mapped=False)
+        try:
+            dec = codec.SlabDecoder(reader, device, cal)  # header, index and calibration checked first
+            with atomic_output(dst) as tmp:
+                codec.decode_to_file(dec, tmp, progress)
+        finally:
+            del reader
+            _close_quietly(closer)
     return dst

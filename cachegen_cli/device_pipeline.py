@@ -188,7 +188,8 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[to
     tab = _empty((L, 2, C, 257), torch.int32, dev)
     lo_eff = _empty((L, 2, C), torch.int32, dev)
     alphabet_eff = _empty((L, 2, C), torch.int32, dev)
-    k.coder_tables(_nb(cum), _nb(refc), _nb(lo), _nb(alphabet), _nb(tab), _nb(lo_eff), _nb(alphabet_eff))
+    k.coder_tables(_nb(cum), _nb(refc), _nb(lo), _nb(alphabet), _nb(tab), _nb(lo_eff), _nb(alphabet_eff),
+                   _nb(_empty((1, 1, 1, 1), torch.uint8, dev)))
     slots = _empty((n, max_stream_bytes(ct * G)), torch.uint8, dev)
     lengths = _empty((n,), torch.int32, dev)
     k.encode_streams(_nb(q), _nb(_int64_view(q, C)), not lossless, _nb(modes), _nb(lo_eff), _nb(tab), ct, G,
@@ -378,7 +379,6 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int) 
     starts = torch.clamp(starts, max=size)
     lens_c = torch.minimum(lens, size - starts)  # a corrupt table never reads past the file
     # the tables, expanded by the parser (shared channels carry their table's arrays)
-    width = p.width
     codes_d = torch.from_numpy(np.ascontiguousarray(p.codes)).to(dev)
     alphabet_d = torch.from_numpy(np.ascontiguousarray(p.alphabet, np.int32)).to(dev)
     lo_d = torch.from_numpy(np.ascontiguousarray(p.lo, np.int32)).to(dev)
@@ -389,10 +389,9 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int) 
     lo_eff = _empty((L, 2, C), torch.int32, dev)
     alphabet_eff = _empty((L, 2, C), torch.int32, dev)
     ident = torch.arange(C, dtype=torch.int32, device=dev).expand(L, 2, C).contiguous()
-    k.coder_tables(_nb(cum), _nb(ident), _nb(lo_d), _nb(alphabet_d), _nb(tab), _nb(lo_eff), _nb(alphabet_eff))
     lut = _empty((L, 2, C, k.LUT_SIZE), torch.uint8, dev)
-    k.decoder_luts(_nb(tab), _nb(lut))
-    del width
+    k.coder_tables(_nb(cum), _nb(ident), _nb(lo_d), _nb(alphabet_d), _nb(tab), _nb(lo_eff), _nb(alphabet_eff),
+                   _nb(lut))
     sym = _empty((L, 2, T, C), torch.uint8, dev)
     blob_nb = _nb(blob)
     k.decode_streams(blob_nb, _nb(starts), _nb(lens_c), _nb(tab), _nb(lut), ct, G, _nb(sym), _nb(_int64_view(sym, C)))

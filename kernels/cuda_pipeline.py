@@ -45,9 +45,12 @@ from .tables import COST_ONE, STAT_EMPTY, choose_table, table_bytes
 from .transform import (MODE_DELTA, STATS_BLOCK, TRANSFORM_QMAX, refine_index, symbol_top_byte, token_level,
                         token_value, top_byte_symbol)
 
-#: Histogram blocks: 32 channels (lanes) x HIST_SLICES chunk slices.
-HIST_SLICES = 8
+#: Histogram blocks: 32 channels (lanes) x HIST_SLICES chunk slices (one under the simulator,
+#: which runs every thread in Python).
+HIST_SLICES = 1 if SIM else 8
 HIST_ROW = 257  # 256 symbols + 1: rows start on different banks
+#: Threads that share one (table walk, stream copy): a warp, one thread under the simulator.
+LANES = 1 if SIM else 32
 #: Threads per coder block.
 CODER_THREADS = 128
 #: Shared memory a coder block may take for its tables (bytes): the default limit of a
@@ -366,11 +369,11 @@ if SIM:
 
     @cuda.jit(device=True)
     def _warp_sum(v, scratch, lane):
-        """Sum of v over the 32 threads of the block (a single warp)."""
+        """Sum of v over the threads of the block (a single warp; one thread under the simulator)."""
         scratch[lane] = v
         cuda.syncthreads()
         total = np.int64(0)
-        for j in range(32):
+        for j in range(cuda.blockDim.x):
             total += scratch[j]
         cuda.syncthreads()
         return total
@@ -403,7 +406,7 @@ def _share_kernel(counts, lo, alphabet, modes, cum, cost, shared, ref):
             if shift >= 0 and shift + a <= alphabet[l, kv, r]:
                 own = np.int64(0)
                 other = np.int64(0)
-                for s in range(lane, a, 32):
+                for s in range(lane, a, cuda.blockDim.x):
                     n = np.int64(counts[l, kv, c, s])
                     if n > 0:
                         own += n * cost[cum[l, kv, c, s + 1] - cum[l, kv, c, s]]
@@ -422,77 +425,53 @@ def share_tables(counts, lo, alphabet, modes, cum, cost, shared, ref, stream=0):
     """tables.share_plane of every (layer, K/V) plane: shared [L, 2, C] (uint8) and ref [L, 2, C]
     (int32: the channel whose table each channel codes with).  cost: tables.SYMBOL_COST."""
     L = alphabet.shape[0]
-    _share_kernel[L * 2, 32, stream](as_device(counts), as_device(lo), as_device(alphabet), as_device(modes),
+    _share_kernel[L * 2, LANES, stream](as_device(counts), as_device(lo), as_device(alphabet), as_device(modes),
                                      as_device(cum), as_device(cost), as_device(shared), as_device(ref))
 
 
 @cuda.jit
-def _coder_table_kernel(cum, ref, lo, alphabet, tab, lo_eff, alphabet_eff):
+def _coder_table_kernel(cum, ref, lo, alphabet, tab, lo_eff, alphabet_eff, lut):
     i = cuda.grid(1)
     L, _, C, W = tab.shape
-    if i >= L * 2 * C * W:
+    if i >= L * 2 * C:
         return
-    s = i % W
-    r = i // W
-    c = r % C
-    p = r // C
+    c = i % C
+    p = i // C
     l = p // 2
     kv = p % 2
     src = ref[l, kv, c]
-    if s < W - 1:
+    for s in range(W - 1):
         a = np.int64(cum[l, kv, src, s])
-        tab[l, kv, c, s] = a | ((np.int64(cum[l, kv, src, s + 1]) - a) << 16)
-    else:
-        tab[l, kv, c, s] = PROB_TOTAL
-    if s == 0:
-        lo_eff[l, kv, c] = lo[l, kv, src]
-        alphabet_eff[l, kv, c] = alphabet[l, kv, src]
+        e = a | ((np.int64(cum[l, kv, src, s + 1]) - a) << 16)
+        if e >= np.int64(1) << 31:  # a frequency of PROB_TOTAL: the int32's sign bit
+            e -= np.int64(1) << 32
+        tab[l, kv, c, s] = e
+    tab[l, kv, c, W - 1] = PROB_TOTAL
+    lo_eff[l, kv, c] = lo[l, kv, src]
+    a = np.int64(alphabet[l, kv, src])
+    alphabet_eff[l, kv, c] = a
+    if lut.shape[3] == LUT_SIZE:  # the decoder's lookup table (cpu.build_lut's)
+        start = 0
+        for s in range(a):
+            end = min((np.int64(cum[l, kv, src, s + 1]) + (1 << LUT_SHIFT) - 1) >> LUT_SHIFT, LUT_SIZE)
+            for b in range(start, end):
+                lut[l, kv, c, b] = s
+            start = max(start, end)
 
 
-def coder_tables(cum, ref, lo, alphabet, tab, lo_eff, alphabet_eff, stream=0):
+def coder_tables(cum, ref, lo, alphabet, tab, lo_eff, alphabet_eff, lut, stream=0):
     """Each channel's coding table, its own or the one it shares (ref): tab [L, 2, C, W] int32
-    holding the 32 bits cum[s] | freq[s] << 16 (W - 1 symbols, then PROB_TOTAL: the decoder's scan stops
-    there), and the lo and alphabet it codes with (transform_codec.expand_shared's)."""
+    holding the 32 bits cum[s] | freq[s] << 16 (W - 1 symbols, then PROB_TOTAL: the decoder's
+    scan stops there), the lo and alphabet it codes with (transform_codec.expand_shared's) and,
+    when lut is [L, 2, C, LUT_SIZE] (uint8), the decoder's lookup table: for each b the symbol
+    s with cum[s] <= b << LUT_SHIFT < cum[s + 1] (cpu.build_lut), its first guess."""
     L, _, C, W = tab.shape
-    n = L * 2 * C * W
+    n = L * 2 * C
     if n == 0:
         return
     _coder_table_kernel[(*_cfg(n), stream)](as_device(cum), as_device(ref), as_device(lo), as_device(alphabet),
-                                            as_device(tab), as_device(lo_eff), as_device(alphabet_eff))
-
-
-@cuda.jit
-def _lut_kernel(tab, lut):
-    i = cuda.grid(1)
-    L, _, C, W = tab.shape
-    if i >= L * 2 * C * LUT_SIZE:
-        return
-    b = i % LUT_SIZE
-    r = i // LUT_SIZE
-    c = r % C
-    p = r // C
-    l = p // 2
-    kv = p % 2
-    target = np.int64(b) << LUT_SHIFT
-    lo_s = 0
-    hi_s = W - 1  # cum[W - 1] = PROB_TOTAL > target
-    while hi_s - lo_s > 1:  # the last s with cum[s] <= target
-        mid = (lo_s + hi_s) >> 1
-        if (np.int64(tab[l, kv, c, mid]) & 0xFFFF) <= target:
-            lo_s = mid
-        else:
-            hi_s = mid
-    lut[l, kv, c, b] = lo_s
-
-
-def decoder_luts(tab, lut, stream=0):
-    """lut [L, 2, C, LUT_SIZE] (uint8): for each channel and b, the symbol s with cum[s] <=
-    b << LUT_SHIFT < cum[s + 1] (cpu.build_lut): the decoder's first guess."""
-    L, _, C, _ = tab.shape
-    n = L * 2 * C * LUT_SIZE
-    if n == 0:
-        return
-    _lut_kernel[(*_cfg(n), stream)](as_device(tab), as_device(lut))
+                                            as_device(tab), as_device(lo_eff), as_device(alphabet_eff),
+                                            as_device(lut))
 
 
 # ---------------------------------------------------------------- the range coder
@@ -744,8 +723,8 @@ def write_tables(out, at, excl, shared, modes, lo, alphabet, codes, stream=0):
 @cuda.jit
 def _lengths_payload_kernel(out, payload_at, lengths_at, lengths, excl, per, slots):
     # A warp per stream: lane 0 writes the u16 length, all lanes copy the stream's bytes.
-    s = cuda.grid(1) // 32
-    lane = cuda.threadIdx.x % 32
+    s = cuda.grid(1) // LANES
+    lane = cuda.threadIdx.x % LANES
     if s >= lengths.shape[0]:
         return
     k = s // per
@@ -756,7 +735,7 @@ def _lengths_payload_kernel(out, payload_at, lengths_at, lengths, excl, per, slo
         out[a + 1] = (n >> 8) & 0xFF
     o = payload_at[k] + excl[s] - excl[k * per]
     src = slots[s]
-    for i in range(lane, n, 32):
+    for i in range(lane, n, LANES):
         out[o + i] = src[i]
 
 
@@ -766,7 +745,7 @@ def write_streams(out, payload_at, lengths_at, lengths, excl, per, slots, stream
     n = lengths.shape[0]
     if n == 0:
         return
-    _lengths_payload_kernel[_grid(32 * n, 256), 256, stream](as_device(out), as_device(payload_at),
+    _lengths_payload_kernel[(*_cfg(LANES * n, 256), stream)](as_device(out), as_device(payload_at),
                                                              as_device(lengths_at), as_device(lengths),
                                                              as_device(excl), np.int64(per), as_device(slots))
 

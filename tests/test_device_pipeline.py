@@ -1,0 +1,131 @@
+"""The device-resident pipeline of format version 2 (cachegen_cli/device_pipeline.py and
+kernels/cuda_pipeline.py) against the CPU codec: the same bytes, the same decoded values,
+the CPU reader's errors.
+
+Without a GPU these run under numba's CUDA simulator (conftest sets NUMBA_ENABLE_CUDASIM=1)
+on CPU tensors: inputs stay tiny.  On a GPU machine run them for real with
+NUMBA_ENABLE_CUDASIM=0 (then the tensors live on the GPU).
+"""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+import cachegen_cli as cg
+from cachegen_cli import codec, container, device_pipeline, kvio
+from cachegen_cli.config import TransformConfig, resolve_quantization
+from cachegen_cli.errors import ChecksumError, SizeError
+
+from conftest import per_layer, realistic_kv
+
+
+def _words(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _device_bytes(kv, quality=None, chunk_tokens=8, quantization=None, layout="auto") -> bytes:
+    cache = kvio.from_tensors(kv, layout, None)
+    cfg = quantization or resolve_quantization(cache.num_layers, quality=quality)
+    out, payload = device_pipeline.encode(cache, cfg, chunk_tokens)
+    assert 0 <= payload < out.numel()
+    return out.cpu().numpy().tobytes()
+
+
+def _device_decode(blob: bytes) -> torch.Tensor:
+    reader, _ = codec.open_input(blob)
+    h, _, offsets, size = codec.read_header_and_index(reader)
+    assert device_pipeline.decodable(h)
+    dev = device_pipeline.device()
+    t = torch.from_numpy(np.frombuffer(blob, np.uint8).copy()).to(dev)
+    return device_pipeline.decode(t, h, offsets, size).cpu()
+
+
+def _check(kv, quality=None, chunk_tokens=8, quantization=None):
+    cpu = cg.encode(kv, quality=quality, quantization=quantization, chunk_tokens=chunk_tokens, device="cpu")
+    assert _device_bytes(kv, quality, chunk_tokens, quantization) == cpu
+    want = cg.decode(cpu, device="cpu")["kv"]
+    got = _device_decode(cpu).reshape(want.shape)
+    assert got.dtype == want.dtype and torch.equal(_words(got), _words(want))
+    return cpu
+
+
+@pytest.mark.parametrize("quality, dtype", [
+    ("balanced", torch.bfloat16), ("lossless", torch.bfloat16), ("high", torch.float16), ("small", torch.float32),
+    ("lossless", torch.float32), ("lossless", torch.float16),
+])
+def test_same_bytes_and_values_as_the_cpu(quality, dtype):
+    kv = realistic_kv(layers=2, tokens=23, heads=2, head_dim=8, dtype=dtype, seed=3)
+    blob = _check(kv, quality, chunk_tokens=8)
+    if quality == "lossless":
+        assert torch.equal(_words(_device_decode(blob).reshape(kv.shape)), _words(kv))
+
+
+def test_channels_not_a_multiple_of_eight():
+    """The coder's byte-at-a-time path (the word path needs C and the group to be multiples of 8)."""
+    kv = realistic_kv(layers=1, tokens=13, heads=1, head_dim=5, dtype=torch.bfloat16, seed=5)
+    _check(kv, "balanced", chunk_tokens=4)
+
+
+@pytest.mark.parametrize("chunk_tokens, tokens", [(1, 5), (64, 9)])
+def test_one_token_chunks_and_a_single_short_chunk(chunk_tokens, tokens):
+    kv = realistic_kv(layers=1, tokens=tokens, heads=1, head_dim=8, dtype=torch.bfloat16, seed=tokens)
+    _check(kv, "balanced", chunk_tokens=chunk_tokens)
+
+
+def test_zero_planes_sinks_everywhere_and_refinement_across_chunks():
+    kv = realistic_kv(layers=2, tokens=20, heads=1, head_dim=8, dtype=torch.bfloat16, seed=9)
+    kv[1, 0] = 0  # a plane whose values all equal their offsets
+    cfg = TransformConfig("transform", (0.4,), (0.6,), sink_tokens=2, recent_tokens=7, recent_bits=3)
+    _check(kv, quantization=cfg, chunk_tokens=4)  # the refined tokens 13..19 straddle two chunks
+    cfg = TransformConfig("transform", (0.5,), (0.5,), sink_tokens=20)
+    _check(kv, quantization=cfg, chunk_tokens=8)
+
+
+def test_shared_tables_and_token_deltas_are_exercised():
+    kv = realistic_kv(layers=1, tokens=40, heads=2, head_dim=8, dtype=torch.bfloat16, seed=1)
+    blob = _check(kv, "small", chunk_tokens=16)
+    reader, _ = codec.open_input(blob)
+    h, _, _, _ = codec.read_header_and_index(reader)
+    assert h.params.shared.any() and (h.params.modes == 1).any()
+
+
+def test_per_layer_input():
+    kv = realistic_kv(layers=2, tokens=9, heads=2, head_dim=4, dtype=torch.bfloat16, seed=2)
+    tensors = per_layer(kv)
+    cpu = cg.encode(tensors, quality="balanced", chunk_tokens=4, device="cpu")
+    assert _device_bytes(tensors, "balanced", 4) == cpu
+
+
+def _recrc_chunk(blob: bytearray, offset: int) -> None:
+    """Recompute the CRC of the chunk record at offset (so a mutation reaches past it)."""
+    head = container.CHUNK_HEADER.unpack_from(blob, offset)
+    size = container.CHUNK_HEADER.size + sum(head[4:8])
+    body = bytes(blob[offset + container.CHUNK_HEADER.size : offset + size])
+    crc = zlib.crc32(bytes(blob[offset : offset + 36]) + body) & 0xFFFFFFFF
+    struct.pack_into("<I", blob, offset + 36, crc)
+
+
+def test_corruption_gives_the_cpu_readers_errors():
+    kv = realistic_kv(layers=1, tokens=12, heads=1, head_dim=5, dtype=torch.bfloat16, seed=4)
+    # 3 refined tokens x 2 planes x 5 channels x 1 bit = 30 bits: the section has 2 padding bits
+    cfg = TransformConfig("transform", (0.5,), (0.5,), recent_tokens=3, recent_bits=1)
+    blob = cg.encode(kv, quantization=cfg, chunk_tokens=8, device="cpu")
+    bad = bytearray(blob)
+    bad[len(blob) - 40] ^= 0x10  # a byte of the last chunk (its CRC no longer matches)
+    with pytest.raises(ChecksumError):
+        _device_decode(bytes(bad))
+    reader, _ = codec.open_input(blob)
+    _, _, offsets, _ = codec.read_header_and_index(reader)
+    last = offsets[-1]
+    raw_size = container.CHUNK_HEADER.unpack_from(blob, last)[4]
+    assert raw_size == 4
+    bad = bytearray(blob)
+    bad[last + container.CHUNK_HEADER.size + raw_size - 1] |= 0x80  # a padding bit, with a valid CRC
+    _recrc_chunk(bad, last)
+    with pytest.raises(SizeError, match="padding"):
+        _device_decode(bytes(bad))
