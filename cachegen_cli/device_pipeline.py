@@ -52,6 +52,16 @@ _HEAD_DTYPE = np.dtype([("magic", "S4"), ("index", "<u4"), ("first_token", "<u4"
 PARAMS_CRC_SEGMENT = 2048
 
 
+#: Set by benchmarks to a callable taking a stage name: called after each stage's launches,
+#: so CUDA events can time the stages (gpu_codec.STAGE_HOOK's convention).
+STAGE_HOOK = None
+
+
+def _mark(name: str) -> None:
+    if STAGE_HOOK is not None:
+        STAGE_HOOK(name)
+
+
 def _k():
     from .kernels import cuda_pipeline
 
@@ -147,6 +157,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[to
     itemsize = ITEMSIZE[dt]
     words = x.view(torch.int16 if itemsize == 2 else torch.int32)
     lossless = cfg.method == "lossless"
+    _mark("start")
     q = _empty((L, 2, T, C), torch.uint8 if lossless else torch.int8, dev)
     stats = _empty((L, 2, K, C, 6), torch.int32, dev)
     sink = R = bits = 0
@@ -162,6 +173,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[to
         part = _empty((2, L, 2, NB, C), torch.float64, dev)
         sums = _empty((2, L, 2, C), torch.float64, dev)
         k.transform_stats(_nb(words), _FMT[dt], sink, _nb(part[0]), _nb(part[1]), _nb(sums[0]), _nb(sums[1]))
+        _mark("statistics")
         sums_h = sums.cpu().numpy()  # synchronisation 1: the steps come from the sums
         offsets_bits, m, steps_bits, steps = tc.step_params(sums_h[0], sums_h[1], T - sink, cfg.steps_table(L), None)
         R, bits = tc.refine_plan(cfg, T, sink)
@@ -171,6 +183,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[to
         k.quantize_levels(_nb(words), _FMT[dt], sink, _nb(m_d), _nb(steps_d), float(cfg.rounding), T - R, bits, ct,
                           _nb(q), _nb(ref), _nb(stats))
         method, allow_delta = METHOD_TRANSFORM, cfg.token_delta
+        _mark("steps (host) + levels")
         fixed = (bytes(32) + np.ascontiguousarray(steps_bits, "<u2").tobytes()
                  + np.ascontiguousarray(offsets_bits, "<u2").tobytes())
     modes = _empty((L, 2, C), torch.uint8, dev)
@@ -185,6 +198,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[to
     shared = _empty((L, 2, C), torch.uint8, dev)
     refc = _empty((L, 2, C), torch.int32, dev)
     k.share_tables(_nb(counts), _nb(lo), _nb(alphabet), _nb(modes), _nb(cum), _nb(_cost(dev)), _nb(shared), _nb(refc))
+    _mark("tables")
     tab = _empty((L, 2, C, 257), torch.int32, dev)
     lo_eff = _empty((L, 2, C), torch.int32, dev)
     alphabet_eff = _empty((L, 2, C), torch.int32, dev)
@@ -194,10 +208,12 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[to
     lengths = _empty((n,), torch.int32, dev)
     k.encode_streams(_nb(q), _nb(_int64_view(q, C)), not lossless, _nb(modes), _nb(lo_eff), _nb(tab), ct, G,
                      _nb(slots), _nb(lengths))
+    _mark("range coding")
     incl = torch.cumsum(lengths, 0, dtype=torch.int64)
     entry = torch.where(shared.bool(), 1, 3 + (alphabet + 1) // 2).reshape(-1).to(torch.int64)
     tincl = torch.cumsum(entry, 0)
     ends = torch.cat([incl[per - 1 :: per], tincl[-1:]]).cpu().numpy()  # synchronisation 2: the layout
+    _mark("sizes to the host (sync)")
     payload = np.diff(ends[:-1], prepend=0).astype(np.int64)
     tables_size = int(ends[-1])
 
@@ -257,6 +273,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[to
                            seg_len], dev)
     at = (rec_at_d[:, None] + torch.arange(container.CHUNK_HEADER.size, device=dev)[None, :]).reshape(-1)
     out[at] = up[o:]
+    _mark("layout (host) + upload")
     out_nb = _nb(out)
     texcl = tincl - entry
     k.write_tables(out_nb, tables_at, _nb(texcl), _nb(shared), _nb(modes), _nb(lo), _nb(alphabet), _nb(codes))
@@ -264,6 +281,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[to
     k.write_streams(out_nb, _nb(payload_at_d), _nb(lengths_at_d), _nb(lengths), _nb(excl), per, _nb(slots))
     k.write_raw(out_nb, _nb(raw_at_d), _nb(raw_first_d), ct, T - R, bits, _nb(ref), _nb(words), nraw,
                 int(raw_first[-1]))
+    _mark("sections")
     k1 = _k1()
     crc = torch.zeros(K, dtype=torch.int64, device=dev)
     k1.crc32_chunks(out_nb, _words64(out), _nb(rec_at_d), _nb(rec_sizes_d), _nb(seg_first_d), _nb(crc),
@@ -276,6 +294,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[to
     k1.crc32_records(out_nb, _nb(seg_start_d), _nb(seg_len_d), _nb(zero), _nb(count), _nb(seg_crc), _nb(params_crc))
     k.put_header_crc(out_nb, _nb(params_crc), _nb(torch.full((1,), params_size, dtype=torch.int64, device=dev)),
                      zlib.crc32(head60 + desc), 60)
+    _mark("CRC-32s")
     return out, int(payload.sum())
 
 
@@ -341,6 +360,7 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int) 
     per = h.streams_per_chunk
     n = K * per
     dtype = DTYPE_BY_NAME[h.dtype]
+    _mark("start")
     offsets = np.asarray(offsets_l, np.int64)
     hb = container.CHUNK_HEADER.size
     at = torch.from_numpy((offsets[:, None] + np.arange(hb, dtype=np.int64)[None, :]).reshape(-1)).to(dev)
@@ -371,6 +391,7 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int) 
     pad_at = raw_at + np.maximum(raw - 1, 0)
     (offsets_d, rec_sizes_d, raw_at_d, lengths_at_d, payload_at_d, seg_first_d, pad_mask_d, pad_at_d,
      tks_d) = _upload([offsets, rec_sizes, raw_at, lengths_at, payload_at, seg_first, pad_mask, pad_at, tks], dev)
+    _mark("chunk headers (host)")
     # stream lengths and starts, from the lengths sections
     li = (lengths_at_d[:, None] + 2 * torch.arange(per, device=dev)[None, :]).reshape(-1)
     lens = blob[li].to(torch.int64) | (blob[li + 1].to(torch.int64) << 8)
@@ -392,9 +413,11 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int) 
     lut = _empty((L, 2, C, k.LUT_SIZE), torch.uint8, dev)
     k.coder_tables(_nb(cum), _nb(ident), _nb(lo_d), _nb(alphabet_d), _nb(tab), _nb(lo_eff), _nb(alphabet_eff),
                    _nb(lut))
+    _mark("lengths + tables")
     sym = _empty((L, 2, T, C), torch.uint8, dev)
     blob_nb = _nb(blob)
     k.decode_streams(blob_nb, _nb(starts), _nb(lens_c), _nb(tab), _nb(lut), ct, G, _nb(sym), _nb(_int64_view(sym, C)))
+    _mark("range decoding")
     lossless = h.method == METHOD_LOSSLESS
     nraw = h.raw_bytes_per_value
     if lossless or dtype == torch.bfloat16:
@@ -423,6 +446,7 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int) 
     if S:
         sink = torch.from_numpy(np.ascontiguousarray(p.sink).reshape(-1)).to(dev).view(dtype).reshape(L, 2, S, C)
         data[:, :, :S] = sink
+    _mark("levels + values")
     # the checks of the reader's rules that need the chunks' bytes, in one copy back
     crc = torch.zeros(K, dtype=torch.int64, device=dev)
     k1.crc32_chunks(blob_nb, _words64(blob), _nb(offsets_d), _nb(rec_sizes_d), _nb(seg_first_d), _nb(crc),
@@ -434,6 +458,7 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int) 
         (by_chunk > bound[:, None]).any(dim=1).to(torch.int64),
         (blob[pad_at_d].to(torch.int64) & pad_mask_d),
     ]).cpu().numpy()
+    _mark("CRC-32s + checks (sync)")
     failed = bool((checks[0] != heads["crc"]).any() or (checks[1] != payload).any() or checks[2].any()
                   or checks[3].any())
     return data, failed

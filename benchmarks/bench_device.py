@@ -1,0 +1,146 @@
+"""GPU-resident throughput of every method: a bf16 CUDA tensor -> .cgen bytes in a uint8 CUDA
+tensor (``encode_to_device``) -> a bf16 CUDA tensor (``decode(tensor, device="cuda")``), with
+per-stage times, CPU == GPU byte identity and the device-to-device copy ceiling.
+
+    python benchmarks/bench_device.py --tokens 8192 --repeats 10 --json out.json
+
+The cache is bench.py's Llama-3.1-8B-shaped one (32 layers x 8 KV heads x 128 dims, bf16,
+tiled from the real SmolLM2 sample: 8192 tokens = 1.07 GB).  Timings follow the device
+tool's METHOD.md: a warm-up call (compilation excluded), then the median (and min-max) of
+--repeats calls, host clock after a device synchronisation; stage times from CUDA events
+recorded after each stage's launches (device_pipeline.STAGE_HOOK / gpu_codec.STAGE_HOOK),
+so a stage includes the time the GPU waited for the host to launch it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import build_cache  # noqa: E402
+
+import cachegen_cli as cg  # noqa: E402
+from cachegen_cli import device_pipeline, gpu_codec  # noqa: E402
+
+METHODS = {
+    "lossless": {"quality": "lossless"},
+    "high": {"quality": "high"},
+    "balanced": {"quality": "balanced"},
+    "small": {"quality": "small"},
+    "lmcache": {"preset": "lmcache"},
+}
+
+
+def timed(fn, repeats: int) -> tuple[float, float, float]:
+    """(median, min, max) seconds of fn() after one warm-up call, synchronised."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), min(times), max(times)
+
+
+class Stages:
+    """CUDA events after each stage; medians of the stage durations over the calls."""
+
+    def __init__(self) -> None:
+        self.runs: list[list[tuple[str, torch.cuda.Event]]] = []
+
+    def hook(self, name: str) -> None:
+        if name == "start":
+            self.runs.append([])
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        self.runs[-1].append((name, ev))
+
+    def table(self) -> list[tuple[str, float]]:
+        torch.cuda.synchronize()
+        per: dict[str, list[float]] = {}
+        for run in self.runs:
+            for (_, a), (name, b) in zip(run, run[1:]):
+                per.setdefault(name, []).append(a.elapsed_time(b))
+        return [(name, statistics.median(v)) for name, v in per.items()]
+
+
+def copy_ceiling() -> float:
+    """Device-to-device copy, bytes read + written per second."""
+    a = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    med, _, _ = timed(lambda: b.copy_(a), 10)
+    return 2 * a.numel() / med
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--check-tokens", type=int, default=1024, help="tokens of the CPU == GPU byte check")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, "
+          f"torch {torch.__version__}, commit {commit[:12]}, command: {' '.join(sys.argv)}", flush=True)
+    ceiling = copy_ceiling()
+    print(f"copy ceiling {ceiling / 1e12:.2f} TB/s", flush=True)
+    kv = build_cache(args.tokens).cuda()
+    nbytes = kv.numel() * kv.element_size()
+    small = build_cache(args.check_tokens)
+    rows = []
+    for name in args.methods.split(","):
+        kw = METHODS[name]
+        blob = cg.encode_to_device(kv, **kw)
+        out = cg.decode(blob, device="cuda")["kv"]
+        exact = torch.equal(out.view(torch.int16), kv.view(torch.int16))
+        enc = timed(lambda: cg.encode_to_device(kv, **kw), args.repeats)
+        dec = timed(lambda: cg.decode(blob, device="cuda"), args.repeats)
+        st_e, st_d = Stages(), Stages()
+        device_pipeline.STAGE_HOOK = gpu_codec.STAGE_HOOK = st_e.hook
+        for _ in range(3):
+            cg.encode_to_device(kv, **kw)
+        device_pipeline.STAGE_HOOK = gpu_codec.STAGE_HOOK = st_d.hook
+        for _ in range(3):
+            cg.decode(blob, device="cuda")
+        device_pipeline.STAGE_HOOK = gpu_codec.STAGE_HOOK = None
+        # identity: the CPU's bytes and values for a smaller cache
+        cpu_blob = cg.encode(small, device="cpu", **kw)
+        gpu_blob = cg.encode_to_device(small.cuda(), **kw).cpu().numpy().tobytes()
+        same = cpu_blob == gpu_blob
+        a = cg.decode(cpu_blob, device="cpu")["kv"]
+        b = cg.decode(gpu_codec.device_bytes(cpu_blob), device="cuda")["kv"].cpu()
+        same_values = torch.equal(a.view(torch.int16), b.view(torch.int16))
+        row = {"method": name, "bytes": nbytes, "file_bytes": int(blob.numel()), "ratio": nbytes / blob.numel(),
+               "encode_GBps": nbytes / enc[0] / 1e9, "encode_GBps_range": [nbytes / enc[2] / 1e9, nbytes / enc[1] / 1e9],
+               "decode_GBps": nbytes / dec[0] / 1e9, "decode_GBps_range": [nbytes / dec[2] / 1e9, nbytes / dec[1] / 1e9],
+               "bit_exact": exact, "identical_cpu_gpu_bytes": same, "identical_cpu_gpu_values": same_values,
+               "encode_stages_ms": st_e.table(), "decode_stages_ms": st_d.table()}
+        rows.append(row)
+        print(f"{name:9s} ratio {row['ratio']:.2f}x  encode {row['encode_GBps']:.1f} GB/s "
+              f"({row['encode_GBps_range'][0]:.1f}-{row['encode_GBps_range'][1]:.1f})  decode {row['decode_GBps']:.1f} "
+              f"GB/s ({row['decode_GBps_range'][0]:.1f}-{row['decode_GBps_range'][1]:.1f})  "
+              f"of ceiling {nbytes / enc[0] / ceiling:.1%}/{nbytes / dec[0] / ceiling:.1%}  "
+              f"cpu==gpu bytes {same} values {same_values}" + ("  bit-exact" if exact else ""), flush=True)
+        for label, st in (("  encode", row["encode_stages_ms"]), ("  decode", row["decode_stages_ms"])):
+            print(label + ": " + ", ".join(f"{n} {ms:.2f}" for n, ms in st) + f"  (sum {sum(ms for _, ms in st):.2f} ms)")
+        del blob, out
+        torch.cuda.empty_cache()
+    if args.json:
+        args.json.write_text(json.dumps({"commit": commit, "command": sys.argv, "device": torch.cuda.get_device_name(),
+                                         "copy_ceiling_Bps": ceiling, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
