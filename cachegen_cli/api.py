@@ -178,8 +178,7 @@ def decode(data: bytes | bytearray | memoryview | torch.Tensor, *, device: str =
             if _is_v2(data):
                 from . import device_pipeline
 
-                reader = gpu_codec._DeviceReader(blob)
-                header, _, offsets, size = codec.read_header_and_index(reader)
+                header, offsets, size = device_pipeline.read_header(blob)
                 if device_pipeline.decodable(header):
                     tensor = device_pipeline.decode(blob, header, offsets, size)
                     return kvio.to_tensors(tensor, header.descriptor)

@@ -77,6 +77,7 @@ class FileHeader:
     flags: int = 0
     sink_tokens: int = 0
     params: "Params | None" = None
+    params_at: int = 0  # version 2: where the Params block starts in the file
 
     @property
     def rotated(self) -> bool:
@@ -201,8 +202,9 @@ def read_exact(f: BinaryIO, n: int, what: str) -> bytes:
     return data
 
 
-def read_file_header(f: BinaryIO, file_size: int | None = None) -> tuple[FileHeader, int]:
-    """Parse the header at the current position; returns it and its total size in bytes."""
+def read_file_header(f: BinaryIO, file_size: int | None = None, defer_tables: bool = False) -> tuple[FileHeader, int]:
+    """Parse the header at the current position; returns it and its total size in bytes.
+    ``defer_tables``: a version-2 Params block's tables are only walked (params.parse_params)."""
     raw = bytes(f.read(FILE_HEADER.size))
     if len(raw) < len(MAGIC) or raw[: len(MAGIC)] != MAGIC:
         if len(raw) < len(MAGIC) and MAGIC.startswith(raw) and raw:
@@ -212,7 +214,7 @@ def read_file_header(f: BinaryIO, file_size: int | None = None) -> tuple[FileHea
         raise TruncatedError(f"file ends inside the file header ({len(raw)} of {FILE_HEADER.size} bytes)")
     (version,) = struct.unpack_from("<H", raw, 8)
     if version == FORMAT_VERSION_2:
-        return _read_file_header_v2(f, raw, file_size)
+        return _read_file_header_v2(f, raw, file_size, defer_tables)
     if version != FORMAT_VERSION:
         raise UnsupportedVersionError(f"format version {version} is not supported (this reader knows versions 1 and 2)")
     (_, version, header_size, desc_size, num_tokens, num_layers, num_channels, chunk_tokens, num_chunks,
@@ -285,7 +287,8 @@ def _parse_descriptor(desc_raw: bytes, num_layers: int, num_tokens: int, num_cha
     return descriptor
 
 
-def _read_file_header_v2(f: BinaryIO, raw: bytes, file_size: int | None) -> tuple[FileHeader, int]:
+def _read_file_header_v2(f: BinaryIO, raw: bytes, file_size: int | None,
+                         defer_tables: bool = False) -> tuple[FileHeader, int]:
     (_, version, header_size, desc_size, num_tokens, num_layers, num_channels, chunk_tokens, num_chunks,
      group, dtype_code, layout_code, method, prob_bits, cdf_coding, flags, params_size, sink_tokens, reserved,
      crc) = FILE_HEADER_V2.unpack(raw)
@@ -312,10 +315,11 @@ def _read_file_header_v2(f: BinaryIO, raw: bytes, file_size: int | None) -> tupl
         raise ChecksumError("file header CRC mismatch: the file is corrupted")
     descriptor = _parse_descriptor(desc_raw, num_layers, num_tokens, num_channels)
     params = parse_params(params_raw, method, num_layers, num_channels, sink_tokens, dtype, bool(flags & FLAG_ROTATED),
-                          bool(flags & FLAG_REFINED), num_tokens)
+                          bool(flags & FLAG_REFINED), num_tokens, defer_tables)
     bins = np.zeros((num_layers, 2), np.int32)
     header = FileHeader(num_tokens, num_layers, num_channels, chunk_tokens, num_chunks, group, dtype, layout,
-                        bins, descriptor, method, prob_bits, cdf_coding, FORMAT_VERSION_2, flags, sink_tokens, params)
+                        bins, descriptor, method, prob_bits, cdf_coding, FORMAT_VERSION_2, flags, sink_tokens, params,
+                        FILE_HEADER.size + desc_size)
     return header, FILE_HEADER.size + rest
 
 

@@ -48,8 +48,6 @@ _COST: dict = {}
 _HEAD_DTYPE = np.dtype([("magic", "S4"), ("index", "<u4"), ("first_token", "<u4"), ("token_count", "<u4"),
                         ("raw_size", "<u4"), ("cdf_size", "<u4"), ("lengths_size", "<u4"), ("payload_size", "<u4"),
                         ("reserved", "<u4"), ("crc", "<u4")])
-#: CRC-32 segment of the header's Params block: one thread each.
-PARAMS_CRC_SEGMENT = 2048
 
 
 #: Set by benchmarks to a callable taking a stage name: called after each stage's launches,
@@ -165,6 +163,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[to
     if lossless:
         nraw = itemsize - 1
         k.split_levels(_nb(words), 8 * nraw, ct, _nb(q), _nb(stats))
+        _mark("levels")
         method, allow_delta, fixed = METHOD_LOSSLESS, False, b""
         ref = torch.zeros((1, 1, 1, 1), dtype=torch.uint8, device=dev)
     else:
@@ -175,15 +174,17 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[to
         k.transform_stats(_nb(words), _FMT[dt], sink, _nb(part[0]), _nb(part[1]), _nb(sums[0]), _nb(sums[1]))
         _mark("statistics")
         sums_h = sums.cpu().numpy()  # synchronisation 1: the steps come from the sums
+        _mark("sums to the host (sync)")
         offsets_bits, m, steps_bits, steps = tc.step_params(sums_h[0], sums_h[1], T - sink, cfg.steps_table(L), None)
         R, bits = tc.refine_plan(cfg, T, sink)
         ref = _empty((L, 2, max(R, 1), C), torch.uint8, dev)
         m_d = torch.from_numpy(np.ascontiguousarray(m, np.float32)).to(dev)
         steps_d = torch.from_numpy(np.ascontiguousarray(steps, np.float64)).to(dev)
+        _mark("steps (host) + upload")
         k.quantize_levels(_nb(words), _FMT[dt], sink, _nb(m_d), _nb(steps_d), float(cfg.rounding), T - R, bits, ct,
                           _nb(q), _nb(ref), _nb(stats))
         method, allow_delta = METHOD_TRANSFORM, cfg.token_delta
-        _mark("steps (host) + levels")
+        _mark("levels")
         fixed = (bytes(32) + np.ascontiguousarray(steps_bits, "<u2").tobytes()
                  + np.ascontiguousarray(offsets_bits, "<u2").tobytes())
     modes = _empty((L, 2, C), torch.uint8, dev)
@@ -204,10 +205,12 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[to
     alphabet_eff = _empty((L, 2, C), torch.int32, dev)
     k.coder_tables(_nb(cum), _nb(refc), _nb(lo), _nb(alphabet), _nb(tab), _nb(lo_eff), _nb(alphabet_eff),
                    _nb(_empty((1, 1, 1, 1), torch.uint8, dev)))
+    sym = _empty((L, 2, T, C), torch.uint8, dev)
+    k.symbols(_nb(q), not lossless, _nb(modes), _nb(lo_eff), ct, _nb(sym))
+    _mark("symbols")
     slots = _empty((n, max_stream_bytes(ct * G)), torch.uint8, dev)
     lengths = _empty((n,), torch.int32, dev)
-    k.encode_streams(_nb(q), _nb(_int64_view(q, C)), not lossless, _nb(modes), _nb(lo_eff), _nb(tab), ct, G,
-                     _nb(slots), _nb(lengths))
+    k.encode_streams(_nb(sym), _nb(_int64_view(sym, C)), _nb(tab), ct, G, _nb(slots), _nb(lengths))
     _mark("range coding")
     incl = torch.cumsum(lengths, 0, dtype=torch.int64)
     entry = torch.where(shared.bool(), 1, 3 + (alphabet + 1) // 2).reshape(-1).to(torch.int64)
@@ -265,12 +268,8 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[to
     payload_at = lengths_at + 2 * per
     raw_first = np.concatenate([[0], np.cumsum(raw)]).astype(np.int64)
     seg_first = _k1().chunk_crc_segments(rec_at, rec_sizes)
-    nseg = -(-params_size // PARAMS_CRC_SEGMENT)
-    seg_start = params_at + np.arange(nseg, dtype=np.int64) * PARAMS_CRC_SEGMENT
-    seg_len = np.minimum(PARAMS_CRC_SEGMENT, params_at + params_size - seg_start)
-    (rec_at_d, rec_sizes_d, raw_at_d, lengths_at_d, payload_at_d, raw_first_d, seg_first_d, seg_start_d,
-     seg_len_d) = _upload([rec_at, rec_sizes, raw_at, lengths_at, payload_at, raw_first, seg_first, seg_start,
-                           seg_len], dev)
+    (rec_at_d, rec_sizes_d, raw_at_d, lengths_at_d, payload_at_d, raw_first_d,
+     seg_first_d) = _upload([rec_at, rec_sizes, raw_at, lengths_at, payload_at, raw_first, seg_first], dev)
     at = (rec_at_d[:, None] + torch.arange(container.CHUNK_HEADER.size, device=dev)[None, :]).reshape(-1)
     out[at] = up[o:]
     _mark("layout (host) + upload")
@@ -287,13 +286,8 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[to
     k1.crc32_chunks(out_nb, _words64(out), _nb(rec_at_d), _nb(rec_sizes_d), _nb(seg_first_d), _nb(crc),
                     int(seg_first[-1]))
     k1.put_crcs(out_nb, _nb(rec_at_d), _nb(crc))
-    seg_crc = _empty((nseg,), torch.int64, dev)
-    params_crc = _empty((1,), torch.int64, dev)
-    zero = torch.zeros(1, dtype=torch.int64, device=dev)
-    count = torch.full((1,), nseg, dtype=torch.int64, device=dev)
-    k1.crc32_records(out_nb, _nb(seg_start_d), _nb(seg_len_d), _nb(zero), _nb(count), _nb(seg_crc), _nb(params_crc))
-    k.put_header_crc(out_nb, _nb(params_crc), _nb(torch.full((1,), params_size, dtype=torch.int64, device=dev)),
-                     zlib.crc32(head60 + desc), 60)
+    acc = torch.zeros(1, dtype=torch.int64, device=dev)
+    k.put_header_crc(out_nb, _words64(out), params_at, params_size, zlib.crc32(head60 + desc), 60, _nb(acc))
     _mark("CRC-32s")
     return out, int(payload.sum())
 
@@ -322,14 +316,28 @@ def _words64(t: torch.Tensor):
 # ---------------------------------------------------------------- decoding
 
 
+def read_header(blob: torch.Tensor) -> tuple[FileHeader, list[int], int]:
+    """(header, chunk offsets, file size) of the .cgen file in a uint8 device tensor: only the
+    header, descriptor, Params block and index are copied to the host, and a version-2 Params
+    block's tables are only walked (the decoder reads them on the device)."""
+    from .gpu_codec import _DeviceReader
+
+    reader = _DeviceReader(blob)
+    size = reader.size
+    h, header_end = container.read_file_header(reader, size, defer_tables=True)
+    offsets = container.read_index(reader, h, header_end, size)
+    return h, offsets, size
+
+
 def decodable(h: FileHeader) -> bool:
-    """True when this pipeline decodes a file with this header."""
-    return h.version == container.FORMAT_VERSION_2 and not h.rotated and h.num_chunks > 0
+    """True when this pipeline decodes a file with this header (read by read_header)."""
+    return (h.version == container.FORMAT_VERSION_2 and not h.rotated and h.num_chunks > 0
+            and h.params.table_starts is not None)
 
 
 def decode(blob: torch.Tensor, h: FileHeader, offsets: list[int], size: int) -> torch.Tensor:
     """The [L, 2, T, C] cache of the .cgen file in ``blob`` (a uint8 device tensor) whose
-    header and index were parsed (codec.read_header_and_index): on the device, in the file's
+    header and index were parsed (read_header): on the device, in the file's
     dtype.  Raises the CPU reader's error when a check fails."""
     with _LOCK:
         out, failed = _decode(blob, h, offsets, size)
@@ -348,7 +356,6 @@ def _raise_cpu_error(blob: torch.Tensor) -> None:
 
 
 def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int) -> tuple[torch.Tensor, bool]:
-    from .kernels import cuda_transform
 
     k = _k()
     k1 = _k1()
@@ -399,20 +406,16 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int) 
     starts = (payload_at_d[:, None] + torch.cumsum(by_chunk, 1) - by_chunk).reshape(-1)
     starts = torch.clamp(starts, max=size)
     lens_c = torch.minimum(lens, size - starts)  # a corrupt table never reads past the file
-    # the tables, expanded by the parser (shared channels carry their table's arrays)
-    codes_d = torch.from_numpy(np.ascontiguousarray(p.codes)).to(dev)
-    alphabet_d = torch.from_numpy(np.ascontiguousarray(p.alphabet, np.int32)).to(dev)
-    lo_d = torch.from_numpy(np.ascontiguousarray(p.lo, np.int32)).to(dev)
-    modes_d = torch.from_numpy(np.ascontiguousarray(p.modes, np.uint8)).to(dev)
-    cum = _empty((L, 2, C, 257), torch.int32, dev)
-    cuda_transform.cum_from_table_codes(_nb(codes_d), _nb(alphabet_d), _nb(cum))
+    # the tables, read and checked on the device straight from the Params block
+    starts_d, source_d = _upload([p.table_starts, p.table_source], dev)
     tab = _empty((L, 2, C, 257), torch.int32, dev)
+    lut = _empty((L, 2, C, k.LUT_SIZE), torch.uint8, dev)
+    modes_d = _empty((L, 2, C), torch.uint8, dev)
     lo_eff = _empty((L, 2, C), torch.int32, dev)
     alphabet_eff = _empty((L, 2, C), torch.int32, dev)
-    ident = torch.arange(C, dtype=torch.int32, device=dev).expand(L, 2, C).contiguous()
-    lut = _empty((L, 2, C, k.LUT_SIZE), torch.uint8, dev)
-    k.coder_tables(_nb(cum), _nb(ident), _nb(lo_d), _nb(alphabet_d), _nb(tab), _nb(lo_eff), _nb(alphabet_eff),
-                   _nb(lut))
+    tables_bad = torch.zeros(1, dtype=torch.int64, device=dev)
+    k.read_tables(_nb(blob), h.params_at, _nb(starts_d), _nb(source_d), h.method == METHOD_TRANSFORM, _nb(tab),
+                  _nb(lut), _nb(modes_d), _nb(lo_eff), _nb(alphabet_eff), _nb(tables_bad))
     _mark("lengths + tables")
     sym = _empty((L, 2, T, C), torch.uint8, dev)
     blob_nb = _nb(blob)

@@ -43,6 +43,11 @@ class Params:
     shared: np.ndarray | None = None  # bool [L, 2, C]: uses the table of the previous own-table channel
     refine_tokens: int = 0  # the last refine_tokens tokens carry refine_bits more bits each (FLAG_REFINED)
     refine_bits: int = 0
+    #: Set instead of modes / lo / alphabet / codes when the tables were only walked
+    #: (parse_params(defer_tables=True)): where each entry's codes start in the Params block,
+    #: and the table each entry uses (its own index, or the entry it shares).
+    table_starts: np.ndarray | None = None
+    table_source: np.ndarray | None = None
 
     @property
     def width(self) -> int:
@@ -134,8 +139,13 @@ def pack_tables(modes: np.ndarray, lo: np.ndarray, alphabet: np.ndarray, codes: 
 
 
 def parse_params(raw: bytes, method: int, num_layers: int, num_channels: int, sink_tokens: int, dtype: str,
-                 rotated: bool, refined: bool = False, num_tokens: int = 0) -> Params:
-    """Parse and check a Params block of exactly len(raw) bytes (``refined``: the header's FLAG_REFINED)."""
+                 rotated: bool, refined: bool = False, num_tokens: int = 0, defer_tables: bool = False) -> Params:
+    """Parse and check a Params block of exactly len(raw) bytes (``refined``: the header's FLAG_REFINED).
+
+    With ``defer_tables`` the tables are only walked (every entry's size checked against the
+    bytes left, the block filled exactly): the returned Params has table_starts and
+    table_source instead of the table arrays, for a decoder that reads and checks the
+    entries themselves (device_pipeline does, on the GPU)."""
     L, C = num_layers, num_channels
     itemsize = ITEMSIZE[dtype]
     o = 0
@@ -171,6 +181,13 @@ def parse_params(raw: bytes, method: int, num_layers: int, num_channels: int, si
             raise SizeError("an offset is not finite")
     elif method != METHOD_LOSSLESS:
         raise UnsupportedVersionError(f"unknown quantization method {method}")
+    if defer_tables:
+        starts, heads = walk_table_entries(raw, o, L * 2 * C, C)
+        shared = heads == MODE_SAME
+        # each entry's table: its own, or the nearest preceding own one (a plane's first entry is own)
+        source = np.maximum.accumulate(np.where(shared, 0, np.arange(shared.size, dtype=np.int64)))
+        return Params(method, None, None, None, None, calibration, steps, offsets, sink, shared.reshape(L, 2, C),
+                      refine_tokens, refine_bits, starts, source)
     modes, lo, alphabet, codes, shared = parse_tables(raw, o, L * 2 * C, method, C)
     shape = (L, 2, C)
     shared = shared.reshape(shape)
@@ -180,6 +197,24 @@ def parse_params(raw: bytes, method: int, num_layers: int, num_channels: int, si
 
         arrays = expand_shared(shared, *arrays)
     return Params(method, *arrays, calibration, steps, offsets, sink, shared, refine_tokens, refine_bits)
+
+
+def walk_table_entries(raw: bytes, start: int, count: int, per_plane: int) -> tuple[np.ndarray, np.ndarray]:
+    """(starts, heads): where each of ``count`` table entries from ``start`` has its codes and
+    its first byte, the entries checked to fit and to end exactly at the end of ``raw``."""
+    from .kernels.cpu_transform import walk_tables
+
+    buf = np.frombuffer(raw, np.uint8)
+    starts = np.empty(count, np.int64)
+    heads = np.zeros(count, np.uint8)
+    end = walk_tables(buf, start, count, per_plane, starts, heads)
+    if end == -(1 << 40):
+        raise SizeError("the first table of a (layer, K/V) cannot refer to a previous one")
+    if end < 0:
+        raise TruncatedError(f"the Params block ends inside table {-1 - end}")
+    if end != len(buf):
+        raise SizeError("bytes left over after the tables of the Params block")
+    return starts, heads
 
 
 def parse_tables(raw: bytes, start: int, count: int, method: int, per_plane: int):

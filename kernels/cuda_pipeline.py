@@ -35,13 +35,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cuda import BLOCK, SIM, _bits_f32, _f32_bits, _grid, as_device, cuda  # noqa: F401  (restores np.row_stack)
+from .cuda import BLOCK, SIM, _bits_f32, _crc_span, _f32_bits, _grid, _placeholder, as_device, cuda  # noqa: F401
 from .cdf import codes_to_cum, counts_to_codes
 from .coding_params import MASK32, PROB_BITS, PROB_TOTAL, RANGE_INIT, RANGE_TOP
-from .crc import CRC_TABLE, crc32_combine
+from .crc import CRC_TABLE, multmodp, x8nmodp
 from .quantize import float_from_bits16
 from .range_coder import _add_carry
-from .tables import COST_ONE, STAT_EMPTY, choose_table, table_bytes
+from .tables import COST_ONE, SHARE_SPAN, STAT_EMPTY, choose_table, table_bytes
 from .transform import (MODE_DELTA, STATS_BLOCK, TRANSFORM_QMAX, refine_index, symbol_top_byte, token_level,
                         token_value, top_byte_symbol)
 
@@ -49,6 +49,8 @@ from .transform import (MODE_DELTA, STATS_BLOCK, TRANSFORM_QMAX, refine_index, s
 #: which runs every thread in Python).
 HIST_SLICES = 1 if SIM else 8
 HIST_ROW = 257  # 256 symbols + 1: rows start on different banks
+#: CRC-32 segment of the header's Params block: one thread each.
+PARAMS_CRC_SEGMENT = 2048
 #: Threads that share one (table walk, stream copy): a warp, one thread under the simulator.
 LANES = 1 if SIM else 32
 #: Threads per coder block.
@@ -392,13 +394,15 @@ else:
 @cuda.jit
 def _share_kernel(counts, lo, alphabet, modes, cum, cost, shared, ref):
     scratch = cuda.shared.array(32, np.int64)
-    p = cuda.blockIdx.x
+    L, _, C = alphabet.shape
+    spans = (C + SHARE_SPAN - 1) // SHARE_SPAN
+    p = cuda.blockIdx.x // spans
+    c_first = (cuda.blockIdx.x % spans) * SHARE_SPAN
     lane = cuda.threadIdx.x
     l = p // 2
     kv = p % 2
-    C = alphabet.shape[2]
     r = np.int64(-1)
-    for c in range(C):
+    for c in range(c_first, min(C, c_first + SHARE_SPAN)):
         a = np.int64(alphabet[l, kv, c])
         use = False
         if r >= 0 and modes[l, kv, c] == modes[l, kv, r]:
@@ -422,11 +426,13 @@ def _share_kernel(counts, lo, alphabet, modes, cum, cost, shared, ref):
 
 
 def share_tables(counts, lo, alphabet, modes, cum, cost, shared, ref, stream=0):
-    """tables.share_plane of every (layer, K/V) plane: shared [L, 2, C] (uint8) and ref [L, 2, C]
-    (int32: the channel whose table each channel codes with).  cost: tables.SYMBOL_COST."""
-    L = alphabet.shape[0]
-    _share_kernel[L * 2, LANES, stream](as_device(counts), as_device(lo), as_device(alphabet), as_device(modes),
-                                     as_device(cum), as_device(cost), as_device(shared), as_device(ref))
+    """tables.share_plane of every (layer, K/V) plane, a warp per SHARE_SPAN channels: shared
+    [L, 2, C] (uint8) and ref [L, 2, C] (int32: the channel whose table each channel codes
+    with).  cost: tables.SYMBOL_COST."""
+    L, _, C = alphabet.shape
+    blocks = L * 2 * ((C + SHARE_SPAN - 1) // SHARE_SPAN)
+    _share_kernel[blocks, LANES, stream](as_device(counts), as_device(lo), as_device(alphabet), as_device(modes),
+                                         as_device(cum), as_device(cost), as_device(shared), as_device(ref))
 
 
 @cuda.jit
@@ -440,15 +446,15 @@ def _coder_table_kernel(cum, ref, lo, alphabet, tab, lo_eff, alphabet_eff, lut):
     l = p // 2
     kv = p % 2
     src = ref[l, kv, c]
-    for s in range(W - 1):
-        a = np.int64(cum[l, kv, src, s])
-        e = a | ((np.int64(cum[l, kv, src, s + 1]) - a) << 16)
+    a = np.int64(alphabet[l, kv, src])
+    for s in range(a):  # entries past the alphabet are never read: the last one stops the scans
+        base = np.int64(cum[l, kv, src, s])
+        e = base | ((np.int64(cum[l, kv, src, s + 1]) - base) << 16)
         if e >= np.int64(1) << 31:  # a frequency of PROB_TOTAL: the int32's sign bit
             e -= np.int64(1) << 32
         tab[l, kv, c, s] = e
-    tab[l, kv, c, W - 1] = PROB_TOTAL
+    tab[l, kv, c, a] = PROB_TOTAL
     lo_eff[l, kv, c] = lo[l, kv, src]
-    a = np.int64(alphabet[l, kv, src])
     alphabet_eff[l, kv, c] = a
     if lut.shape[3] == LUT_SIZE:  # the decoder's lookup table (cpu.build_lut's)
         start = 0
@@ -460,9 +466,9 @@ def _coder_table_kernel(cum, ref, lo, alphabet, tab, lo_eff, alphabet_eff, lut):
 
 
 def coder_tables(cum, ref, lo, alphabet, tab, lo_eff, alphabet_eff, lut, stream=0):
-    """Each channel's coding table, its own or the one it shares (ref): tab [L, 2, C, W] int32
-    holding the 32 bits cum[s] | freq[s] << 16 (W - 1 symbols, then PROB_TOTAL: the decoder's
-    scan stops there), the lo and alphabet it codes with (transform_codec.expand_shared's) and,
+    """Each channel's coding table, its own or the one it shares (ref): tab [L, 2, C, 257] int32
+    holding the 32 bits cum[s] | freq[s] << 16 for its A symbols, then PROB_TOTAL at A (where
+    the decoder's scan stops; later entries are not written), the lo and alphabet it codes with (transform_codec.expand_shared's) and,
     when lut is [L, 2, C, LUT_SIZE] (uint8), the decoder's lookup table: for each b the symbol
     s with cum[s] <= b << LUT_SHIFT < cum[s + 1] (cpu.build_lut), its first guess."""
     L, _, C, W = tab.shape
@@ -472,6 +478,72 @@ def coder_tables(cum, ref, lo, alphabet, tab, lo_eff, alphabet_eff, lut, stream=
     _coder_table_kernel[(*_cfg(n), stream)](as_device(cum), as_device(ref), as_device(lo), as_device(alphabet),
                                             as_device(tab), as_device(lo_eff), as_device(alphabet_eff),
                                             as_device(lut))
+
+
+@cuda.jit
+def _read_tables_kernel(blob, params_at, starts, source, method2, tab, lut, modes, lo_eff, alphabet_eff, bad):
+    i = cuda.grid(1)
+    L, _, C, W = tab.shape
+    if i >= L * 2 * C:
+        return
+    c = i % C
+    p = i // C
+    l = p // 2
+    kv = p % 2
+    o = params_at + starts[source[i]]  # the entry's codes; mode, lo and alphabet - 1 before them
+    mode = np.int64(blob[o - 3])
+    base = np.int64(blob[o - 2])
+    a = np.int64(blob[o - 1]) + 1
+    ok = True
+    if method2:
+        if base >= 128:
+            base -= 256
+        ok = (mode == 0 or mode == 1) and base >= -TRANSFORM_QMAX and base + a - 1 <= TRANSFORM_QMAX and a <= 255
+    else:
+        ok = mode == 0 and base + a <= 256
+    if ok and (a & 1) == 1 and (np.int64(blob[o + a // 2]) >> 4) != 0:
+        ok = False  # a padding nibble
+    if not ok:
+        bad[0] = 1  # the caller reruns the CPU reader for the exact error
+        mode = 0
+        base = 0
+        a = 1
+    codes = cuda.local.array(256, np.uint8)
+    cum = cuda.local.array(257, np.int32)
+    for s in range(a):
+        codes[s] = (np.int64(blob[o + s // 2]) >> (4 * (s & 1))) & 15 if ok else 0
+    codes_to_cum(codes[:a], a, cum[: a + 1])
+    for s in range(a):
+        e = np.int64(cum[s]) | ((np.int64(cum[s + 1]) - np.int64(cum[s])) << 16)
+        if e >= np.int64(1) << 31:
+            e -= np.int64(1) << 32
+        tab[l, kv, c, s] = e
+    tab[l, kv, c, a] = PROB_TOTAL
+    start = 0
+    for s in range(a):
+        end = min((np.int64(cum[s + 1]) + (1 << LUT_SHIFT) - 1) >> LUT_SHIFT, LUT_SIZE)
+        for b in range(start, end):
+            lut[l, kv, c, b] = s
+        start = max(start, end)
+    modes[l, kv, c] = mode
+    lo_eff[l, kv, c] = base
+    alphabet_eff[l, kv, c] = a
+
+
+def read_tables(blob, params_at, starts, source, method2, tab, lut, modes, lo_eff, alphabet_eff, bad, stream=0):
+    """The decoder's tables straight from the file's bytes: entry i's table is the entry
+    source[i] (itself, or the own entry it shares), whose codes start at blob[params_at +
+    starts[source[i]]] (params.parse_params(defer_tables=True)).  Writes tab, lut, modes,
+    lo_eff and alphabet_eff as coder_tables does, and bad[0] = 1 when an entry breaks the
+    format's rules (a mode, a range, a padding nibble: params.parse_tables' checks)."""
+    L, _, C, _ = tab.shape
+    n = L * 2 * C
+    if n == 0:
+        return
+    _read_tables_kernel[(*_cfg(n), stream)](as_device(blob), np.int64(params_at), as_device(starts),
+                                            as_device(source), np.int64(bool(method2)), as_device(tab),
+                                            as_device(lut), as_device(modes), as_device(lo_eff),
+                                            as_device(alphabet_eff), as_device(bad))
 
 
 # ---------------------------------------------------------------- the range coder
@@ -546,8 +618,41 @@ def _flush(low, rng, n, out):
 
 
 @cuda.jit
-def _encode_kernel(q, q64, words8, signed, modes, lo_eff, tab, chunk_tokens, group, slots, lengths):
+def _symbols_kernel(q, signed, modes, lo_eff, chunk_tokens, sym):
+    i = cuda.grid(1)
     L, _, T, C = q.shape
+    K = (T + chunk_tokens - 1) // chunk_tokens
+    if i >= L * 2 * K * C:
+        return
+    l, kv, k, c = _chunk_thread(i, L, K, C)
+    t0 = k * chunk_tokens
+    base = np.int64(lo_eff[l, kv, c])
+    delta = modes[l, kv, c] == MODE_DELTA
+    prev = np.int64(0)
+    for t in range(t0, min(T, t0 + chunk_tokens)):
+        v = _level(q, l, kv, t, c, signed)
+        s = v - base
+        if delta:
+            s -= prev
+        prev = v
+        sym[l, kv, t, c] = s
+
+
+def symbols(q, signed, modes, lo_eff, chunk_tokens, sym, stream=0):
+    """sym [L, 2, T, C] (uint8) = (level, or its token delta within the chunk) - lo_eff: the
+    symbols each channel codes with the table it uses (cpu_transform.levels_to_symbols after
+    transform_codec.expand_shared)."""
+    L, _, T, C = q.shape
+    K = (T + chunk_tokens - 1) // chunk_tokens
+    n = L * 2 * K * C
+    if n == 0:
+        return
+    _symbols_kernel[(*_cfg(n), stream)](as_device(q), np.int64(bool(signed)), as_device(modes), as_device(lo_eff),
+                                        np.int64(chunk_tokens), as_device(sym))
+
+
+@cuda.jit
+def _encode_kernel(symf, sym64f, words8, tabf, W, L, T, C, chunk_tokens, group, slots, lengths):
     K = (T + chunk_tokens - 1) // chunk_tokens
     groups = (C + group - 1) // group
     i = cuda.grid(1)
@@ -558,48 +663,44 @@ def _encode_kernel(q, q64, words8, signed, modes, lo_eff, tab, chunk_tokens, gro
     t1 = min(T, t0 + chunk_tokens)
     c0 = g * group
     c1 = min(C, c0 + group)
+    plane = l * 2 + kv
+    trow0 = (plane * C + c0) * W  # channel c's table row: trow0 + (c - c0) * W
     out = slots[s]
     low = np.int64(0)
     rng = np.int64(RANGE_INIT)
     n = 0
     for t in range(t0, t1):
         if words8:
-            for wj in range(c0 // 8, c1 // 8):
-                w = np.int64(q64[l, kv, t, wj])
-                pw = np.int64(0)
-                if t > t0:
-                    pw = np.int64(q64[l, kv, t - 1, wj])
+            at = ((plane * T + t) * C + c0) // 8
+            for wj in range((c1 - c0) // 8):
+                w = np.int64(sym64f[at + wj])
+                tb = trow0 + wj * 8 * W
                 for j in range(8):
-                    c = wj * 8 + j
-                    v = _byte_level(w, j, signed)
-                    if t > t0 and modes[l, kv, c] == MODE_DELTA:
-                        v -= _byte_level(pw, j, signed)
-                    entry = np.int64(tab[l, kv, c, v - np.int64(lo_eff[l, kv, c])])
+                    entry = np.int64(tabf[tb + j * W + ((w >> (8 * j)) & 0xFF)])
                     low, rng, n = _code_symbol(low, rng, n, out, entry)
         else:
+            at = (plane * T + t) * C
             for c in range(c0, c1):
-                v = _level(q, l, kv, t, c, signed)
-                if t > t0 and modes[l, kv, c] == MODE_DELTA:
-                    v -= _level(q, l, kv, t - 1, c, signed)
-                entry = np.int64(tab[l, kv, c, v - np.int64(lo_eff[l, kv, c])])
+                entry = np.int64(tabf[trow0 + (c - c0) * W + np.int64(symf[at + c])])
                 low, rng, n = _code_symbol(low, rng, n, out, entry)
     lengths[s] = _flush(low, rng, n, out)
 
 
-def encode_streams(q, q64, signed, modes, lo_eff, tab, chunk_tokens, group, slots, lengths, stream=0):
-    """Range-code every stream of the levels q [L, 2, T, C] (int8, or uint8 when not signed):
-    symbols = (level, or its token delta) - lo_eff, coded with tab (coder_tables); slots[s]
-    gets stream s (the format's order), lengths[s] its length: the bytes of
-    cpu_transform.encode_table_planes.  q64: q viewed as int64 words, used when group and C
-    are multiples of 8 (else any placeholder)."""
-    L, _, T, C = q.shape
+def encode_streams(sym, sym64, tab, chunk_tokens, group, slots, lengths, stream=0):
+    """Range-code every stream of the symbols sym [L, 2, T, C] (uint8, from ``symbols``) with
+    tab (coder_tables): slots[s] gets stream s (the format's order: chunk, layer, K/V, group),
+    lengths[s] its length: the bytes of cpu_transform.encode_table_planes.  sym64: sym viewed
+    as int64 words, used when group and C are multiples of 8 (else any placeholder)."""
+    L, _, T, C = sym.shape
     n = lengths.shape[0]
     if n == 0:
         return
     words8 = group % 8 == 0 and C % 8 == 0
+    W = tab.shape[3]
     _encode_kernel[(*_cfg(n), stream)](
-        as_device(q), as_device(q64), np.int64(words8), np.int64(bool(signed)), as_device(modes), as_device(lo_eff),
-        as_device(tab), np.int64(chunk_tokens), np.int64(group), as_device(slots), as_device(lengths))
+        as_device(sym.reshape(-1)), as_device(sym64.reshape(-1)), np.int64(words8), as_device(tab.reshape(-1)),
+        np.int64(W), np.int64(L), np.int64(T), np.int64(C), np.int64(chunk_tokens), np.int64(group),
+        as_device(slots), as_device(lengths))
 
 
 @cuda.jit(device=True)
@@ -610,17 +711,18 @@ def _next_byte(blob, start, length, pos):
 
 
 @cuda.jit(device=True)
-def _decode_symbol(code, rng, pos, blob, start, length, tab, lut, l, kv, c):
-    """One symbol of range_coder.decode_stream: (symbol, code, rng, pos).  The lookup table
-    gives the first candidate; the scan stops at the row's PROB_TOTAL entries at the latest."""
+def _decode_symbol(code, rng, pos, blob, start, length, tabf, trow, lutf, lrow):
+    """One symbol of range_coder.decode_stream: (symbol, code, rng, pos).  The channel's lookup
+    table (at lutf[lrow:]) gives the first candidate; the scan over its table row (tabf[trow:])
+    stops at the row's PROB_TOTAL entry at the latest."""
     r = rng >> PROB_BITS
     qq = np.int64(np.float64(code) / np.float64(r))
     if qq >= PROB_TOTAL:
         qq = PROB_TOTAL - 1
-    s = np.int64(lut[l, kv, c, qq >> LUT_SHIFT])
-    while (np.int64(tab[l, kv, c, s + 1]) & 0xFFFF) <= qq:
+    s = np.int64(lutf[lrow + (qq >> LUT_SHIFT)])
+    while (np.int64(tabf[trow + s + 1]) & 0xFFFF) <= qq:
         s += 1
-    entry = np.int64(tab[l, kv, c, s])
+    entry = np.int64(tabf[trow + s])
     code -= r * (entry & 0xFFFF)
     rng = r * ((entry >> 16) & 0xFFFF)
     while rng < RANGE_TOP:
@@ -631,8 +733,7 @@ def _decode_symbol(code, rng, pos, blob, start, length, tab, lut, l, kv, c):
 
 
 @cuda.jit
-def _decode_kernel(blob, starts, lens, tab, lut, chunk_tokens, group, sym, sym64, words8):
-    L, _, T, C = sym.shape
+def _decode_kernel(blob, starts, lens, tabf, W, lutf, L, T, C, chunk_tokens, group, symf, sym64f, words8):
     K = (T + chunk_tokens - 1) // chunk_tokens
     groups = (C + group - 1) // group
     i = cuda.grid(1)
@@ -643,6 +744,9 @@ def _decode_kernel(blob, starts, lens, tab, lut, chunk_tokens, group, sym, sym64
     t1 = min(T, t0 + chunk_tokens)
     c0 = g * group
     c1 = min(C, c0 + group)
+    plane = l * 2 + kv
+    trow0 = (plane * C + c0) * W
+    lrow0 = (plane * C + c0) * LUT_SIZE
     start = np.int64(starts[s])
     length = np.int64(lens[s])
     pos = 0
@@ -653,32 +757,39 @@ def _decode_kernel(blob, starts, lens, tab, lut, chunk_tokens, group, sym, sym64
     rng = np.int64(RANGE_INIT)
     for t in range(t0, t1):
         if words8:
-            for wj in range(c0 // 8, c1 // 8):
+            at = ((plane * T + t) * C + c0) // 8
+            for wj in range((c1 - c0) // 8):
                 w = np.int64(0)
+                tb = trow0 + wj * 8 * W
+                lb = lrow0 + wj * 8 * LUT_SIZE
                 for j in range(8):
-                    x, code, rng, pos = _decode_symbol(code, rng, pos, blob, start, length, tab, lut, l, kv, wj * 8 + j)
+                    x, code, rng, pos = _decode_symbol(code, rng, pos, blob, start, length, tabf, tb + j * W, lutf,
+                                                       lb + j * LUT_SIZE)
                     w |= x << (8 * j)
-                sym64[l, kv, t, wj] = w
+                sym64f[at + wj] = w
         else:
+            at = (plane * T + t) * C
             for c in range(c0, c1):
-                x, code, rng, pos = _decode_symbol(code, rng, pos, blob, start, length, tab, lut, l, kv, c)
-                sym[l, kv, t, c] = x
+                x, code, rng, pos = _decode_symbol(code, rng, pos, blob, start, length, tabf, trow0 + (c - c0) * W,
+                                                   lutf, lrow0 + (c - c0) * LUT_SIZE)
+                symf[at + c] = x
 
 
 def decode_streams(blob, starts, lens, tab, lut, chunk_tokens, group, sym, sym64, stream=0):
     """Decode every stream s = blob[starts[s]:starts[s] + lens[s]] (the format's order) into
-    sym [L, 2, T, C] (uint8) with the coding tables tab and lookup tables lut; sym64: sym
-    viewed as int64 words (group and C multiples of 8), else a placeholder.  The symbols of
-    cpu_transform.decode_table_planes; a corrupt stream decodes to some symbols of the
-    table (the chunk CRC is what reports it)."""
+    sym [L, 2, T, C] (uint8) with the coding tables tab and lookup tables lut (coder_tables);
+    sym64: sym viewed as int64 words (group and C multiples of 8), else a placeholder.  The
+    symbols of cpu_transform.decode_table_planes; a corrupt stream decodes to some symbols of
+    the table (the chunk CRC is what reports it)."""
     L, _, T, C = sym.shape
     n = lens.shape[0]
     if n == 0:
         return
     words8 = group % 8 == 0 and C % 8 == 0
-    _decode_kernel[(*_cfg(n), stream)](as_device(blob), as_device(starts), as_device(lens), as_device(tab),
-                                       as_device(lut), np.int64(chunk_tokens), np.int64(group), as_device(sym),
-                                       as_device(sym64), np.int64(words8))
+    _decode_kernel[(*_cfg(n), stream)](as_device(blob), as_device(starts), as_device(lens), as_device(tab.reshape(-1)),
+                                       np.int64(tab.shape[3]), as_device(lut.reshape(-1)), np.int64(L), np.int64(T),
+                                       np.int64(C), np.int64(chunk_tokens), np.int64(group),
+                                       as_device(sym.reshape(-1)), as_device(sym64.reshape(-1)), np.int64(words8))
 
 
 # ---------------------------------------------------------------- the file's sections
@@ -815,21 +926,46 @@ def write_raw(out, raw_at, raw_first, chunk_tokens, refine_start, bits, ref, wor
 
 
 @cuda.jit
-def _header_crc_kernel(out, seg_crc, seg_len, crc_head, at):
+def _span_crc_kernel(data, words, aligned, start, size, segment, acc):
+    table = cuda.shared.array(256, np.int64)
+    for i in range(cuda.threadIdx.x, 256, cuda.blockDim.x):
+        table[i] = CRC_TABLE[i]
+    cuda.syncthreads()
+    j = cuda.grid(1)
+    a = j * segment
+    if a >= size:
+        return
+    n = min(segment, size - a)
+    c = _crc_span(data, words, aligned, start + a, n, table)
+    after = size - (a + n)
+    if after > 0:  # crc(A + B) = crc(A) x^(8|B|) xor crc(B): every segment shifted to its place
+        c = multmodp(x8nmodp(after), c)
+    cuda.atomic.xor(acc, 0, c)
+
+
+@cuda.jit
+def _header_crc_kernel(out, acc, crc_head, size, at):
     if cuda.grid(1) != 0:
         return
-    crc = np.int64(crc_head)
-    for j in range(seg_crc.shape[0]):
-        crc = crc32_combine(crc, seg_crc[j], seg_len[j])
+    crc = acc[0] ^ multmodp(x8nmodp(size), np.int64(crc_head))
     for b in range(4):
         out[at + b] = (crc >> (8 * b)) & 0xFF
 
 
-def put_header_crc(out, seg_crc, seg_len, crc_head, at, stream=0):
-    """out[at:at + 4] = the CRC-32 that continues crc_head over the segments whose CRCs are
-    seg_crc (lengths seg_len), little-endian: the file header's CRC."""
-    _header_crc_kernel[1, 1, stream](as_device(out), as_device(seg_crc), as_device(seg_len), np.int64(crc_head),
-                                     np.int64(at))
+def put_header_crc(out, words, start, size, crc_head, at, acc, stream=0):
+    """out[at:at + 4] = the CRC-32 that continues crc_head over out[start:start + size],
+    little-endian (the file header's CRC: crc_head covers the header's first 60 bytes and the
+    descriptor, the span is the Params block); segments of PARAMS_CRC_SEGMENT bytes, one thread
+    each.  words: out as int64 words when 8-byte aligned, else None; acc: int64 [1] scratch,
+    zeroed by the caller."""
+    aligned = words is not None
+    if not aligned:
+        words = np.zeros(1, np.int64) if SIM else _placeholder((1,), np.int64)
+    nseg = (size + PARAMS_CRC_SEGMENT - 1) // PARAMS_CRC_SEGMENT
+    if nseg:
+        _span_crc_kernel[(*_cfg(nseg), stream)](as_device(out), as_device(words), np.int64(aligned), np.int64(start),
+                                                np.int64(size), np.int64(PARAMS_CRC_SEGMENT), as_device(acc))
+    _header_crc_kernel[1, 1, stream](as_device(out), as_device(acc), np.int64(crc_head), np.int64(size), np.int64(at))
 
 
 # ---------------------------------------------------------------- decoding: symbols -> values
@@ -857,10 +993,9 @@ def _raw_bits(blob, at, pos, bits):
 
 
 @cuda.jit
-def _dequantize_kernel(sym, modes, lo_eff, chunk_tokens, method2, sink, offsets, steps, refine_start, bits, blob,
-                       raw_at, nraw, shift, out_fmt, out):
+def _dequantize_kernel(symf, L, T, C, modes, lo_eff, chunk_tokens, method2, sink, offsets, steps, refine_start, bits,
+                       blob, raw_at, nraw, out_fmt, outf):
     i = cuda.grid(1)
-    L, _, T, C = sym.shape
     K = (T + chunk_tokens - 1) // chunk_tokens
     if i >= L * 2 * K * C:
         return
@@ -869,36 +1004,40 @@ def _dequantize_kernel(sym, modes, lo_eff, chunk_tokens, method2, sink, offsets,
     t1 = min(T, t0 + chunk_tokens)
     base = np.int64(lo_eff[l, kv, c])
     delta = modes[l, kv, c] == MODE_DELTA
+    off = offsets[l, kv, c] if method2 else np.float32(0.0)
+    step = steps[l, kv] if method2 else 0.0
     r0 = max(t0, refine_start)
     nk = t1 - r0
+    at = ((l * 2 + kv) * T + t0) * C + c  # value (l, kv, t, c) of the flat arrays, t = t0 first
+    raw = raw_at[k]
+    shift = 8 * nraw
+    width = 8 * (nraw + 1)
     prev = np.int64(0)
     for t in range(t0, t1):
-        v = np.int64(sym[l, kv, t, c]) + base
+        v = np.int64(symf[at]) + base
         if delta and t > t0:
             v += prev
         prev = v
         if method2:
-            if t < sink:
-                continue
-            refined = bits > 0 and t >= refine_start
-            j = np.int64(0)
-            if refined:
-                idx = (((l * 2 + kv) * nk + (t - r0)) * C + c) * bits
-                j = _raw_bits(blob, raw_at[k], idx, bits)
-            z = token_value(v, j, refined, bits, offsets[l, kv, c], steps[l, kv])
-            if out_fmt == 1:
-                out[l, kv, t, c] = _bf16_nearest(z)
-            else:
-                out[l, kv, t, c] = _f32_bits(z)
+            if t >= sink:
+                refined = bits > 0 and t >= refine_start
+                j = np.int64(0)
+                if refined:
+                    j = _raw_bits(blob, raw, (((l * 2 + kv) * nk + (t - r0)) * C + c) * bits, bits)
+                z = token_value(v, j, refined, bits, off, step)
+                if out_fmt == 1:
+                    outf[at] = _bf16_nearest(z)
+                else:
+                    outf[at] = _f32_bits(z)
         else:
             w = np.int64(symbol_top_byte(v)) << shift
-            o = raw_at[k] + ((((l * 2 + kv) * (t1 - t0)) + (t - t0)) * C + c) * nraw
+            o = raw + ((((l * 2 + kv) * (t1 - t0)) + (t - t0)) * C + c) * nraw
             for b in range(nraw):
                 w |= np.int64(blob[o + b]) << (8 * b)
-            width = 8 * (nraw + 1)
             if w >= np.int64(1) << (width - 1):  # the output words are signed
                 w -= np.int64(1) << width
-            out[l, kv, t, c] = w
+            outf[at] = w
+        at += C
 
 
 def dequantize(sym, modes, lo_eff, chunk_tokens, method2, sink, offsets, steps, refine_start, bits, blob, raw_at,
@@ -915,6 +1054,7 @@ def dequantize(sym, modes, lo_eff, chunk_tokens, method2, sink, offsets, steps, 
     if n == 0:
         return
     _dequantize_kernel[(*_cfg(n), stream)](
-        as_device(sym), as_device(modes), as_device(lo_eff), np.int64(chunk_tokens), np.int64(bool(method2)),
-        np.int64(sink), as_device(offsets), as_device(steps), np.int64(refine_start), np.int64(bits),
-        as_device(blob), as_device(raw_at), np.int64(nraw), np.int64(8 * nraw), np.int64(out_fmt), as_device(out))
+        as_device(sym.reshape(-1)), np.int64(L), np.int64(T), np.int64(C), as_device(modes), as_device(lo_eff),
+        np.int64(chunk_tokens), np.int64(bool(method2)), np.int64(sink), as_device(offsets), as_device(steps),
+        np.int64(refine_start), np.int64(bits), as_device(blob), as_device(raw_at), np.int64(nraw), np.int64(out_fmt),
+        as_device(out.reshape(-1)))

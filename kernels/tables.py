@@ -21,6 +21,11 @@ SYMBOL_COST = np.empty(PROB_TOTAL + 1, np.int64)
 SYMBOL_COST[1:] = np.rint((PROB_BITS - np.log2(np.arange(1, PROB_TOTAL + 1, dtype=np.float64))) * COST_ONE)
 SYMBOL_COST[0] = SYMBOL_COST[1]
 
+#: Table sharing restarts every SHARE_SPAN channels (the first channel of a span keeps its own
+#: table): spans are independent, so a GPU walks them in parallel; the cost is at most one
+#: extra table per span.
+SHARE_SPAN = 64
+
 #: Per-channel level statistics (kernels' ``stats[..., i]``): min, max and sum of |value| of
 #: the direct values, then the same of the token deltas (a chunk's first token: its value).
 STAT_MIN, STAT_MAX, STAT_ABS, STAT_DMIN, STAT_DMAX, STAT_DABS = range(6)
@@ -64,11 +69,14 @@ def share_cost(counts_row, cum_row, ref_cum_row, shift, alphabet, cost):
 @register_jitable
 def share_plane(counts_p, lo_p, alphabet_p, modes_p, cum_p, cost, shared_p, ref_p):
     """Walk one (layer, K/V) plane's channels in order: shared_p[c] = True when channel c codes
-    more cheaply with the table of ref (the last channel that kept its own: same mode, a range
-    that covers c's symbols) than with its own; ref_p[c] = the channel whose table c uses."""
+    more cheaply with the table of ref (the last channel of its SHARE_SPAN span that kept its
+    own: same mode, a range that covers c's symbols) than with its own; ref_p[c] = the channel
+    whose table c uses."""
     C = alphabet_p.shape[0]
     ref = -1
     for c in range(C):
+        if c % SHARE_SPAN == 0:
+            ref = -1
         shared_p[c] = False
         ref_p[c] = c
         a = alphabet_p[c]

@@ -37,11 +37,10 @@ def _device_bytes(kv, quality=None, chunk_tokens=8, quantization=None, layout="a
 
 
 def _device_decode(blob: bytes) -> torch.Tensor:
-    reader, _ = codec.open_input(blob)
-    h, _, offsets, size = codec.read_header_and_index(reader)
-    assert device_pipeline.decodable(h)
     dev = device_pipeline.device()
     t = torch.from_numpy(np.frombuffer(blob, np.uint8).copy()).to(dev)
+    h, offsets, size = device_pipeline.read_header(t)
+    assert device_pipeline.decodable(h)
     return device_pipeline.decode(t, h, offsets, size).cpu()
 
 
