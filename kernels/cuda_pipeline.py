@@ -72,11 +72,24 @@ def _cfg(n: int, block: int = BLOCK):
     return _grid(n, block), block
 
 
+#: Tokens a thread loads before it uses the first: the loads of a token-walking thread are
+#: in flight together instead of one memory latency per token.
+UNROLL = 8
+
+
 @cuda.jit(device=True)
-def _value(words, l, kv, t, c, fmt):
-    """float32 value of the cache word x[l, kv, t, c]: float32 bits (fmt 0), bfloat16 (1),
-    float16 (2); words are the tensor's raw int32 / int16 words."""
-    w = np.int64(words[l, kv, t, c])
+def _prefetch(a, l, kv, t, c, t1, buf):
+    """buf[j] = a[l, kv, t + j, c] for the (up to UNROLL) tokens t + j < t1."""
+    for j in range(UNROLL):
+        if t + j < t1:
+            buf[j] = a[l, kv, t + j, c]
+
+
+@cuda.jit(device=True)
+def _word_value(w, fmt):
+    """float32 value of a cache word: float32 bits (fmt 0), bfloat16 (1), float16 (2); the
+    words are the tensor's raw int32 / int16 words."""
+    w = np.int64(w)
     if fmt == 0:
         return _bits_f32(w)
     if fmt == 1:
@@ -102,10 +115,14 @@ def _stats_partial_kernel(words, fmt, sink, part1, part2):
     kv = p % 2
     s1 = 0.0
     s2 = 0.0
-    for t in range(max(sink, b * STATS_BLOCK), min(T, (b + 1) * STATS_BLOCK)):
-        v = np.float64(_value(words, l, kv, t, c, fmt))
-        s1 += v
-        s2 += v * v
+    buf = cuda.local.array(UNROLL, np.int64)
+    t1 = min(T, (b + 1) * STATS_BLOCK)
+    for tb in range(max(sink, b * STATS_BLOCK), t1, UNROLL):
+        _prefetch(words, l, kv, tb, c, t1, buf)
+        for j in range(min(UNROLL, t1 - tb)):  # in token order: the CPU's sums
+            v = np.float64(_word_value(buf[j], fmt))
+            s1 += v
+            s2 += v * v
     part1[l, kv, b, c] = s1
     part2[l, kv, b, c] = s2
 
@@ -178,10 +195,13 @@ def _quantize_kernel(words, fmt, sink, offsets, steps, threshold, t_ref, bits, c
     mn = mx = dmn = dmx = np.int64(0)
     ab = dab = np.int64(0)
     prev = np.int64(0)
+    buf = cuda.local.array(UNROLL, np.int64)
     for t in range(t0, t1):
+        if (t - t0) % UNROLL == 0:
+            _prefetch(words, l, kv, t, c, t1, buf)
         v = np.int64(0)
         if t >= sink:
-            y = np.float64(_value(words, l, kv, t, c, fmt))
+            y = np.float64(_word_value(buf[(t - t0) % UNROLL], fmt))
             refined = bits > 0 and t >= t_ref
             v = np.int64(token_level(y, off, step, TRANSFORM_QMAX, threshold, refined, bits))
             if refined:
@@ -225,8 +245,11 @@ def _split_kernel(words, shift, chunk_tokens, q, stats):
     t1 = min(T, t0 + chunk_tokens)
     mn = mx = np.int64(0)
     ab = np.int64(0)
+    buf = cuda.local.array(UNROLL, np.int64)
     for t in range(t0, t1):
-        v = np.int64(top_byte_symbol(np.int64(words[l, kv, t, c]) >> shift))
+        if (t - t0) % UNROLL == 0:
+            _prefetch(words, l, kv, t, c, t1, buf)
+        v = np.int64(top_byte_symbol(buf[(t - t0) % UNROLL] >> shift))
         q[l, kv, t, c] = v
         if t == t0:
             mn = mx = v
@@ -288,11 +311,17 @@ def choose_tables(stats, allow_delta, num_tokens, modes, lo, alphabet, stream=0)
 
 
 @cuda.jit(device=True)
-def _level(q, l, kv, t, c, signed):
-    v = np.int64(q[l, kv, t, c])
+def _signed_level(v, signed):
+    """A level read from q: int8 (method 2) or uint8 (lossless symbols) held in an int64."""
+    v = np.int64(v)
     if not signed and v < 0:  # lossless symbols 128..255 read back from an int8 view
         v += 256
     return v
+
+
+@cuda.jit(device=True)
+def _level(q, l, kv, t, c, signed):
+    return _signed_level(q[l, kv, t, c], signed)
 
 
 @cuda.jit
@@ -312,15 +341,19 @@ def _histogram_kernel(q, signed, modes, lo, chunk_tokens, counts):
         hist[j // HIST_ROW, j % HIST_ROW] = 0
     cuda.syncthreads()
     c = tile * 32 + lane
+    buf = cuda.local.array(UNROLL, np.int64)
     if c < C:
         delta = modes[l, kv, c] == MODE_DELTA
         base = np.int64(lo[l, kv, c])
         per = (K + HIST_SLICES - 1) // HIST_SLICES
         for k in range(part * per, min(K, (part + 1) * per)):
             t0 = k * chunk_tokens
+            t1 = min(T, t0 + chunk_tokens)
             prev = np.int64(0)
-            for t in range(t0, min(T, t0 + chunk_tokens)):
-                v = _level(q, l, kv, t, c, signed)
+            for t in range(t0, t1):
+                if (t - t0) % UNROLL == 0:
+                    _prefetch(q, l, kv, t, c, t1, buf)
+                v = _signed_level(buf[(t - t0) % UNROLL], signed)
                 s = v - base
                 if delta:
                     s = v - prev - base
@@ -629,8 +662,12 @@ def _symbols_kernel(q, signed, modes, lo_eff, chunk_tokens, sym):
     base = np.int64(lo_eff[l, kv, c])
     delta = modes[l, kv, c] == MODE_DELTA
     prev = np.int64(0)
-    for t in range(t0, min(T, t0 + chunk_tokens)):
-        v = _level(q, l, kv, t, c, signed)
+    t1 = min(T, t0 + chunk_tokens)
+    buf = cuda.local.array(UNROLL, np.int64)
+    for t in range(t0, t1):
+        if (t - t0) % UNROLL == 0:
+            _prefetch(q, l, kv, t, c, t1, buf)
+        v = _signed_level(buf[(t - t0) % UNROLL], signed)
         s = v - base
         if delta:
             s -= prev
@@ -1013,8 +1050,13 @@ def _dequantize_kernel(symf, L, T, C, modes, lo_eff, chunk_tokens, method2, sink
     shift = 8 * nraw
     width = 8 * (nraw + 1)
     prev = np.int64(0)
+    buf = cuda.local.array(UNROLL, np.int64)
     for t in range(t0, t1):
-        v = np.int64(symf[at]) + base
+        if (t - t0) % UNROLL == 0:
+            for j in range(UNROLL):
+                if t + j < t1:
+                    buf[j] = symf[at + j * C]
+        v = np.int64(buf[(t - t0) % UNROLL]) + base
         if delta and t > t0:
             v += prev
         prev = v
