@@ -78,11 +78,13 @@ UNROLL = 8
 
 
 @cuda.jit(device=True)
-def _prefetch(a, l, kv, t, c, t1, buf):
-    """buf[j] = a[l, kv, t + j, c] for the (up to UNROLL) tokens t + j < t1."""
+def _prefetch(af, at, C, m, buf):
+    """buf[j] = af[at + j * C] for j < m (<= UNROLL): the next m tokens of one channel of a flat
+    [L, 2, T, C] array.  (Flat arrays and running offsets throughout: 4-D indexing costs a
+    chain of 64-bit multiply-adds per access.)"""
     for j in range(UNROLL):
-        if t + j < t1:
-            buf[j] = a[l, kv, t + j, c]
+        if j < m:
+            buf[j] = af[at + j * C]
 
 
 @cuda.jit(device=True)
@@ -101,9 +103,8 @@ def _word_value(w, fmt):
 
 
 @cuda.jit
-def _stats_partial_kernel(words, fmt, sink, part1, part2):
+def _stats_partial_kernel(wf, L, T, C, fmt, sink, part1, part2):
     i = cuda.grid(1)
-    L, _, T, C = words.shape
     NB = part1.shape[2]
     if i >= L * 2 * NB * C:
         return
@@ -117,9 +118,13 @@ def _stats_partial_kernel(words, fmt, sink, part1, part2):
     s2 = 0.0
     buf = cuda.local.array(UNROLL, np.int64)
     t1 = min(T, (b + 1) * STATS_BLOCK)
-    for tb in range(max(sink, b * STATS_BLOCK), t1, UNROLL):
-        _prefetch(words, l, kv, tb, c, t1, buf)
-        for j in range(min(UNROLL, t1 - tb)):  # in token order: the CPU's sums
+    tb0 = max(sink, b * STATS_BLOCK)
+    at = (p * T + tb0) * C + c
+    for tb in range(tb0, t1, UNROLL):
+        m = min(UNROLL, t1 - tb)
+        _prefetch(wf, at, C, m, buf)
+        at += UNROLL * C
+        for j in range(m):  # in token order: the CPU's sums
             v = np.float64(_word_value(buf[j], fmt))
             s1 += v
             s2 += v * v
@@ -151,7 +156,9 @@ def transform_stats(words, fmt, sink, part1, part2, sums, sumsq, stream=0):
     raw words; part1 / part2: float64 scratch [L, 2, ceil(T / STATS_BLOCK), C]."""
     L, _, NB, C = part1.shape
     if L * 2 * NB * C:
-        _stats_partial_kernel[(*_cfg(L * 2 * NB * C), stream)](as_device(words), np.int64(fmt), np.int64(sink),
+        T = words.shape[2]
+        _stats_partial_kernel[(*_cfg(L * 2 * NB * C), stream)](as_device(words.reshape(-1)), np.int64(L), np.int64(T),
+                                                                np.int64(C), np.int64(fmt), np.int64(sink),
                                                                 as_device(part1), as_device(part2))
     _stats_reduce_kernel[(*_cfg(L * 2 * C), stream)](as_device(part1), as_device(part2), as_device(sums),
                                                       as_device(sumsq))
@@ -181,9 +188,8 @@ def _put_stats(stats, l, kv, k, c, mn, mx, ab, dmn, dmx, dab):
 
 
 @cuda.jit
-def _quantize_kernel(words, fmt, sink, offsets, steps, threshold, t_ref, bits, chunk_tokens, q, ref, stats):
+def _quantize_kernel(wf, L, T, C, fmt, sink, offsets, steps, threshold, t_ref, bits, chunk_tokens, qf, ref, stats):
     i = cuda.grid(1)
-    L, _, T, C = words.shape
     K = stats.shape[2]
     if i >= L * 2 * K * C:
         return
@@ -196,9 +202,10 @@ def _quantize_kernel(words, fmt, sink, offsets, steps, threshold, t_ref, bits, c
     ab = dab = np.int64(0)
     prev = np.int64(0)
     buf = cuda.local.array(UNROLL, np.int64)
+    at = ((l * 2 + kv) * T + t0) * C + c
     for t in range(t0, t1):
         if (t - t0) % UNROLL == 0:
-            _prefetch(words, l, kv, t, c, t1, buf)
+            _prefetch(wf, at, C, min(UNROLL, t1 - t), buf)
         v = np.int64(0)
         if t >= sink:
             y = np.float64(_word_value(buf[(t - t0) % UNROLL], fmt))
@@ -206,7 +213,8 @@ def _quantize_kernel(words, fmt, sink, offsets, steps, threshold, t_ref, bits, c
             v = np.int64(token_level(y, off, step, TRANSFORM_QMAX, threshold, refined, bits))
             if refined:
                 ref[l, kv, t - t_ref, c] = refine_index(y, off, step, v, bits)
-        q[l, kv, t, c] = v
+        qf[at] = v
+        at += C
         d = v - prev
         prev = v
         if t == t0:
@@ -228,15 +236,17 @@ def quantize_levels(words, fmt, sink, offsets, steps, threshold, t_ref, bits, ch
     n = L * 2 * K * C
     if n == 0:
         return
-    _quantize_kernel[(*_cfg(n), stream)](as_device(words), np.int64(fmt), np.int64(sink), as_device(offsets),
-                                         as_device(steps), np.float64(threshold), np.int64(t_ref), np.int64(bits),
-                                         np.int64(chunk_tokens), as_device(q), as_device(ref), as_device(stats))
+    T = words.shape[2]
+    _quantize_kernel[(*_cfg(n), stream)](as_device(words.reshape(-1)), np.int64(L), np.int64(T), np.int64(C),
+                                         np.int64(fmt), np.int64(sink), as_device(offsets), as_device(steps),
+                                         np.float64(threshold), np.int64(t_ref), np.int64(bits),
+                                         np.int64(chunk_tokens), as_device(q.reshape(-1)), as_device(ref),
+                                         as_device(stats))
 
 
 @cuda.jit
-def _split_kernel(words, shift, chunk_tokens, q, stats):
+def _split_kernel(wf, L, T, C, shift, chunk_tokens, qf, stats):
     i = cuda.grid(1)
-    L, _, T, C = words.shape
     K = stats.shape[2]
     if i >= L * 2 * K * C:
         return
@@ -246,11 +256,13 @@ def _split_kernel(words, shift, chunk_tokens, q, stats):
     mn = mx = np.int64(0)
     ab = np.int64(0)
     buf = cuda.local.array(UNROLL, np.int64)
+    at = ((l * 2 + kv) * T + t0) * C + c
     for t in range(t0, t1):
         if (t - t0) % UNROLL == 0:
-            _prefetch(words, l, kv, t, c, t1, buf)
+            _prefetch(wf, at, C, min(UNROLL, t1 - t), buf)
         v = np.int64(top_byte_symbol(buf[(t - t0) % UNROLL] >> shift))
-        q[l, kv, t, c] = v
+        qf[at] = v
+        at += C
         if t == t0:
             mn = mx = v
         mn = min(mn, v)
@@ -266,7 +278,9 @@ def split_levels(words, shift, chunk_tokens, q, stats, stream=0):
     n = L * 2 * K * C
     if n == 0:
         return
-    _split_kernel[(*_cfg(n), stream)](as_device(words), np.int64(shift), np.int64(chunk_tokens), as_device(q),
+    T = words.shape[2]
+    _split_kernel[(*_cfg(n), stream)](as_device(words.reshape(-1)), np.int64(L), np.int64(T), np.int64(C),
+                                      np.int64(shift), np.int64(chunk_tokens), as_device(q.reshape(-1)),
                                       as_device(stats))
 
 
@@ -325,9 +339,8 @@ def _level(q, l, kv, t, c, signed):
 
 
 @cuda.jit
-def _histogram_kernel(q, signed, modes, lo, chunk_tokens, counts):
+def _histogram_kernel(qf, L, T, C, signed, modes, lo, chunk_tokens, counts):
     hist = cuda.shared.array((32, HIST_ROW), np.int32)
-    L, _, T, C = q.shape
     K = (T + chunk_tokens - 1) // chunk_tokens
     tiles = (C + 31) // 32
     p = cuda.blockIdx.x // tiles
@@ -350,9 +363,11 @@ def _histogram_kernel(q, signed, modes, lo, chunk_tokens, counts):
             t0 = k * chunk_tokens
             t1 = min(T, t0 + chunk_tokens)
             prev = np.int64(0)
+            at = (p * T + t0) * C + c
             for t in range(t0, t1):
                 if (t - t0) % UNROLL == 0:
-                    _prefetch(q, l, kv, t, c, t1, buf)
+                    _prefetch(qf, at, C, min(UNROLL, t1 - t), buf)
+                    at += UNROLL * C
                 v = _signed_level(buf[(t - t0) % UNROLL], signed)
                 s = v - base
                 if delta:
@@ -374,7 +389,8 @@ def histogram(q, signed, modes, lo, chunk_tokens, counts, stream=0):
     if T == 0:
         return
     blocks = L * 2 * ((C + 31) // 32)
-    _histogram_kernel[blocks, 32 * HIST_SLICES, stream](as_device(q), np.int64(bool(signed)), as_device(modes),
+    _histogram_kernel[blocks, 32 * HIST_SLICES, stream](as_device(q.reshape(-1)), np.int64(L), np.int64(T),
+                                                        np.int64(C), np.int64(bool(signed)), as_device(modes),
                                                         as_device(lo), np.int64(chunk_tokens), as_device(counts))
 
 
@@ -389,8 +405,9 @@ def _build_kernel(counts, alphabet, codes, cum):
     l = p // 2
     kv = p % 2
     a = np.int64(alphabet[l, kv, c])
-    counts_to_codes(counts[l, kv, c], a, codes[l, kv, c])
-    codes_to_cum(codes[l, kv, c], a, cum[l, kv, c])
+    # only the alphabet's entries: nothing reads codes or cum past them
+    counts_to_codes(counts[l, kv, c, :a], a, codes[l, kv, c, :a])
+    codes_to_cum(codes[l, kv, c, :a], a, cum[l, kv, c, : a + 1])
 
 
 def build_tables(counts, alphabet, codes, cum, stream=0):
@@ -651,9 +668,8 @@ def _flush(low, rng, n, out):
 
 
 @cuda.jit
-def _symbols_kernel(q, signed, modes, lo_eff, chunk_tokens, sym):
+def _symbols_kernel(qf, L, T, C, signed, modes, lo_eff, chunk_tokens, symf):
     i = cuda.grid(1)
-    L, _, T, C = q.shape
     K = (T + chunk_tokens - 1) // chunk_tokens
     if i >= L * 2 * K * C:
         return
@@ -664,15 +680,17 @@ def _symbols_kernel(q, signed, modes, lo_eff, chunk_tokens, sym):
     prev = np.int64(0)
     t1 = min(T, t0 + chunk_tokens)
     buf = cuda.local.array(UNROLL, np.int64)
+    at = ((l * 2 + kv) * T + t0) * C + c
     for t in range(t0, t1):
         if (t - t0) % UNROLL == 0:
-            _prefetch(q, l, kv, t, c, t1, buf)
+            _prefetch(qf, at, C, min(UNROLL, t1 - t), buf)
         v = _signed_level(buf[(t - t0) % UNROLL], signed)
         s = v - base
         if delta:
             s -= prev
         prev = v
-        sym[l, kv, t, c] = s
+        symf[at] = s
+        at += C
 
 
 def symbols(q, signed, modes, lo_eff, chunk_tokens, sym, stream=0):
@@ -684,8 +702,9 @@ def symbols(q, signed, modes, lo_eff, chunk_tokens, sym, stream=0):
     n = L * 2 * K * C
     if n == 0:
         return
-    _symbols_kernel[(*_cfg(n), stream)](as_device(q), np.int64(bool(signed)), as_device(modes), as_device(lo_eff),
-                                        np.int64(chunk_tokens), as_device(sym))
+    _symbols_kernel[(*_cfg(n), stream)](as_device(q.reshape(-1)), np.int64(L), np.int64(T), np.int64(C),
+                                        np.int64(bool(signed)), as_device(modes), as_device(lo_eff),
+                                        np.int64(chunk_tokens), as_device(sym.reshape(-1)))
 
 
 @cuda.jit
@@ -951,11 +970,34 @@ def _raw_kernel(out, raw_at, raw_first, chunk_tokens, refine_start, bits, ref, w
     out[raw_at[k] + j] = byte
 
 
+@cuda.jit
+def _low_bytes_kernel(out, raw_at, wf, L, T, C, chunk_tokens, nraw):
+    i = cuda.grid(1)
+    if i >= L * 2 * T * C:
+        return
+    c = i % C
+    r = i // C
+    t = r % T
+    p = r // T
+    k = t // chunk_tokens
+    tk = min(chunk_tokens, T - k * chunk_tokens)
+    o = raw_at[k] + ((p * tk + (t - k * chunk_tokens)) * C + c) * nraw
+    w = np.int64(wf[i])
+    for b in range(nraw):
+        out[o + b] = (w >> (8 * b)) & 0xFF
+
+
 def write_raw(out, raw_at, raw_first, chunk_tokens, refine_start, bits, ref, words, nraw, total, stream=0):
     """The chunks' raw sections: lossless low bytes (nraw > 0, from the cache's words) or the
     refinement indices (params.pack_refinement of ref [L, 2, R, C], tokens refine_start..);
     chunk k's at out[raw_at[k]:], raw_first its prefix sums (K + 1), total = raw_first[K]."""
     if total == 0:
+        return
+    if nraw > 0:  # one thread per value, in the cache's order: coalesced both ways
+        L, _, T, C = words.shape
+        _low_bytes_kernel[(*_cfg(L * 2 * T * C), stream)](as_device(out), as_device(raw_at),
+                                                          as_device(words.reshape(-1)), np.int64(L), np.int64(T),
+                                                          np.int64(C), np.int64(chunk_tokens), np.int64(nraw))
         return
     _raw_kernel[(*_cfg(total), stream)](as_device(out), as_device(raw_at), as_device(raw_first),
                                         np.int64(chunk_tokens), np.int64(refine_start), np.int64(max(bits, 1)),
