@@ -140,6 +140,7 @@ def encode(
     chunk_tokens: Optional[int] = typer.Option(None, "--chunk-tokens", help="Tokens per chunk \\[default: 256]."),
     layout: Layout = typer.Option(Layout.auto, "--layout", help="Input layout."),
     device: Device = typer.Option(Device.auto, "--device", help="Where the kernels run: auto picks the GPU when one is present."),
+    threads: int = typer.Option(0, "-T", "--threads", min=0, help="CPU threads for the kernels \\[default: 0, all cores]."),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success."),
 ) -> None:
@@ -170,7 +171,7 @@ def encode(
                 input, dst, force=force, preset=preset, bins=bins, quantization=quantization, quality=quality_name,
                 calibration=calibration,
                 chunk_tokens=DEFAULT_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens, layout=layout.value,
-                device=device.value, progress=progress,
+                device=device.value, progress=progress, threads=threads,
             )
         if not quiet:
             h = summary.header
@@ -196,6 +197,7 @@ def decode(
     output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output .safetensors \\[default: INPUT.decoded.safetensors]."),
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="The calibration file the .cgen was encoded with, if any."),
     device: Device = typer.Option(Device.auto, "--device", help="Where the kernels run: auto picks the GPU when one is present."),
+    threads: int = typer.Option(0, "-T", "--threads", min=0, help="CPU threads for the kernels \\[default: 0, all cores]."),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success."),
 ) -> None:
@@ -208,7 +210,8 @@ def decode(
     with _errors():
         dst = output or default_decoded_path(input)
         with _progress("decoding", not quiet) as progress:
-            decode_file(input, dst, force=force, device=device.value, calibration=calibration, progress=progress)
+            decode_file(input, dst, force=force, device=device.value, calibration=calibration, progress=progress,
+                        threads=threads)
         if not quiet:
             out.print(f"{_escape(str(input))} -> {_escape(str(dst))}")
 

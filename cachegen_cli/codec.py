@@ -49,6 +49,16 @@ def _pool():
     return _POOL
 
 
+def _map(fn, items: list) -> list:
+    """fn over items on the host threads, or in this thread when the kernels run on one
+    (--threads 1 means one core for everything)."""
+    import numba
+
+    if len(items) <= 1 or numba.get_num_threads() <= 1:
+        return [fn(x) for x in items]
+    return list(_pool().map(fn, items))
+
+
 def resolve_device(device: str = "auto") -> str:
     """'cpu' or 'cuda'.  'auto' picks the GPU when a real one is present (never the simulator)."""
     from .kernels import cuda as cuda_kernels
@@ -247,7 +257,7 @@ def _write_chunks(out: BinaryIO, h: FileHeader, chunks: list[Chunk], pos: int, o
     """Write chunk records from ``pos`` on, appending their offsets; returns (new pos, payload bytes).
     The records' CRC-32s are computed in parallel threads (zlib releases the GIL on large buffers)."""
     payload = 0
-    for chunk, parts in zip(chunks, _pool().map(container.chunk_parts, chunks)):
+    for chunk, parts in zip(chunks, _map(container.chunk_parts, chunks)):
         offsets.append(pos)
         for part in parts:
             out.write(part)
@@ -275,7 +285,9 @@ def encode_to_stream(
     device: str = "cpu",
     calibration=None,
 ) -> EncodeSummary:
-    """Write a whole .cgen file for ``cache`` to ``out``."""
+    """Write a whole .cgen file for ``cache`` to ``out``.  ``cache``: a KVCache in memory, or a
+    source read a slab at a time (kvio.SafetensorsSource: the cache is never whole in memory;
+    its values are checked for NaN / Inf slab by slab, before the file is complete)."""
     if isinstance(quant, TransformConfig):
         return _encode_v2_to_stream(cache, out, quant, chunk_tokens, progress, device, calibration)
     if calibration is not None:
@@ -283,23 +295,40 @@ def encode_to_stream(
                           "not to --preset or --bins")
     device = resolve_device(device)
     kernels = get_kernels(device)
-    h = make_header(cache, quant, chunk_tokens)
+    source = None if isinstance(cache, KVCache) else cache
+    meta = cache if source is None else source.cache
+    h = make_header(meta, quant, chunk_tokens)
     head = container.pack_file_header(h)
     out.write(head)
     pos = len(head)
     offsets: list[int] = []
     payload_bytes = 0
     slabs = list(iter_slabs(h, GPU_SLAB_BYTES if device == "cuda" else SLAB_BYTES))
-    words = _cpu_source_words(cache.data) if device == "cpu" and kernels is cpu_kernels else None
+    fused = device == "cpu" and kernels is cpu_kernels
+    words = _cpu_source_words(cache.data) if fused and source is None else None
+    check = source.finite_check() if source is not None else None
+    from .kvio import SlabBuffers
+
+    buffers = SlabBuffers()
     for number, slab in enumerate(slabs):
+        block = cache.data[:, :, slab.t0 : slab.t1, :] if source is None else source.read(slab.t0, slab.t1, buffers)
+        if check is not None:
+            check.add(block)
+            if check.bad:  # name the first bad layer of the whole cache, as check_finite does
+                for rest in slabs[number + 1 :]:
+                    check.add(source.read(rest.t0, rest.t1, buffers))
+                check.raise_if_bad()
+        block_words = _cpu_source_words(block) if fused and source is not None else None
         if device == "cuda":
             from . import gpu_codec
 
-            chunks = gpu_codec.encode_slab(h, cache.data[:, :, slab.t0 : slab.t1, :], slab.first_chunk)
+            chunks = gpu_codec.encode_slab(h, block, slab.first_chunk)
         elif words is not None:  # the fused CPU kernel reads the cache's own words
             chunks = _encode_slab_cpu(h, words[0], words[1], slab.t0, slab.t1 - slab.t0, slab.first_chunk)
+        elif block_words is not None:  # ... or the slab's, as read from the file
+            chunks = _encode_slab_cpu(h, block_words[0], block_words[1], 0, slab.t1 - slab.t0, slab.first_chunk)
         else:
-            x = cache.data[:, :, slab.t0 : slab.t1, :].to(torch.float32).contiguous().numpy()
+            x = block.to(torch.float32).contiguous().numpy()
             chunks = encode_slab(h, x, slab.first_chunk, kernels)
         pos, written = _write_chunks(out, h, chunks, pos, offsets, progress)
         payload_bytes += written
@@ -326,13 +355,23 @@ def _encode_v2_to_stream(cache: KVCache, out: BinaryIO, cfg: TransformConfig, ch
     chunk_tokens = validate_chunk_tokens(chunk_tokens)
     if cfg.method == "lossless" and calibration is not None:
         raise ConfigError("--calibration does not apply to --quality lossless")
-    enc = transform_codec.encode_v2(cache, cfg, chunk_tokens, calibration, device)
-    h = enc.header
+    if device == "cuda" or isinstance(cache, KVCache):
+        if not isinstance(cache, KVCache):  # the GPU path takes the whole cache at once
+            cache = cache.load()
+        enc = transform_codec.encode_v2(cache, cfg, chunk_tokens, calibration, device)
+        h, slabs = enc.header, [enc.chunks]
+    else:  # a file: the statistics passes, then one slab coded and written at a time
+        meta = cache.cache
+        per = transform_codec.slab_chunks_count(meta.num_layers, meta.num_channels, chunk_tokens)
+        h, slabs = transform_codec.encode_v2_slabs(cache, cfg, chunk_tokens, calibration, per * chunk_tokens)
     head = container.pack_file_header(h)
     out.write(head)
     pos = len(head)
     offsets: list[int] = []
-    pos, payload_bytes = _write_chunks(out, h, enc.chunks, pos, offsets, progress)
+    payload_bytes = 0
+    for chunks in slabs:
+        pos, written = _write_chunks(out, h, chunks, pos, offsets, progress)
+        payload_bytes += written
     index = container.pack_index(offsets)
     out.write(index)
     out.write(container.pack_trailer(pos))
@@ -365,19 +404,19 @@ def read_header_and_index(f: BinaryIO) -> tuple[FileHeader, int, list[int], int]
 CRC_BATCH = 16
 
 
-def iter_chunks(f: BinaryIO, h: FileHeader, offsets: list[int], size: int) -> Iterator[Chunk]:
+def iter_chunks(f: BinaryIO, h: FileHeader, offsets: list[int], size: int, batch: int = CRC_BATCH) -> Iterator[Chunk]:
     """Read every chunk in order, checking each sits where the index says and its CRC-32
-    (a batch of chunks at a time, on several threads) before anything else is read from it."""
+    (``batch`` chunks at a time, on several threads) before anything else is read from it."""
     width = _code_width(h)
     index_offset = size - container.TRAILER.size - (12 + 8 * h.num_chunks)
-    for first in range(0, h.num_chunks, CRC_BATCH):
+    for first in range(0, h.num_chunks, batch):
         records = []
-        for i in range(first, min(h.num_chunks, first + CRC_BATCH)):
+        for i in range(first, min(h.num_chunks, first + batch)):
             pos = f.tell()
             if pos != offsets[i]:
                 raise container.SizeError(f"chunk {i} is at byte {pos}, the index says {offsets[i]}")
             records.append(container.read_chunk_record(f, h, i, index_offset - pos))
-        checks = list(_pool().map(container.ChunkRecord.crc_ok, records)) if len(records) > 1 else [records[0].crc_ok()]
+        checks = _map(container.ChunkRecord.crc_ok, records)
         for rec, ok in zip(records, checks):
             if not ok:
                 raise ChecksumError(f"chunk {rec.index} CRC mismatch: the file is corrupted")
@@ -386,14 +425,18 @@ def iter_chunks(f: BinaryIO, h: FileHeader, offsets: list[int], size: int) -> It
         raise container.SizeError("bytes between the last chunk and the index")
 
 
-def open_input(source) -> tuple[BinaryIO, object]:
+def open_input(source, mapped: bool = True) -> tuple[BinaryIO, object]:
     """A zero-copy reader over bytes, a buffer, or a file path (memory-mapped); returns
-    (reader, closer) where closer must be closed after the reader's views are dropped."""
+    (reader, closer) where closer must be closed after the reader's views are dropped.
+    ``mapped=False``: a path is read with plain reads instead, so that a slab-by-slab
+    decoder holds one slab of it at a time (a mapping's pages would stay in the process)."""
     import mmap
 
     if isinstance(source, (bytes, bytearray, memoryview)):
         return container.BufferReader(source), None
     fh = open(source, "rb")
+    if not mapped:
+        return fh, fh
     try:
         if os.fstat(fh.fileno()).st_size == 0:
             return container.BufferReader(b""), fh
@@ -404,57 +447,158 @@ def open_input(source) -> tuple[BinaryIO, object]:
     return container.BufferReader(mm), mm
 
 
+class SlabDecoder:
+    """A .cgen stream opened for decoding: the header, index and (version 2) calibration are
+    read and checked on opening; ``blocks`` then decodes it a slab (a run of whole chunks) at
+    a time, reading only that slab's chunks."""
+
+    def __init__(self, f: BinaryIO, device: str = "cpu", calibration=None, slab_bytes: int | None = None) -> None:
+        self.f = f
+        self.header, _, self.offsets, self.size = read_header_and_index(f)
+        h = self.header
+        self.device = resolve_device(device)
+        self.dtype = DTYPE_BY_NAME[h.dtype]
+        self.calibration = calibration
+        self.v2 = None
+        if h.version == container.FORMAT_VERSION_2:
+            from . import transform_codec
+
+            if self.device == "cpu":
+                self.v2 = transform_codec.V2SlabDecoder(h, calibration)
+                per = transform_codec.slab_chunks_count(h.num_layers, h.num_channels, h.chunk_tokens,
+                                                        slab_bytes or transform_codec.V2_SLAB_BYTES)
+                self.slabs = [Slab(k, min(per, h.num_chunks - k), k * h.chunk_tokens,
+                                   min(h.num_tokens, (k + per) * h.chunk_tokens)) for k in range(0, h.num_chunks, per)]
+            else:
+                transform_codec.check_calibration(h, calibration)
+                self.slabs = []
+        else:
+            self.slabs = list(iter_slabs(h, slab_bytes or (GPU_SLAB_BYTES if self.device == "cuda" else SLAB_BYTES)))
+
+    def blocks(self, progress: ProgressFn | None = None, into: np.ndarray | None = None) -> Iterator[tuple[int, int, object]]:
+        """Decode slab by slab: yields (t0, t1, block), block the tokens [t0, t1) as a tensor
+        [L, 2, t1 - t0, C] of the source dtype (on the GPU when it decoded there), valid until
+        the next block is asked for (the CPU reuses its memory).  ``into``:
+        the words (uint16 / uint32) of a CPU output [L, 2, T, C]; a slab the CPU decodes
+        straight into it yields block None."""
+        h, f = self.header, self.f
+        if h.version == container.FORMAT_VERSION_2 and self.v2 is None:  # the GPU: the whole file at once
+            from . import transform_codec
+
+            chunks = list(iter_chunks(f, h, self.offsets, self.size))
+            data = transform_codec.decode_v2(h, chunks, self.dtype, self.calibration, self.device)
+            if progress:
+                progress(h.num_chunks, h.num_chunks)
+            yield 0, h.num_tokens, data
+            return
+        batch = max((s.num_chunks for s in self.slabs), default=1)
+        chunks = iter_chunks(f, h, self.offsets, self.size, min(CRC_BATCH, batch) if into is None else CRC_BATCH)
+        if self.v2 is not None:
+            for slab in self.slabs:
+                part = [next(chunks) for _ in range(slab.num_chunks)]
+                if into is not None:
+                    self.v2.decode_into(part, into, slab.t0)
+                    block = None
+                else:  # the block is valid until the next one
+                    words = self.v2.empty(slab.t1 - slab.t0, reuse=True)
+                    self.v2.decode_into(part, words, 0)
+                    block = self.v2.as_tensor(words)
+                del part
+                if progress:
+                    progress(slab.first_chunk + slab.num_chunks, h.num_chunks)
+                yield slab.t0, slab.t1, block
+        else:
+            yield from self._v1_blocks(chunks, progress, into)
+        for _ in chunks:  # drains the generator: runs its final consistency check
+            pass
+
+    def _v1_blocks(self, chunks: Iterator[Chunk], progress, into):
+        h, f, device = self.header, self.f, self.device
+        kernels = get_kernels(device)
+        on_gpu = False
+        if device == "cuda":
+            from . import gpu_codec
+
+            on_gpu = gpu_codec.torch_cuda_ok()
+        blob = blob_d = upload = None
+        if on_gpu:
+            # The device decodes straight from a copy of the whole file; the host only checks it.
+            # The copy runs on a worker thread (torch releases the GIL) while the host checks
+            # the chunks' sizes and CRCs.
+            here = f.tell()
+            f.seek(0)
+            blob = f.read()
+            f.seek(here)
+            upload = _pool().submit(gpu_codec.upload_blob, blob)
+        fused = device == "cpu" and kernels is cpu_kernels and self.dtype in (torch.bfloat16, torch.float32)
+        to_bf16 = self.dtype == torch.bfloat16
+        from .kvio import SlabBuffers
+
+        buffers = SlabBuffers()
+        for slab in self.slabs:
+            batch = [next(chunks) for _ in range(slab.num_chunks)]
+            if on_gpu:
+                if blob_d is None:
+                    blob_d = upload.result()
+                x, blob_d = gpu_codec.decode_blob(h, blob, self.offsets, batch, slab.first_chunk, blob_d)
+                x = x.to(self.dtype)
+            elif device == "cuda":
+                x = torch.from_numpy(gpu_codec.decode_slab(h, batch)).to(self.dtype)
+            elif fused and into is not None:  # the fused CPU kernel writes straight into the output
+                _decode_slab_cpu(h, batch, into, slab.t0, to_bf16)
+                x = None
+            elif fused:
+                words = buffers.get("out", (h.num_layers, 2, slab.t1 - slab.t0, h.num_channels),
+                                    np.uint16 if to_bf16 else np.float32)  # valid until the next block
+                _decode_slab_cpu(h, batch, words, 0, to_bf16)
+                x = torch.from_numpy(words.view(np.int16)).view(torch.bfloat16) if to_bf16 else torch.from_numpy(words)
+            else:
+                x = torch.from_numpy(decode_slab(h, batch, kernels)).to(self.dtype)
+            del batch
+            if progress:
+                progress(slab.first_chunk + slab.num_chunks, h.num_chunks)
+            yield slab.t0, slab.t1, x
+
+
 def decode_from_stream(f: BinaryIO, progress: ProgressFn | None = None, device: str = "cpu",
                        calibration=None) -> tuple[FileHeader, torch.Tensor]:
     """Decode a whole .cgen stream; returns its header and the [L, 2, T, C] tensor in the source dtype.
     ``calibration``: the Calibration a rotated (version 2) file was encoded with."""
-    h, header_end, offsets, size = read_header_and_index(f)
-    if h.version == container.FORMAT_VERSION_2:
-        from . import transform_codec
-
-        target = resolve_device(device)
-        chunks = list(iter_chunks(f, h, offsets, size))
-        data = transform_codec.decode_v2(h, chunks, DTYPE_BY_NAME[h.dtype], calibration, target)
-        if progress:
-            progress(h.num_chunks, h.num_chunks)
-        return h, data
-    device = resolve_device(device)
-    kernels = get_kernels(device)
-    on_gpu = False
-    if device == "cuda":
-        from . import gpu_codec
-
-        on_gpu = gpu_codec.torch_cuda_ok()
-    data = torch.empty((h.num_layers, 2, h.num_tokens, h.num_channels), dtype=DTYPE_BY_NAME[h.dtype],
-                       device="cuda" if on_gpu else "cpu")
-    blob = blob_d = upload = None
-    if on_gpu:
-        # The device decodes straight from a copy of the whole file; the host only checks it.
-        # The copy runs on a worker thread (torch releases the GIL) while the host checks
-        # the chunks' sizes and CRCs.
-        f.seek(0)
-        blob = f.read()
-        f.seek(header_end)
-        upload = _pool().submit(gpu_codec.upload_blob, blob)
-    chunks = iter_chunks(f, h, offsets, size)
-    direct = _cpu_output_words(data) if device == "cpu" and kernels is cpu_kernels else None
-    for slab in iter_slabs(h, GPU_SLAB_BYTES if device == "cuda" else SLAB_BYTES):
-        batch = [next(chunks) for _ in range(slab.num_chunks)]
-        if on_gpu:
-            if blob_d is None:
-                blob_d = upload.result()
-            x, blob_d = gpu_codec.decode_blob(h, blob, offsets, batch, slab.first_chunk, blob_d)
-        elif device == "cuda":
-            x = torch.from_numpy(gpu_codec.decode_slab(h, batch))
-        elif direct is not None:  # the fused CPU kernel writes straight into `data`
-            _decode_slab_cpu(h, batch, direct, slab.t0, data.dtype == torch.bfloat16)
-            x = None
-        else:
-            x = torch.from_numpy(decode_slab(h, batch, kernels))
-        if x is not None:
-            data[:, :, slab.t0 : slab.t1, :] = x.to(data.dtype)
-        if progress:
-            progress(slab.first_chunk + slab.num_chunks, h.num_chunks)
-    for _ in chunks:  # drains the generator: runs its final consistency check
-        pass
+    dec = SlabDecoder(f, device, calibration)
+    h = dec.header
+    shape = (h.num_layers, 2, h.num_tokens, h.num_channels)
+    data = None
+    into = None
+    if dec.device == "cpu":
+        data = torch.empty(shape, dtype=dec.dtype)
+        into = _cpu_output_words(data) if h.version == 1 else kvio_words(data)
+    for t0, t1, block in dec.blocks(progress, into):
+        if block is None:
+            continue
+        if data is None:
+            if t0 == 0 and t1 == h.num_tokens:  # one block: the whole cache (v2 on a GPU)
+                data = block
+                continue
+            data = torch.empty(shape, dtype=dec.dtype, device=block.device)
+        data[:, :, t0:t1, :] = block
+    if data is None:
+        data = torch.empty(shape, dtype=dec.dtype, device="cuda" if dec.device == "cuda" else "cpu")
     return h, data
+
+
+def kvio_words(data: torch.Tensor) -> np.ndarray:
+    """The words (uint16 / uint32) of a contiguous CPU tensor, writable, for V2SlabDecoder."""
+    from .kvio import _words
+
+    return _words(data)
+
+
+def decode_to_file(dec: SlabDecoder, path, progress: ProgressFn | None = None) -> None:
+    """Decode an opened stream into a safetensors file at ``path`` (a temporary path the caller
+    renames), slab by slab: the process holds one slab, not the cache."""
+    from .kvio import SafetensorsWriter
+
+    h = dec.header
+    with SafetensorsWriter(path, h.descriptor, h.dtype) as writer:
+        for t0, _, block in dec.blocks(progress):
+            writer.write(t0, block)

@@ -15,8 +15,12 @@ back the same layout, names, shapes, dtype and safetensors metadata.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import re
+import struct
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -206,7 +210,7 @@ def _from_per_layer(tensors: Mapping[str, torch.Tensor], meta: dict[str, str]) -
 
 def check_finite(data: torch.Tensor) -> None:
     """Raise NonFiniteError naming the first layer with NaN or Inf."""
-    if data.numel() == 0:
+    if data.numel() == 0 or data.device.type == "meta":  # meta: a file's shapes only (SafetensorsSource)
         return
     if data.device.type == "cpu":
         from .kernels.checks import first_nonfinite_row
@@ -230,7 +234,54 @@ def check_finite(data: torch.Tensor) -> None:
                 kinds.append("NaN")
             if bool(torch.isinf(plane).any()):
                 kinds.append("Inf")
-            raise NonFiniteError(f"layer {layer} holds {' and '.join(kinds)} values; cachegen encodes finite values only")
+            raise NonFiniteError(_nonfinite_message(layer, kinds))
+
+
+def _nonfinite_message(layer: int, kinds: list[str]) -> str:
+    return f"layer {layer} holds {' and '.join(kinds)} values; cachegen encodes finite values only"
+
+
+_EXPONENT = {
+    torch.bfloat16: (torch.int16, 0x7F80),
+    torch.float16: (torch.int16, 0x7C00),
+    torch.float32: (torch.int32, 0x7F800000),
+}
+
+
+class FiniteCheck:
+    """check_finite over a cache read slab by slab (``add`` each [L, 2, Ts, C] CPU block):
+    ``raise_if_bad`` then raises exactly the error check_finite raises on the whole cache
+    (the first layer with NaN or Inf anywhere, and which of the two it holds)."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.nan = np.zeros(num_layers, np.bool_)
+        self.inf = np.zeros(num_layers, np.bool_)
+
+    def add(self, block: torch.Tensor) -> None:
+        from .kernels.checks import first_nonfinite_row
+
+        if block.numel() == 0:
+            return
+        view, mask = _EXPONENT[block.dtype]
+        words = block.contiguous().view(view).numpy()
+        words = words.view(np.uint16 if view == torch.int16 else np.uint32).reshape(block.shape[0], -1)
+        if first_nonfinite_row(words, mask) < 0:
+            return
+        for layer in range(block.shape[0]):  # the rare bad slab: which layers, and what they hold
+            plane = block[layer]
+            self.nan[layer] |= bool(torch.isnan(plane).any())
+            self.inf[layer] |= bool(torch.isinf(plane).any())
+
+    @property
+    def bad(self) -> bool:
+        return bool(self.nan.any() or self.inf.any())
+
+    def raise_if_bad(self) -> None:
+        if not self.bad:
+            return
+        layer = int(np.flatnonzero(self.nan | self.inf)[0])
+        kinds = [k for k, hit in (("NaN", self.nan[layer]), ("Inf", self.inf[layer])) if hit]
+        raise NonFiniteError(_nonfinite_message(layer, kinds))
 
 
 def read_safetensors(path: str | Path, layout: str = "auto") -> KVCache:
@@ -326,3 +377,292 @@ def write_safetensors_atomic(tensors: dict[str, torch.Tensor], metadata: dict[st
 
 def values_count(cache_shape: tuple[int, ...]) -> int:
     return math.prod(cache_shape)
+
+
+# ---------------------------------------------------------------- slab-by-slab file I/O
+#
+# Encoding or decoding a file never needs the whole cache in memory: the codec reads and
+# writes runs of whole chunks (slabs).  The input is read with positioned reads into one
+# slab's buffer, and the output's tensor bytes are written with positioned writes, so the
+# process holds O(slab) of both (the page cache holds the file, not the process).
+
+#: safetensors' dtype names <-> torch (for the error messages about foreign dtypes).
+_ST_TORCH = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
+    "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64,
+}
+for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("F8_E4M3", "float8_e4m3fn"),
+                     ("F8_E5M2", "float8_e5m2")):
+    if hasattr(torch, _attr):
+        _ST_TORCH[_name] = getattr(torch, _attr)
+ST_DTYPE_NAMES = {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}
+ITEMSIZES = {"float16": 2, "bfloat16": 2, "float32": 4}
+_WORD_TYPES = {2: (np.uint16, np.int16, torch.int16), 4: (np.uint32, np.int32, torch.int32)}
+
+
+def _words(block: torch.Tensor | np.ndarray) -> np.ndarray:
+    """The raw little-endian words (uint16 / uint32) of a CPU tensor or word array."""
+    if isinstance(block, np.ndarray):
+        return block
+    block = block.detach().cpu().contiguous()
+    _, _, tview = _WORD_TYPES[block.element_size()]
+    w = block.view(tview).numpy()
+    return w.view(np.uint16 if w.dtype == np.int16 else np.uint32)
+
+
+def _read_exactly(fd: int, fh, offset: int, out: np.ndarray) -> None:
+    """Fill the contiguous array ``out`` with the file's bytes at ``offset``."""
+    view = memoryview(out).cast("B")
+    while len(view):
+        if hasattr(os, "preadv"):
+            n = os.preadv(fd, [view], offset)
+        else:
+            fh.seek(offset)
+            n = fh.readinto(view)
+        if not n:
+            raise NotSafetensorsError("the safetensors file ends inside its tensor data (it changed while being read?)")
+        view = view[n:]
+        offset += n
+
+
+def _write_exactly(fd: int, fh, offset: int, data: np.ndarray) -> None:
+    view = memoryview(np.ascontiguousarray(data)).cast("B")
+    while len(view):
+        if hasattr(os, "pwrite"):
+            n = os.pwrite(fd, view, offset)
+        else:
+            fh.seek(offset)
+            n = fh.write(view)
+        view = view[n:]
+        offset += n
+
+
+class SlabBuffers:
+    """Buffers reused from slab to slab.  A fresh slab-sized array costs a page fault per 4 KiB
+    on its first write, more than filling it; ``get`` hands out the same memory each slab, so
+    what it returned last time for that name must no longer be in use."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, np.ndarray] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        n = math.prod(shape) * dtype.itemsize
+        buf = self._bufs.get(name)
+        if buf is None or buf.size < n:
+            buf = self._bufs[name] = np.empty(max(n, 1), np.uint8)
+        return buf[:n].view(dtype).reshape(shape)
+
+
+class TensorSource:
+    """A cache already in memory, as a source for the slab-by-slab encoders (already checked)."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.cache = cache
+
+    def read(self, t0: int, t1: int, buffers: SlabBuffers | None = None) -> torch.Tensor:
+        data = self.cache.data
+        if t0 == 0 and t1 == data.shape[2]:
+            return data.detach().cpu().contiguous()
+        return data[:, :, t0:t1].detach().cpu().contiguous()
+
+    def finite_check(self) -> FiniteCheck | None:
+        return None  # from_tensors checked it
+
+
+class SafetensorsSource:
+    """A KV safetensors file read a run of tokens at a time.
+
+    ``cache`` is the validated KVCache of the file with its data on the meta device (shapes,
+    dtype, layout, names, metadata: every check ``read_safetensors`` makes but the finite
+    one, which the encoders run on each slab, see FiniteCheck); ``read(t0, t1)`` returns the
+    tokens [t0, t1) as a CPU tensor [L, 2, t1 - t0, C], read straight from the file."""
+
+    def __init__(self, path: str | Path, layout: str = "auto") -> None:
+        from safetensors import SafetensorError, safe_open
+
+        path = Path(path)
+        if not path.exists():
+            raise InputNotFoundError(f"no such file: {path}")
+        if not path.is_file():
+            raise InputNotFoundError(f"not a file: {path}")
+        shapes: dict[str, torch.Tensor] = {}
+        try:
+            # safe_open validates the header (sizes, offsets, dtypes) and maps the file without
+            # touching its data; the data offsets are then read from the validated header.
+            with safe_open(str(path), framework="pt") as f:
+                metadata = f.metadata() or {}
+                for name in f.keys():
+                    sl = f.get_slice(name)
+                    dtype = _ST_TORCH.get(sl.get_dtype())
+                    if dtype is None:  # a dtype torch names differently: ask the tensor itself
+                        dtype = f.get_tensor(name).dtype
+                    shapes[name] = torch.empty(sl.get_shape(), dtype=dtype, device="meta")
+            with open(path, "rb") as fh:
+                (n,) = struct.unpack("<Q", fh.read(8))
+                header = json.loads(fh.read(n))
+        except (SafetensorError, OSError, ValueError, RuntimeError, TypeError, struct.error) as exc:
+            detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise NotSafetensorsError(f"{path} is not a readable safetensors file ({detail})") from None
+        self.path = path
+        self.cache = from_tensors(shapes, layout, metadata)
+        self._data_start = 8 + n
+        self._offsets = {name: int(header[name]["data_offsets"][0]) for name in shapes}
+        self._fh = open(path, "rb", buffering=0)
+        self._fd = self._fh.fileno()
+        c = self.cache
+        self._per_layer = {}
+        if c.layout == "per-layer":
+            for entry in c.tensors:
+                match = _PER_LAYER_NAME.match(entry["name"])
+                self._per_layer[(int(match.group(1)), 0 if match.group(2) == "key" else 1)] = entry["name"]
+
+    def read(self, t0: int, t1: int, buffers: SlabBuffers | None = None) -> torch.Tensor:
+        """Tokens [t0, t1) as a CPU tensor [L, 2, t1 - t0, C]; with ``buffers``, in its "read"
+        buffer (valid until the next read with them)."""
+        c = self.cache
+        L, T, C = c.num_layers, c.num_tokens, c.num_channels
+        H, D = c.num_kv_heads, c.head_dim
+        Ts = t1 - t0
+        w = ITEMSIZES[c.dtype_name]
+        unsigned, signed, tview = _WORD_TYPES[w]
+        shape = (L, 2, Ts, C)
+        out = np.empty(shape, unsigned) if buffers is None else buffers.get("read", shape, unsigned)
+        if Ts > 0:
+            if c.layout == "stacked":
+                base = self._data_start + self._offsets[c.tensors[0]["name"]]
+                if Ts == T:  # the whole tensor: one read
+                    _read_exactly(self._fd, self._fh, base, out)
+                else:  # [L, 2, T, C]: one run of Ts x C words per (layer, K/V)
+                    for l in range(L):
+                        for kv in range(2):
+                            _read_exactly(self._fd, self._fh, base + ((l * 2 + kv) * T + t0) * C * w, out[l, kv])
+            else:  # [H, T, D] per tensor: one run of Ts x D words per head, then heads interleaved per token
+                heads = np.empty((H, Ts, D), unsigned) if buffers is None else buffers.get("heads", (H, Ts, D), unsigned)
+                for (l, kv), name in self._per_layer.items():
+                    base = self._data_start + self._offsets[name]
+                    if Ts == T:
+                        _read_exactly(self._fd, self._fh, base, heads)
+                    else:
+                        for h in range(H):
+                            _read_exactly(self._fd, self._fh, base + (h * T + t0) * D * w, heads[h])
+                    out[l, kv].reshape(Ts, H, D)[...] = heads.transpose(1, 0, 2)
+        return torch.from_numpy(out.view(signed)).view(c.data.dtype)
+
+    def finite_check(self) -> FiniteCheck:
+        return FiniteCheck(self.cache.num_layers)
+
+    def load(self) -> KVCache:
+        """The whole cache in memory (checked), for the paths that need it at once (v2 on a GPU)."""
+        c = self.cache
+        data = self.read(0, c.num_tokens)
+        check_finite(data)
+        return KVCache(data, c.layout, c.num_kv_heads, c.head_dim, c.tensors, c.metadata)
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def __enter__(self) -> "SafetensorsSource":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def safetensors_header(descriptor: Mapping, dtype_name: str) -> tuple[bytes, dict[str, int]]:
+    """The header safetensors' save_file writes for the descriptor's tensors in ``dtype_name``
+    (8-byte length, JSON, spaces to a multiple of 8), and each tensor's data offset in the file.
+
+    Byte for byte what safetensors writes: tensors in name order (it sorts by dtype, then
+    name; one dtype here), compact JSON with UTF-8 kept, no ``__metadata__`` when there is
+    none.  Metadata keys are written sorted: safetensors writes them in hash order, which
+    changes from run to run, so only with at most one key is its file reproducible at all."""
+    w = ITEMSIZES[dtype_name]
+    entries = sorted((e["name"], [int(s) for s in e["shape"]]) for e in descriptor["tensors"])
+    head: dict = {}
+    metadata = descriptor.get("metadata") or {}
+    if metadata:
+        head["__metadata__"] = {k: metadata[k] for k in sorted(metadata)}
+    offset = 0
+    starts = {}
+    for name, shape in entries:
+        n = math.prod(shape) * w
+        head[name] = {"dtype": ST_DTYPE_NAMES[dtype_name], "shape": shape, "data_offsets": [offset, offset + n]}
+        starts[name] = offset
+        offset += n
+    text = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * ((8 - len(text) % 8) % 8)
+    data_start = 8 + len(text)
+    return struct.pack("<Q", len(text)) + text, {name: data_start + o for name, o in starts.items()}
+
+
+class SafetensorsWriter:
+    """Writes a decoded cache to a safetensors file in the descriptor's layout, a run of
+    tokens at a time (``write(t0, block)``, block [L, 2, Ts, C] of the dtype): the same bytes
+    as ``write_safetensors_atomic(to_tensors(data, descriptor), ...)``.  The caller gives a
+    temporary path (fileio.atomic_output) and must write every token once."""
+
+    def __init__(self, path: str | Path, descriptor: Mapping, dtype_name: str) -> None:
+        self.descriptor = descriptor
+        self.dtype_name = dtype_name
+        self.itemsize = ITEMSIZES[dtype_name]
+        self.layout = descriptor["layout"]
+        self.H, self.D = int(descriptor["num_kv_heads"]), int(descriptor["head_dim"])
+        header, self.starts = safetensors_header(descriptor, dtype_name)
+        tensors = descriptor["tensors"]
+        if self.layout == "stacked":
+            L, _, T = tensors[0]["shape"][:3]
+        else:
+            L, T = len(tensors) // 2, tensors[0]["shape"][-2]
+        self.L, self.T = int(L), int(T)
+        self._names = {}
+        if self.layout == "per-layer":
+            for e in tensors:
+                match = _PER_LAYER_NAME.match(e["name"])
+                self._names[(int(match.group(1)), 0 if match.group(2) == "key" else 1)] = e["name"]
+        total = len(header) + self.L * 2 * self.T * self.H * self.D * self.itemsize
+        self._fh = open(path, "wb")
+        self._fd = self._fh.fileno()
+        self._fh.write(header)
+        self._fh.flush()
+        self._fh.truncate(total)
+
+    def write(self, t0: int, block: torch.Tensor | np.ndarray) -> None:
+        words = _words(block)
+        L, _, Ts, C = words.shape
+        if Ts == 0:
+            return
+        if sys.byteorder != "little":
+            words = words.astype(words.dtype.newbyteorder("<"))
+        w, T = self.itemsize, self.T
+        if self.layout == "stacked":
+            base = self.starts[self.descriptor["tensors"][0]["name"]]
+            if Ts == T:
+                _write_exactly(self._fd, self._fh, base, words)
+                return
+            for l in range(L):
+                for kv in range(2):
+                    _write_exactly(self._fd, self._fh, base + ((l * 2 + kv) * T + t0) * C * w, words[l, kv])
+            return
+        H, D = self.H, self.D
+        # [L, 2, Ts, H, D] -> [L, 2, H, Ts, D]: torch's copy runs on every core.
+        _, signed, tview = _WORD_TYPES[w]
+        heads = (torch.from_numpy(np.ascontiguousarray(words).view(signed)).view(L, 2, Ts, H, D)
+                 .permute(0, 1, 3, 2, 4).contiguous().numpy())
+        for (l, kv), name in self._names.items():
+            base = self.starts[name]
+            if Ts == T:
+                _write_exactly(self._fd, self._fh, base, heads[l, kv])
+                continue
+            for h in range(H):
+                _write_exactly(self._fd, self._fh, base + (h * T + t0) * D * w, heads[l, kv, h])
+
+    def close(self) -> None:
+        self._fh.close()
+
+    def __enter__(self) -> "SafetensorsWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+

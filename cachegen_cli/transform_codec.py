@@ -12,10 +12,17 @@ Chunks keep version 1's stream layout (chunk x layer x K/V x channel group), so 
 chunk still decodes on its own given the file's header; the first ``sink_tokens``
 tokens (attention sinks, with values far larger than the rest) are stored
 verbatim in the header and quantized as zeros.
+
+Files are encoded and decoded a slab (a run of whole chunks) at a time, so memory stays
+bounded by a slab whatever the cache's size: the statistics need the whole cache, so the
+encoder makes passes over its source (per-coordinate sums, level ranges, symbol counts,
+then the coding itself), recomputing each slab's levels unless the cache is one slab;
+the decoder needs only the header's tables, and each chunk decodes on its own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,14 +32,14 @@ from . import container
 from .calibration import Calibration, CalibrationError
 from .config import ALLOCATION_MAX_STEP, ALLOCATION_STRENGTH, MIN_STEP, TransformConfig
 from .container import Chunk, FileHeader
-from .errors import ConfigError
+from .errors import ConfigError, SizeError
 from .kernels import cpu as cpu_kernels
 from .kernels import cpu_transform as k2
 from .kernels.coding_params import max_stream_bytes
 from .kernels.tables import SYMBOL_COST
 from .kernels.transform import MODE_DELTA, MODE_DIRECT, TRANSFORM_QMAX
-from .kvio import KVCache
-from .params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, Params, bf16_values, pack_refinement, unpack_refinement
+from .kvio import KVCache, SlabBuffers, TensorSource
+from .params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, Params, bf16_values
 
 _WORDS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
@@ -141,6 +148,11 @@ def expand_shared(shared, *arrays):
     np.maximum.accumulate(idx, axis=2, out=idx)
     out = []
     for a in arrays:
+        if a.ndim == 4:  # the codes and CDF tables: a parallel row copy (take_along_axis runs on one core)
+            dst = np.empty(a.shape, a.dtype)
+            k2.take_channels(np.ascontiguousarray(a), idx, dst)
+            out.append(dst)
+            continue
         take = idx.reshape(idx.shape + (1,) * (a.ndim - 3))
         out.append(np.ascontiguousarray(np.take_along_axis(a, np.broadcast_to(take, idx.shape + a.shape[3:]), axis=2)))
     return out
@@ -160,7 +172,7 @@ def _chunks(h: FileHeader, lengths, payload, offsets, raw: np.ndarray | None, re
         body = empty if raw is None else np.ascontiguousarray(raw[:, :, t0:t1]).reshape(-1)
         if ref is not None and t1 > r0:
             part = ref[:, :, max(t0, r0) - r0 : t1 - r0]
-            body = np.frombuffer(pack_refinement(part, h.params.refine_bits), np.uint8)
+            body = pack_refinement_bits(part, h.params.refine_bits)
         out.append(Chunk(k, t0, t1 - t0, body, empty, lengths[k], payload[offsets[k * per] : offsets[(k + 1) * per]]))
     return out
 
@@ -210,37 +222,302 @@ def encode_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
         from .gpu_transform import encode_v2_gpu
 
         return encode_v2_gpu(cache, cfg, chunk_tokens, calibration)
-    L, T, C = cache.num_layers, cache.num_tokens, cache.num_channels
-    if cfg.method == "lossless":
-        words = _source_words(cache.data)
-        nraw = ITEMSIZE[cache.dtype_name] - 1
-        q = np.empty(words.shape, np.int16)
-        raw = np.empty(words.shape + (nraw,), np.uint8)
-        k2.split_words(words, nraw, q, raw)
-        modes, lo, alphabet = _choose_tables(q, chunk_tokens, False, METHOD_LOSSLESS)
-        params = Params(METHOD_LOSSLESS, modes, lo, alphabet, np.zeros((L, 2, C, 1), np.uint8))
-        h = make_header_v2(cache, cfg, chunk_tokens, params, 0)
-        codes, lengths, payload, offsets, shared, modes, lo, alphabet = _code(h, q, modes, lo, alphabet)
-        params.codes, params.shared, params.modes, params.lo, params.alphabet = codes, shared, modes, lo, alphabet
-        return EncodedV2(h, _chunks(h, lengths, payload, offsets, raw))
+    h, slabs = encode_v2_slabs(TensorSource(cache), cfg, chunk_tokens, calibration)
+    return EncodedV2(h, [chunk for slab in slabs for chunk in slab])
 
-    x = cache.data.to(torch.float32).contiguous().numpy() if cache.data.dtype != torch.float32 else cache.data.contiguous().numpy()
-    sink = min(cfg.sink_tokens, T)
-    rot, digest = encoder_rotation(calibration, L, C)
-    sums = np.empty((L, 2, C), np.float64)
-    sumsq = np.empty((L, 2, C), np.float64)
-    k2.transform_stats(x, rot, sink, sums, sumsq)
-    offsets_bits, m, steps_bits, steps = step_params(sums, sumsq, T - sink, cfg.steps_table(L),
-                                                     plane_sensitivity(cfg, calibration))
-    q, ref, R, bits = quantize_levels(k2, np.empty, x, rot, sink, m.astype(np.float32), steps, cfg, (L, T, C))
-    del x
-    modes, lo, alphabet = _choose_tables(q, chunk_tokens, cfg.token_delta, METHOD_TRANSFORM)
-    params = Params(METHOD_TRANSFORM, modes, lo, alphabet, np.zeros((L, 2, C, 1), np.uint8), digest,
-                    steps_bits, offsets_bits, sink_words(cache, sink), refine_tokens=R, refine_bits=bits)
-    h = make_header_v2(cache, cfg, chunk_tokens, params, sink)
-    codes, lengths, payload, offsets, shared, modes, lo, alphabet = _code(h, q, modes, lo, alphabet)
-    params.codes, params.shared, params.modes, params.lo, params.alphabet = codes, shared, modes, lo, alphabet
-    return EncodedV2(h, _chunks(h, lengths, payload, offsets, None, ref))
+
+#: The file paths' slab: tokens whose float32 copy is about this size (a handful of chunks of a
+#: Llama-8B-sized cache: enough planes for every core, and the per-slab temporaries — float32
+#: copy, levels, symbols, coded planes — stay a few hundred MB whatever the cache's size).
+V2_SLAB_BYTES = 128 << 20
+
+
+def slab_chunks_count(num_layers: int, num_channels: int, chunk_tokens: int, slab_bytes: int | None = None) -> int:
+    """Whole chunks per slab: about ``slab_bytes`` (default V2_SLAB_BYTES) of float32, at least one chunk."""
+    slab_bytes = V2_SLAB_BYTES if slab_bytes is None else slab_bytes
+    return max(1, slab_bytes // max(chunk_tokens * num_layers * 2 * num_channels * 4, 1))
+
+
+def encode_v2_slabs(source, cfg: TransformConfig, chunk_tokens: int, calibration: Calibration | None = None,
+                    slab_tokens: int | None = None) -> tuple[FileHeader, Iterator[list[Chunk]]]:
+    """Encode the cache of ``source`` (kvio.TensorSource or kvio.SafetensorsSource) on the CPU,
+    slab by slab: returns the header — its tables come from passes over the whole cache, run
+    here — and an iterator over the slabs' chunks, each slab coded as it is asked for.
+    ``slab_tokens``: tokens per slab, rounded down to whole chunks (at least one); None: the
+    whole cache as one slab, whose levels are then computed once.  The bytes do not depend on
+    the slab size."""
+    T = source.cache.num_tokens
+    step = T if slab_tokens is None else max(chunk_tokens, slab_tokens // chunk_tokens * chunk_tokens)
+    bounds = [(t0, min(T, t0 + step)) for t0 in range(0, T, max(step, 1))]
+    enc = _SlabEncoder(source, cfg, chunk_tokens, calibration, bounds)
+    return enc.header, enc.chunks()
+
+
+def _empty_level_stats(L: int, C: int) -> np.ndarray:
+    """level_stats of no tokens (what it starts every channel from)."""
+    stats = np.zeros((L, 2, C, 6), np.int64)
+    stats[..., 0] = stats[..., 3] = 1 << 40
+    stats[..., 1] = stats[..., 4] = -(1 << 40)
+    return stats
+
+
+class _SlabEncoder:
+    """The passes of encode_v2_slabs.  Transform: a slab's levels are recomputed by each pass
+    from the source, unless the cache is one slab (then they are kept).  Lossless: every pass
+    reads the words themselves (a fused kernel per pass: level ranges, symbol counts, then
+    symbols and low bytes), the single slab's words kept."""
+
+    def __init__(self, source, cfg: TransformConfig, chunk_tokens: int, calibration: Calibration | None,
+                 bounds: list[tuple[int, int]]) -> None:
+        cache = source.cache
+        self.source, self.cfg, self.ct, self.bounds = source, cfg, chunk_tokens, bounds
+        self.L, self.T, self.C = cache.num_layers, cache.num_tokens, cache.num_channels
+        self.single = len(bounds) == 1
+        self.kept = None  # the single slab's (levels, refinement) (transform) or words (lossless)
+        self.lossless = cfg.method == "lossless"
+        # With several slabs, every pass reuses the same slab-sized buffers (never a single
+        # slab's: its arrays are kept from pass to pass).
+        self.buf = None if self.single else SlabBuffers()
+        check = source.finite_check()
+        if self.lossless:
+            self.nraw = ITEMSIZE[cache.dtype_name] - 1
+            params, sink = self._prepare_lossless(check), 0
+        else:
+            params, sink = self._prepare_transform(check, calibration)
+        self._tables(params)
+        self.header = make_header_v2(cache, cfg, chunk_tokens, params, sink)
+
+    # ---- levels of one slab
+
+    def _empty(self, name: str, shape, dtype) -> np.ndarray:
+        return np.empty(shape, dtype) if self.buf is None else self.buf.get(name, shape, dtype)
+
+    def _block(self, t0: int, t1: int, check=None) -> torch.Tensor:
+        block = self.source.read(t0, t1, self.buf)
+        if check is not None:
+            check.add(block)
+        return block
+
+    def _words(self, t0: int, t1: int, check=None) -> np.ndarray:
+        """Lossless: the slab's words."""
+        if self.kept is not None:
+            return self.kept
+        words = _source_words(self._block(t0, t1, check))
+        if self.single:
+            self.kept = words
+        return words
+
+    def _float32(self, block: torch.Tensor) -> np.ndarray:
+        if block.dtype == torch.float32:
+            return block.contiguous().numpy()
+        x = self._empty("x", tuple(block.shape), np.float32)
+        torch.from_numpy(x).copy_(block)  # torch's conversion, on every core
+        return x
+
+    def _quantize(self, t0: int, t1: int, x: np.ndarray):
+        """Transform: (levels, refinement indices of the slab's refined tokens or None)."""
+        L, C, T = self.L, self.C, self.T
+        Ts = t1 - t0
+        q = self._empty("q", (L, 2, Ts, C), np.int16)
+        r0 = T - self.R
+        sink = min(max(self.sink - t0, 0), Ts)
+        k2.transform_quantize(x, self.rot, sink, self.m32, self.steps, TRANSFORM_QMAX, float(self.cfg.rounding),
+                              r0 - t0, self.bits, q)
+        ref = None
+        if self.R and t1 > r0:
+            first = max(r0 - t0, 0)
+            ref = np.empty((L, 2, Ts - first, C), np.uint8)
+            k2.transform_refine(x, self.rot, first, self.m32, self.steps, q, self.bits, ref)
+        return q, ref
+
+    def _levels(self, t0: int, t1: int):
+        """Transform: (levels, refinement indices or None) of a slab."""
+        if self.kept is not None:
+            return self.kept
+        return self._quantize(t0, t1, self._float32(self._block(t0, t1)))
+
+    # ---- the passes before the header
+
+    def _prepare_lossless(self, check) -> Params:
+        L, C = self.L, self.C
+        stats = _empty_level_stats(L, C)
+        part = np.empty_like(stats)
+        for t0, t1 in self.bounds:
+            k2.lossless_stats(self._words(t0, t1, check), self.nraw, part)
+            k2.merge_level_stats(stats, part)
+        if check is not None:
+            check.raise_if_bad()
+        modes, lo, alphabet = tables_from_stats(stats, False, self.T)
+        return Params(METHOD_LOSSLESS, modes, lo, alphabet, np.zeros((L, 2, C, 1), np.uint8))
+
+    def _prepare_transform(self, check, calibration: Calibration | None):
+        cfg, L, T, C = self.cfg, self.L, self.T, self.C
+        self.sink = sink = min(cfg.sink_tokens, T)
+        self.rot, digest = encoder_rotation(calibration, L, C)
+        s1, s2, b1, b2 = (np.zeros((L, 2, C), np.float64) for _ in range(4))
+        x_kept = None
+        for t0, t1 in self.bounds:
+            x = self._float32(self._block(t0, t1, check))
+            k2.transform_stats_carry(x, self.rot, sink, t0, T, s1, s2, b1, b2)
+            if self.single:
+                x_kept = x
+        if check is not None:
+            check.raise_if_bad()
+        offsets_bits, m, steps_bits, self.steps = step_params(s1, s2, T - sink, cfg.steps_table(L),
+                                                              plane_sensitivity(cfg, calibration))
+        self.m32 = m.astype(np.float32)
+        self.R, self.bits = refine_plan(cfg, T, sink)
+        stats = _empty_level_stats(L, C)
+        part = np.empty_like(stats)
+        for t0, t1 in self.bounds:
+            x = x_kept if x_kept is not None else self._float32(self._block(t0, t1))
+            q, ref = self._quantize(t0, t1, x)
+            del x
+            k2.level_stats(q, self.ct, part)
+            k2.merge_level_stats(stats, part)
+            if self.single:
+                self.kept = (q, ref)
+        x_kept = None
+        modes, lo, alphabet = tables_from_stats(stats, cfg.token_delta, T)
+        sink_bytes = (sink_words(self.source.cache, sink) if isinstance(self.source, TensorSource)
+                      else _sink_bytes(self.source.read(0, sink), sink))
+        params = Params(METHOD_TRANSFORM, modes, lo, alphabet, np.zeros((L, 2, C, 1), np.uint8), digest,
+                        steps_bits, offsets_bits, sink_bytes, refine_tokens=self.R, refine_bits=self.bits)
+        return params, sink
+
+    def _tables(self, params: Params) -> None:
+        """Symbol counts over the cache -> tables, shared where that pays -> coder tables."""
+        L, C, ct = self.L, self.C, self.ct
+        modes, lo, alphabet = params.modes, params.lo, params.alphabet
+        width = int(alphabet.max(initial=1))
+        self.sym = None
+        self.scratch = None if self.lossless else np.empty((L, 2, C, width), np.int64)
+        if self.lossless:
+            counts = np.zeros((L, 2, C, width), np.int64)
+            for t0, t1 in self.bounds:
+                k2.lossless_counts(self._words(t0, t1), self.nraw, lo, counts)
+        elif self.single:  # the symbols of the single slab are kept for coding
+            q = self.kept[0]
+            self.sym = np.empty(q.shape, np.uint8)
+            counts = np.empty((L, 2, C, width), np.int64)
+            k2.levels_to_symbols(q, modes, lo, ct, self.sym, counts)
+        else:
+            counts = np.zeros((L, 2, C, width), np.int64)
+            for t0, t1 in self.bounds:
+                k2.count_symbols(self._levels(t0, t1)[0], modes, lo, ct, counts)
+        codes = np.empty((L, 2, C, width), np.uint8)
+        cum = np.empty((L, 2, C, width + 1), np.int32)
+        k2.build_tables(counts, alphabet, codes, cum)
+        # Neighbouring channels often have near-identical statistics (after a rotation they are
+        # ordered by variance): a channel that codes about as well with the previous table
+        # sends a one-byte reference instead of its own table.
+        shared = np.zeros((L, 2, C), np.bool_)
+        k2.share_tables(counts, lo, alphabet, modes, cum, SYMBOL_COST, shared, np.empty((L, 2, C), np.int64))
+        if shared.any():
+            modes, lo, alphabet, codes, cum = expand_shared(shared, modes, lo, alphabet, codes, cum)
+            self.sym = None  # coded with the shared tables' ranges: recomputed
+        self.tab = np.empty((L, 2, C, width), np.uint32)
+        lut = np.empty((L, 2, C, cpu_kernels.LUT_SIZE), np.uint8)
+        k2.coder_tables(cum, alphabet, self.tab, lut)
+        self.width = width
+        params.codes, params.shared, params.modes, params.lo, params.alphabet = codes, shared, modes, lo, alphabet
+
+    # ---- the coding pass
+
+    def chunks(self) -> Iterator[list[Chunk]]:
+        h = self.header
+        p = h.params
+        L, C, ct, G = self.L, self.C, self.ct, h.group
+        tab = self.tab.reshape(L, 2, C * self.width)
+        for t0, t1 in self.bounds:
+            if self.lossless:
+                words = self._words(t0, t1)
+                sym = self._empty("sym", words.shape, np.uint8)
+                extra = np.empty(words.size * self.nraw, np.uint8)  # the low bytes, in chunk order
+                k2.lossless_symbols(words, self.nraw, ct, p.lo, sym, extra)
+                del words
+            else:
+                q, extra = self._levels(t0, t1)
+                sym = self.sym
+                if sym is None:
+                    sym = self._empty("sym", q.shape, np.uint8)
+                    k2.levels_to_symbols(q, p.modes, p.lo, ct, sym, self.scratch)
+                del q
+            self.kept = self.sym = None  # a single slab's arrays go with its chunks
+            K = -(-(t1 - t0) // ct)
+            lengths = np.empty((K, L, 2, h.groups), np.int32)
+            plane_bytes = np.empty(K * L * 2, np.int64)
+            # One row per plane, big enough for its worst case; only the bytes written are touched.
+            planes = self._empty("planes", (K * L * 2, h.groups * max_stream_bytes(ct * G)), np.uint8)
+            k2.encode_table_planes(sym, tab, ct, G, lengths, plane_bytes, planes)
+            del sym
+            plane_offsets = np.zeros(K * L * 2 + 1, np.int64)
+            np.cumsum(plane_bytes, out=plane_offsets[1:])
+            payload = np.empty(int(plane_offsets[-1]), np.uint8)
+            cpu_kernels.pack_streams(planes, plane_bytes, plane_offsets, payload)
+            del planes
+            lengths = lengths.reshape(-1)
+            offsets = np.zeros(lengths.size + 1, np.int64)
+            np.cumsum(lengths, out=offsets[1:])
+            yield _slab_chunks(h, t0, t1, lengths, payload, offsets, extra if self.lossless else None,
+                               None if self.lossless else extra)
+
+
+def _sink_bytes(block: torch.Tensor, sink: int) -> np.ndarray:
+    """sink_words of a block holding the first ``sink`` tokens."""
+    L, _, _, C = block.shape
+    if sink == 0:  # (an empty tensor's strides cannot be viewed as bytes)
+        return np.zeros((L, 2, 0, C, block.element_size()), np.uint8)
+    words = block[:, :, :sink].contiguous().view(torch.uint8).numpy()
+    return words.reshape(L, 2, sink, C, block.element_size()).copy()
+
+
+def _slab_chunks(h: FileHeader, t0: int, t1: int, lengths, payload, offsets, raw: np.ndarray | None = None,
+                 ref: np.ndarray | None = None) -> list[Chunk]:
+    """The chunks of the slab of tokens [t0, t1) (whole chunks from chunk t0 / chunk_tokens) from
+    its streams; ``raw``: the lossless low bytes in chunk order (kernels' lossless_symbols);
+    ``ref``: the refinement indices [L, 2, n, C] of the slab's refined tokens (its last n)."""
+    L, C, ct = h.num_layers, h.num_channels, h.chunk_tokens
+    per = h.streams_per_chunk
+    K = -(-(t1 - t0) // ct)
+    lengths = lengths.reshape(K, L, 2, h.groups)
+    nraw = h.raw_bytes_per_value
+    r0 = max(h.refine_start, t0)
+    empty = np.empty(0, np.uint8)
+    out = []
+    for k in range(K):
+        a, b = t0 + k * ct, min(t1, t0 + (k + 1) * ct)
+        body = empty
+        if raw is not None:
+            o = k * L * 2 * ct * C * nraw
+            body = raw[o : o + L * 2 * (b - a) * C * nraw]
+        if ref is not None and b > r0:
+            body = pack_refinement_bits(ref[:, :, max(a, r0) - r0 : b - r0], h.params.refine_bits)
+        out.append(Chunk(t0 // ct + k, a, b - a, body, empty, lengths[k],
+                         payload[offsets[k * per] : offsets[(k + 1) * per]]))
+    return out
+
+
+def pack_refinement_bits(ref: np.ndarray, bits: int) -> np.ndarray:
+    """params.pack_refinement's bytes, packed by a parallel kernel."""
+    v = np.ascontiguousarray(ref, np.uint8).reshape(-1)
+    out = np.empty(-(-(v.size * bits) // 8), np.uint8)
+    k2.pack_bits(v, bits, out)
+    return out
+
+
+def unpack_refinement_bits(raw: np.ndarray, count: int, bits: int) -> np.ndarray:
+    """params.unpack_refinement, unpacked by a parallel kernel: ``count`` indices; the padding
+    bits must be zero."""
+    raw = np.ascontiguousarray(raw, np.uint8).reshape(-1)
+    n = count * bits
+    if raw.size * 8 < n:
+        raise SizeError("a refinement section is shorter than its indices")
+    if raw[-(-n // 8) :].any() or (n % 8 and raw[n // 8] >> (n % 8)):
+        raise SizeError("nonzero padding bits after a refinement section")
+    out = np.empty(count, np.uint8)
+    k2.unpack_bits(raw, bits, out)
+    return out
 
 
 def encoder_rotation(calibration: Calibration | None, L: int, C: int) -> tuple[np.ndarray, bytes]:
@@ -280,7 +557,7 @@ def gather_refinement(h: FileHeader, chunks: list[Chunk]) -> np.ndarray:
     for c in chunks:
         n = h.refined_in(c.first_token, c.token_count)
         if n:
-            parts.append(unpack_refinement(c.scales, L * 2 * n * C, p.refine_bits).reshape(L, 2, n, C))
+            parts.append(unpack_refinement_bits(c.scales, L * 2 * n * C, p.refine_bits).reshape(L, 2, n, C))
     if not parts:
         return np.zeros((L, 2, 0, C), np.uint8)
     return np.ascontiguousarray(np.concatenate(parts, axis=2))
@@ -344,36 +621,86 @@ def decode_v2(h: FileHeader, chunks: list[Chunk], dtype: torch.dtype,
         from .gpu_transform import decode_v2_gpu
 
         return decode_v2_gpu(h, chunks, dtype, calibration)
-    p = h.params
-    L, T, C = h.num_layers, h.num_tokens, h.num_channels
-    rot = check_calibration(h, calibration)
-    width = p.width
-    cum = np.empty((L, 2, C, width + 1), np.int32)
-    k2.cum_from_table_codes(p.codes, p.alphabet, cum)
-    tab = np.empty((L, 2, C, width), np.uint32)
-    lut = np.empty((L, 2, C, cpu_kernels.LUT_SIZE), np.uint8)
-    k2.coder_tables(cum, p.alphabet, tab, lut)
-    lengths, offsets, payload = gather_streams(chunks)
-    sym = np.empty((L, 2, T, C), np.uint8)
-    k2.decode_table_planes(payload, offsets, lengths, cum.reshape(L, 2, -1), lut.reshape(L, 2, -1), h.chunk_tokens,
-                           h.group, sym)
-    q = np.empty((L, 2, T, C), np.int16)
-    k2.symbols_to_levels(sym, p.modes, p.lo, h.chunk_tokens, q)
-    del sym
-    if h.method == METHOD_LOSSLESS:
-        nraw = h.raw_bytes_per_value
-        raw = gather_raw(h, chunks)
-        words = np.empty((L, 2, T, C), np.uint16 if nraw == 1 else np.uint32)
-        k2.join_words(q, raw, nraw, words)
-        signed = words.view(np.int16 if nraw == 1 else np.int32)
-        return torch.from_numpy(signed).view(dtype)
-    out = np.zeros((L, 2, T, C), np.float32)
-    ref = gather_refinement(h, chunks)
-    k2.transform_dequantize(q, rot, h.sink_tokens, bf16_values(p.offsets).astype(np.float32),
-                            bf16_values(p.steps), h.refine_start, p.refine_bits, ref, out)
-    data = torch.from_numpy(out).to(dtype)
-    S = h.sink_tokens
-    if S:
-        sink = torch.from_numpy(np.ascontiguousarray(p.sink).reshape(-1)).view(dtype).reshape(L, 2, S, C)
-        data[:, :, :S] = sink
-    return data
+    dec = V2SlabDecoder(h, calibration)
+    words = dec.empty(h.num_tokens)
+    per = slab_chunks_count(h.num_layers, h.num_channels, h.chunk_tokens)
+    for first in range(0, len(chunks), per):
+        batch = chunks[first : first + per]
+        dec.decode_into(batch, words, batch[0].first_token)
+    return dec.as_tensor(words)
+
+
+class V2SlabDecoder:
+    """Decodes a version-2 file on the CPU a run of whole chunks at a time: the header's tables
+    become coder tables once, then every chunk decodes on its own (token deltas restart at
+    each chunk, the refinement indices are in each chunk's raw section, the sink tokens in the
+    header).  The calibration is checked here, before anything is decoded."""
+
+    def __init__(self, h: FileHeader, calibration: Calibration | None = None) -> None:
+        p = h.params
+        L, C = h.num_layers, h.num_channels
+        self.h = h
+        self.rot = check_calibration(h, calibration)
+        cum = np.empty((L, 2, C, p.width + 1), np.int32)
+        k2.cum_from_table_codes(p.codes, p.alphabet, cum)
+        tab = np.empty((L, 2, C, p.width), np.uint32)
+        lut = np.empty((L, 2, C, cpu_kernels.LUT_SIZE), np.uint8)
+        k2.coder_tables(cum, p.alphabet, tab, lut)
+        self.cum, self.lut = cum.reshape(L, 2, -1), lut.reshape(L, 2, -1)
+        self.itemsize = ITEMSIZE[h.dtype]
+        self.word = np.uint16 if self.itemsize == 2 else np.uint32
+        self.buf = SlabBuffers()
+        self.sink = None
+        if h.method == METHOD_TRANSFORM:
+            self.offsets = bf16_values(p.offsets).astype(np.float32)
+            self.steps = bf16_values(p.steps)
+            if h.sink_tokens:
+                self.sink = np.ascontiguousarray(p.sink).reshape(-1).view(self.word).reshape(L, 2, h.sink_tokens, C)
+
+    def empty(self, tokens: int, reuse: bool = False) -> np.ndarray:
+        """Words [L, 2, tokens, C] to decode into; ``reuse``: the same memory every call."""
+        shape = (self.h.num_layers, 2, tokens, self.h.num_channels)
+        return self.buf.get("out", shape, self.word) if reuse else np.empty(shape, self.word)
+
+    def as_tensor(self, words: np.ndarray) -> torch.Tensor:
+        from .kvio import DTYPE_BY_NAME
+
+        signed = words.view(np.int16 if self.itemsize == 2 else np.int32)
+        return torch.from_numpy(signed).view(DTYPE_BY_NAME[self.h.dtype])
+
+    def decode_into(self, chunks: list[Chunk], out: np.ndarray, t_out: int) -> None:
+        """Decode consecutive whole chunks into out[:, :, t_out : t_out + their tokens]; ``out``:
+        the source dtype's words (uint16 / uint32) [L, 2, >= t_out + tokens, C]."""
+        if not chunks:
+            return
+        h, p = self.h, self.h.params
+        L, C, ct = h.num_layers, h.num_channels, h.chunk_tokens
+        T0 = chunks[0].first_token
+        Ts = sum(c.token_count for c in chunks)
+        lengths, offsets, payload = gather_streams(chunks)
+        sym = self.buf.get("sym", (L, 2, Ts, C), np.uint8)
+        k2.decode_table_planes(payload, offsets, lengths, self.cum, self.lut, ct, h.group, sym)
+        q = self.buf.get("q", (L, 2, Ts, C), np.int16)
+        k2.symbols_to_levels(sym, p.modes, p.lo, ct, q)
+        del sym
+        if h.method == METHOD_LOSSLESS:
+            # The chunks' raw sections back to back are the low bytes in chunk order.
+            raw = (chunks[0].scales.reshape(-1) if len(chunks) == 1
+                   else np.concatenate([c.scales.reshape(-1) for c in chunks]))
+            k2.join_words_chunked(q, raw, h.raw_bytes_per_value, ct, out, t_out)
+            return
+        ref = gather_refinement(h, chunks)
+        sink = min(max(h.sink_tokens - T0, 0), Ts)
+        first_refined = max(h.refine_start - T0, 0)
+        args = (q, self.rot, sink, self.offsets, self.steps, first_refined, p.refine_bits, ref)
+        if h.dtype == "bfloat16":
+            k2.transform_dequantize_words(*args, out, t_out, True)
+        elif h.dtype == "float32":
+            k2.transform_dequantize_words(*args, out.view(np.float32), t_out, False)
+        else:  # float16: torch's float32 -> float16 rounding
+            tmp = self.buf.get("f32", (L, 2, Ts, C), np.float32)
+            k2.transform_dequantize_words(*args, tmp, 0, False)
+            dst = torch.from_numpy(out.view(np.int16)[:, :, t_out : t_out + Ts]).view(torch.float16)
+            dst.copy_(torch.from_numpy(tmp))
+        if sink:
+            out[:, :, t_out : t_out + sink] = self.sink[:, :, T0 : T0 + sink]

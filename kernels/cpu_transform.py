@@ -189,34 +189,40 @@ def join_words(q, raw, nraw, words):
 def level_stats(q, chunk_tokens, stats):
     """Per table [L, 2, C]: stats[..., 0:3] = min, max and sum of |value| of the direct
     values; stats[..., 3:6] the same for the token deltas (a chunk's first token: its value).
-    One thread per (layer, K/V) plane, walking it row by row (the memory order)."""
+    One thread per (layer, K/V) plane, walking it row by row (the memory order) into one
+    accumulator per statistic and channel, so that the channel loops vectorize."""
     L, _, T, C = q.shape
     for p in prange(L * 2):
         l = p // 2
         kv = p % 2
-        st = stats[l, kv]
-        for c in range(C):
-            st[c, 0] = 1 << 40
-            st[c, 1] = -(1 << 40)
-            st[c, 2] = 0
-            st[c, 3] = 1 << 40
-            st[c, 4] = -(1 << 40)
-            st[c, 5] = 0
+        mn = np.full(C, 1 << 40, np.int64)
+        mx = np.full(C, -(1 << 40), np.int64)
+        ab = np.zeros(C, np.int64)
+        dmn = np.full(C, 1 << 40, np.int64)
+        dmx = np.full(C, -(1 << 40), np.int64)
+        dab = np.zeros(C, np.int64)
         plane = q[l, kv]
         for t in range(T):
-            first = t % chunk_tokens == 0
             row = plane[t]
+            prev = plane[t - 1] if t % chunk_tokens != 0 else row
+            first = t % chunk_tokens == 0
             for c in range(C):
                 v = np.int64(row[c])
-                d = v
-                if not first:
-                    d = v - np.int64(plane[t - 1, c])
-                st[c, 0] = min(st[c, 0], v)
-                st[c, 1] = max(st[c, 1], v)
-                st[c, 2] += abs(v)
-                st[c, 3] = min(st[c, 3], d)
-                st[c, 4] = max(st[c, 4], d)
-                st[c, 5] += abs(d)
+                d = v - (np.int64(0) if first else np.int64(prev[c]))
+                mn[c] = min(mn[c], v)
+                mx[c] = max(mx[c], v)
+                ab[c] += abs(v)
+                dmn[c] = min(dmn[c], d)
+                dmx[c] = max(dmx[c], d)
+                dab[c] += abs(d)
+        st = stats[l, kv]
+        for c in range(C):
+            st[c, 0] = mn[c]
+            st[c, 1] = mx[c]
+            st[c, 2] = ab[c]
+            st[c, 3] = dmn[c]
+            st[c, 4] = dmx[c]
+            st[c, 5] = dab[c]
 
 
 @njit(parallel=True, **_JIT)
@@ -406,3 +412,269 @@ def walk_tables(buf, start, count, per_plane, starts, heads):
     if o > n:
         return -1 - count
     return o
+
+
+# =====================================================================================
+# Slab-by-slab kernels: the same results as the whole-cache kernels above, for a cache
+# read (or written) a run of whole chunks at a time, so that encoding or decoding a file
+# never holds more than one slab's temporaries (cachegen_cli/transform_codec.py).
+# =====================================================================================
+
+
+@njit(parallel=True, **_JIT)
+def transform_stats_carry(x, rot, sink, t_first, num_tokens, s1, s2, b1, b2):
+    """transform_stats over x = tokens t_first .. of a cache of num_tokens tokens, carrying
+    the sums between calls: s1 / s2 [L, 2, C] the closed blocks' sums, b1 / b2 the open
+    block's (all zero before the first slab).  The same additions in the same order as
+    transform_stats, so after the last slab s1 and s2 are bit for bit its sums and sumsq."""
+    L, _, Tx, C = x.shape
+    rotated = rot.shape[0] > 0
+    for p in prange(L * 2):
+        l = p // 2
+        kv = p % 2
+        y = np.empty(C, np.float64)
+        a1 = s1[l, kv]
+        a2 = s2[l, kv]
+        o1 = b1[l, kv]
+        o2 = b2[l, kv]
+        for i in range(Tx):
+            t = t_first + i
+            if t < sink:
+                continue
+            if rotated:
+                rotate_row(x[l, kv, i], rot[l, kv], y)
+            else:
+                for c in range(C):
+                    y[c] = np.float64(x[l, kv, i, c])
+            for c in range(C):
+                v = np.float64(np.float32(y[c]))
+                o1[c] += v
+                o2[c] += v * v
+            if (t + 1) % STATS_BLOCK == 0 or t == num_tokens - 1:
+                for c in range(C):
+                    a1[c] += o1[c]
+                    a2[c] += o2[c]
+                    o1[c] = 0.0
+                    o2[c] = 0.0
+
+
+@njit(parallel=True, **_JIT)
+def count_symbols(q, modes, lo, chunk_tokens, counts):
+    """counts[..., s] += occurrences of symbol s as levels_to_symbols codes q (whose first
+    token starts a chunk), without writing the symbols: a slab's share of a file's counts."""
+    L, _, T, C = q.shape
+    for p in prange(L * 2):
+        l = p // 2
+        kv = p % 2
+        cnt = counts[l, kv]
+        plane = q[l, kv]
+        md = modes[l, kv]
+        base = lo[l, kv]
+        for t in range(T):
+            first = t % chunk_tokens == 0
+            row = plane[t]
+            for c in range(C):
+                v = np.int64(row[c])
+                if md[c] == 1 and not first:
+                    v -= np.int64(plane[t - 1, c])
+                cnt[c, v - base[c]] += 1
+
+
+@njit(parallel=True, **_JIT)
+def merge_level_stats(total, part):
+    """total = the level_stats of two runs of tokens together (min, max, sums of |value|)."""
+    L, _, C, _ = total.shape
+    for p in prange(L * 2):
+        l = p // 2
+        kv = p % 2
+        for c in range(C):
+            a = total[l, kv, c]
+            b = part[l, kv, c]
+            a[0] = min(a[0], b[0])
+            a[1] = max(a[1], b[1])
+            a[2] += b[2]
+            a[3] = min(a[3], b[3])
+            a[4] = max(a[4], b[4])
+            a[5] += b[5]
+
+
+@njit(parallel=True, **_JIT)
+def lossless_stats(words, nraw, stats):
+    """level_stats' direct fields (min, max, sum of |value|) of the lossless symbols of words
+    (split_words' q), computed from the words; the token-delta fields get the same values
+    (lossless tables are always direct, transform_codec.tables_from_stats ignores them)."""
+    L, _, T, C = words.shape
+    shift = 8 * nraw
+    for p in prange(L * 2):
+        l = p // 2
+        kv = p % 2
+        mn = np.full(C, 1 << 40, np.int64)
+        mx = np.full(C, -(1 << 40), np.int64)
+        ab = np.zeros(C, np.int64)
+        plane = words[l, kv]
+        for t in range(T):
+            row = plane[t]
+            for c in range(C):
+                v = top_byte_symbol(np.int64(row[c]) >> shift)
+                mn[c] = min(mn[c], v)
+                mx[c] = max(mx[c], v)
+                ab[c] += v
+        st = stats[l, kv]
+        for c in range(C):
+            st[c, 0] = st[c, 3] = mn[c]
+            st[c, 1] = st[c, 4] = mx[c]
+            st[c, 2] = st[c, 5] = ab[c]
+
+
+@njit(parallel=True, **_JIT)
+def lossless_counts(words, nraw, lo, counts):
+    """counts[..., s] += occurrences of symbol s = split_words' q - lo (direct tables), from the words."""
+    L, _, T, C = words.shape
+    shift = 8 * nraw
+    for p in prange(L * 2):
+        l = p // 2
+        kv = p % 2
+        cnt = counts[l, kv]
+        base = lo[l, kv]
+        plane = words[l, kv]
+        for t in range(T):
+            row = plane[t]
+            for c in range(C):
+                cnt[c, top_byte_symbol(np.int64(row[c]) >> shift) - base[c]] += 1
+
+
+@njit(parallel=True, **_JIT)
+def lossless_symbols(words, nraw, chunk_tokens, lo, sym, raw):
+    """split_words then levels_to_symbols (direct tables) in one pass: sym = q - lo, and the
+    low bytes in chunk order: raw (flat uint8) holds chunk k's [L, 2, Tk, C, nraw] block (the
+    chunk's Raw section, docs/format.md) from k x L x 2 x chunk_tokens x C x nraw on, so each
+    chunk's section is a slice of it, not a copy."""
+    L, _, T, C = words.shape
+    shift = 8 * nraw
+    for row in prange(L * 2 * T):
+        l = row // (2 * T)
+        kv = (row // T) % 2
+        t = row % T
+        k = t // chunk_tokens
+        tk = min(chunk_tokens, T - k * chunk_tokens)
+        o = (k * L * 2 * chunk_tokens + (l * 2 + kv) * tk + t - k * chunk_tokens) * C * nraw
+        src = words[l, kv, t]
+        out = sym[l, kv, t]
+        base = lo[l, kv]
+        dst = raw[o : o + C * nraw]
+        if nraw == 1:
+            for c in range(C):
+                w = np.int64(src[c])
+                out[c] = top_byte_symbol(w >> shift) - base[c]
+                dst[c] = w & 0xFF
+        else:
+            for c in range(C):
+                w = np.int64(src[c])
+                out[c] = top_byte_symbol(w >> shift) - base[c]
+                for b in range(nraw):
+                    dst[c * nraw + b] = (w >> (8 * b)) & 0xFF
+
+
+@njit(parallel=True, **_JIT)
+def join_words_chunked(q, raw, nraw, chunk_tokens, words, t_out):
+    """Inverse of lossless_symbols' split (q: the symbols plus lo), into words[:, :, t_out + t]
+    (uint16 or uint32); raw: the low bytes in chunk order (the chunks' Raw sections back to back)."""
+    L, _, T, C = q.shape
+    shift = 8 * nraw
+    for row in prange(L * 2 * T):
+        l = row // (2 * T)
+        kv = (row // T) % 2
+        t = row % T
+        k = t // chunk_tokens
+        tk = min(chunk_tokens, T - k * chunk_tokens)
+        o = (k * L * 2 * chunk_tokens + (l * 2 + kv) * tk + t - k * chunk_tokens) * C * nraw
+        dst = words[l, kv, t_out + t]
+        src = q[l, kv, t]
+        low = raw[o : o + C * nraw]
+        if nraw == 1:
+            for c in range(C):
+                dst[c] = (symbol_top_byte(src[c]) << shift) | np.int64(low[c])
+        else:
+            for c in range(C):
+                w = symbol_top_byte(src[c]) << shift
+                for b in range(nraw):
+                    w |= np.int64(low[c * nraw + b]) << (8 * b)
+                dst[c] = w
+
+
+@njit(parallel=True, **_JIT)
+def transform_dequantize_words(q, rot, sink, offsets, steps, t0, bits, ref, out, t_out, to_bf16):
+    """transform_dequantize into out[:, :, t_out + t]: float32, or (to_bf16) uint16 bfloat16
+    words rounded to nearest even, as torch converts float32 (the values are finite).  Tokens
+    below ``sink`` are left alone."""
+    L, _, T, C = q.shape
+    rotated = rot.shape[0] > 0
+    for row in prange(L * 2 * T):
+        l = row // (2 * T)
+        kv = (row // T) % 2
+        t = row % T
+        if t < sink:
+            continue
+        step = steps[l, kv]
+        refined = t >= t0 and bits > 0
+        r = t - t0 if refined else 0
+        zf = np.empty(C, np.float32)
+        if rotated:
+            z = np.empty(C, np.float64)
+            for d in range(C):
+                j = ref[l, kv, r, d] if refined else 0
+                z[d] = np.float64(token_value(q[l, kv, t, d], j, refined, bits, offsets[l, kv, d], step))
+            unrotate_row(z, rot[l, kv], zf)
+        else:
+            for c in range(C):
+                j = ref[l, kv, r, c] if refined else 0
+                zf[c] = token_value(q[l, kv, t, c], j, refined, bits, offsets[l, kv, c], step)
+        dst = out[l, kv, t_out + t]
+        if to_bf16:
+            zu = zf.view(np.uint32)
+            for c in range(C):
+                u = zu[c]
+                dst[c] = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+        else:
+            for c in range(C):
+                dst[c] = zf[c]
+
+
+@njit(parallel=True, **_JIT)
+def pack_bits(values, bits, out):
+    """out[j] = bits 8j .. 8j+7 of the values' low ``bits`` bits laid end to end, least
+    significant first (params.pack_refinement's bytes, padding bits zero)."""
+    n = values.shape[0] * bits
+    for j in prange(out.shape[0]):
+        acc = 0
+        for k in range(8):
+            bit = 8 * j + k
+            if bit >= n:
+                break
+            acc |= ((np.int64(values[bit // bits]) >> (bit % bits)) & 1) << k
+        out[j] = acc
+
+
+@njit(parallel=True, **_JIT)
+def unpack_bits(raw, bits, out):
+    """Inverse of pack_bits: out[i] = the i-th ``bits``-bit index of raw."""
+    for i in prange(out.shape[0]):
+        v = 0
+        for b in range(bits):
+            bit = i * bits + b
+            v |= ((np.int64(raw[bit >> 3]) >> (bit & 7)) & 1) << b
+        out[i] = v
+
+
+@njit(parallel=True, **_JIT)
+def take_channels(a, idx, out):
+    """out[l, kv, c, :] = a[l, kv, idx[l, kv, c], :] (transform_codec.expand_shared)."""
+    L, _, C, W = a.shape
+    for p in prange(L * 2 * C):
+        l = p // (2 * C)
+        kv = (p // C) % 2
+        c = p % C
+        src = a[l, kv, idx[l, kv, c]]
+        dst = out[l, kv, c]
+        for w in range(W):
+            dst[w] = src[w]

@@ -235,3 +235,36 @@ def test_config_file_with_steps(kv_file, tmp_path):
     one_line_error(run("encode", kv_file, "--config", toml, "-o", tmp_path / "b.cgen"), "only one of")
     toml.write_text('method = "transform"\nkey_step = [0.5, 0.6]\n')
     one_line_error(run("encode", kv_file, "--config", toml, "-o", tmp_path / "b.cgen"), "one per layer")
+
+
+def test_threads_option_gives_the_same_files(tmp_path):
+    src = tmp_path / "kv.safetensors"
+    save_file({"kv": realistic_kv(layers=3, tokens=70)}, src, metadata={"model": "synthetic"})
+    for method in (["--preset", "lmcache"], ["--quality", "balanced"], ["--quality", "lossless"]):
+        files = []
+        for flag, n in (("-T", "1"), ("--threads", "2"), ("-T", "0")):
+            cgen, back = tmp_path / f"t{n}.cgen", tmp_path / f"t{n}.safetensors"
+            r = run("encode", src, "-o", cgen, *method, flag, n, "--chunk-tokens", "8", "--device", "cpu", "--force")
+            assert r.exit_code == 0, r.output
+            r = run("decode", cgen, "-o", back, flag, n, "--device", "cpu", "--force")
+            assert r.exit_code == 0, r.output
+            files.append((cgen.read_bytes(), back.read_bytes()))
+        assert files[0] == files[1] == files[2]
+    r = run("encode", src, "-T", "-1")
+    assert r.exit_code == 2 and "Traceback" not in r.output
+
+
+def test_threads_apply_to_the_call_only(tmp_path):
+    import numba
+
+    import cachegen_cli as cg
+
+    src = tmp_path / "kv.safetensors"
+    save_file({"kv": realistic_kv(layers=2, tokens=40)}, src)
+    before = numba.get_num_threads(), torch.get_num_threads()
+    seen = []
+    progress = lambda done, total: seen.append((numba.get_num_threads(), torch.get_num_threads()))  # noqa: E731
+    cg.encode_file(src, tmp_path / "kv.cgen", chunk_tokens=8, device="cpu", threads=1, progress=progress)
+    cg.decode_file(tmp_path / "kv.cgen", tmp_path / "out.safetensors", device="cpu", threads=1, progress=progress)
+    assert seen and set(seen) == {(1, 1)}
+    assert (numba.get_num_threads(), torch.get_num_threads()) == before
