@@ -355,6 +355,21 @@ def _encode_v2_to_stream(cache: KVCache, out: BinaryIO, cfg: TransformConfig, ch
     chunk_tokens = validate_chunk_tokens(chunk_tokens)
     if cfg.method == "lossless" and calibration is not None:
         raise ConfigError("--calibration does not apply to --quality lossless")
+    if device == "cuda" and calibration is None:
+        from . import device_pipeline, gpu_codec
+
+        if gpu_codec.torch_cuda_ok():  # the whole file made on the GPU, written in one piece
+            if not isinstance(cache, KVCache):
+                cache = cache.load()
+            if cache.num_tokens:
+                blob, payload_bytes = device_pipeline.encode(cache, cfg, chunk_tokens)
+                data = gpu_codec.to_host_bytes(blob)
+                out.write(data)
+                if progress:
+                    progress(-(-cache.num_tokens // chunk_tokens), -(-cache.num_tokens // chunk_tokens))
+                reader, _ = open_input(data)
+                h, _, _, _ = read_header_and_index(reader)
+                return EncodeSummary(h, len(data), payload_bytes, len(data) - payload_bytes)
     if device == "cuda" or isinstance(cache, KVCache):
         if not isinstance(cache, KVCache):  # the GPU path takes the whole cache at once
             cache = cache.load()
@@ -483,10 +498,16 @@ class SlabDecoder:
         straight into it yields block None."""
         h, f = self.header, self.f
         if h.version == container.FORMAT_VERSION_2 and self.v2 is None:  # the GPU: the whole file at once
-            from . import transform_codec
+            from . import device_pipeline, gpu_codec, transform_codec
 
-            chunks = list(iter_chunks(f, h, self.offsets, self.size))
-            data = transform_codec.decode_v2(h, chunks, self.dtype, self.calibration, self.device)
+            if gpu_codec.torch_cuda_ok() and not h.rotated and h.num_chunks:
+                f.seek(0)
+                blob = gpu_codec.upload_blob(f.read())
+                hh, offsets, size = device_pipeline.read_header(blob)
+                data = device_pipeline.decode(blob, hh, offsets, size)
+            else:
+                chunks = list(iter_chunks(f, h, self.offsets, self.size))
+                data = transform_codec.decode_v2(h, chunks, self.dtype, self.calibration, self.device)
             if progress:
                 progress(h.num_chunks, h.num_chunks)
             yield 0, h.num_tokens, data
