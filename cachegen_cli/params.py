@@ -221,23 +221,12 @@ def parse_tables(raw: bytes, start: int, count: int, method: int, per_plane: int
     """Walk ``count`` tables from ``start`` (``per_plane`` per (layer, K/V)); they must end
     exactly at the end of ``raw``."""
     buf = np.frombuffer(raw, np.uint8)
-    n = len(buf)
     modes = np.empty(count, np.uint8)
     lo = np.empty(count, np.int64)
     alphabet = np.empty(count, np.int64)
-    starts = np.empty(count, np.int64)
     # Tables have variable sizes: a small kernel walks them in order, checking each
     # entry's size against the bytes left before stepping over it.
-    from .kernels.cpu_transform import walk_tables
-
-    heads = np.zeros(count, np.uint8)
-    end = walk_tables(buf, start, count, per_plane, starts, heads)
-    if end == -(1 << 40):
-        raise SizeError("the first table of a (layer, K/V) cannot refer to a previous one")
-    if end < 0:
-        raise TruncatedError(f"the Params block ends inside table {-1 - end}")
-    if end != n:
-        raise SizeError("bytes left over after the tables of the Params block")
+    starts, heads = walk_table_entries(raw, start, count, per_plane)
     shared = heads == MODE_SAME
     own = ~shared
     modes[:] = np.where(shared, MODE_DIRECT, heads)

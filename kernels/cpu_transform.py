@@ -36,42 +36,16 @@ from .transform import (STATS_BLOCK, refine_index, rotate_row, symbol_top_byte, 
 _JIT = dict(cache=True, nogil=True)
 
 
-@njit(parallel=True, **_JIT)
 def transform_stats(x, rot, sink, sums, sumsq):
     """sums / sumsq [L, 2, C] = sum over tokens >= sink of v and v*v (float64), v = float32(y),
     summed in a fixed tree that a GPU can split across threads: tokens in blocks of
     STATS_BLOCK (by absolute position), each block summed in token order from 0, the block
-    sums added in block order.  The square of a float32 is exact in float64, so a GPU's
-    fused multiply-add gives the same sums."""
+    sums added in block order (transform_stats_carry over the whole cache).  The square of a
+    float32 is exact in float64, so a GPU's fused multiply-add gives the same sums."""
     L, _, T, C = x.shape
-    rotated = rot.shape[0] > 0
-    for p in prange(L * 2):
-        l = p // 2
-        kv = p % 2
-        y = np.empty(C, np.float64)
-        s1 = np.zeros(C, np.float64)
-        s2 = np.zeros(C, np.float64)
-        b1 = np.zeros(C, np.float64)
-        b2 = np.zeros(C, np.float64)
-        for t in range(sink, T):
-            if rotated:
-                rotate_row(x[l, kv, t], rot[l, kv], y)
-            else:
-                for c in range(C):
-                    y[c] = np.float64(x[l, kv, t, c])
-            for c in range(C):
-                v = np.float64(np.float32(y[c]))
-                b1[c] += v
-                b2[c] += v * v
-            if (t + 1) % STATS_BLOCK == 0 or t == T - 1:
-                for c in range(C):
-                    s1[c] += b1[c]
-                    s2[c] += b2[c]
-                    b1[c] = 0.0
-                    b2[c] = 0.0
-        for c in range(C):
-            sums[l, kv, c] = s1[c]
-            sumsq[l, kv, c] = s2[c]
+    sums[:] = 0.0
+    sumsq[:] = 0.0
+    transform_stats_carry(x, rot, sink, 0, T, sums, sumsq, np.zeros((L, 2, C)), np.zeros((L, 2, C)))
 
 
 @njit(parallel=True, **_JIT)

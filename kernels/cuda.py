@@ -45,7 +45,7 @@ from .quantize import (  # noqa: E402
     quant_inverse_step,
     quantize_value,
 )
-from .range_coder import _add_carry, decode_stream, encode_stream, stream_coords  # noqa: E402
+from .range_coder import _add_carry, decode_stream, encode_stream, flush_stream, stream_coords  # noqa: E402
 
 ROW_THREADS = 128  # threads per quantization row: a power of two for the tree reduction
 BLOCK = 128
@@ -843,25 +843,7 @@ def _encode_stream_words(words, t0, t1, g, group, cum, row0, row_step, out):
                 n += 1
                 low = (low << 8) & MASK32
                 rng <<= 8
-    # Flush: the shortest prefix of some value in [low, low + rng) (as encode_stream).
-    nbytes = 4
-    value = low
-    for k in range(5):
-        unit = np.int64(1) << (32 - 8 * k)
-        candidate = (low + unit - 1) & ~(unit - 1)
-        if candidate < low + rng:
-            nbytes = k
-            value = candidate
-            break
-    if value > MASK32:
-        _add_carry(out, n)
-        value &= MASK32
-    for j in range(nbytes):
-        out[n] = (value >> (24 - 8 * j)) & 0xFF
-        n += 1
-    while n > 0 and out[n - 1] == 0:
-        n -= 1
-    return n
+    return flush_stream(low, rng, n, out)
 
 
 @cuda.jit(device=True)

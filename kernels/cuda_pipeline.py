@@ -40,7 +40,7 @@ from .cdf import codes_to_cum, counts_to_codes
 from .coding_params import MASK32, PROB_BITS, PROB_TOTAL, RANGE_INIT, RANGE_TOP
 from .crc import CRC_TABLE, multmodp, x8nmodp
 from .quantize import float_from_bits16
-from .range_coder import _add_carry
+from .range_coder import _add_carry, flush_stream
 from .tables import COST_ONE, SHARE_SPAN, STAT_EMPTY, choose_table, table_bytes
 from .transform import (MODE_DELTA, STATS_BLOCK, TRANSFORM_QMAX, refine_index, symbol_top_byte, token_level,
                         token_value, top_byte_symbol)
@@ -607,15 +607,21 @@ def read_tables(blob, params_at, starts, source, method2, tab, lut, modes, lo_ef
 
 
 @cuda.jit(device=True)
-def _coder_thread(i, K, L, groups):
-    """(stream number, chunk, layer, K/V, group) of coder thread i."""
+def _coder_thread(i, L, T, C, chunk_tokens, group):
+    """Stream of coder thread i: (stream number, plane = layer * 2 + K/V, t0, t1, c0, c1), its
+    tokens [t0, t1) and channels [c0, c1); stream number -1 past the last stream."""
+    K = (T + chunk_tokens - 1) // chunk_tokens
+    groups = (C + group - 1) // group
     k = i % K
     pair = i // K
     g = pair % groups
-    p = pair // groups
-    l = p // 2
-    kv = p % 2
-    return ((k * L + l) * 2 + kv) * groups + g, k, l, kv, g
+    plane = pair // groups
+    s = (k * L * 2 + plane) * groups + g
+    if i >= K * L * 2 * groups:
+        s = -1
+    t0 = k * chunk_tokens
+    c0 = g * group
+    return s, plane, t0, min(T, t0 + chunk_tokens), c0, min(C, c0 + group)
 
 
 @cuda.jit(device=True)
@@ -642,29 +648,6 @@ def _code_symbol(low, rng, n, out, entry):
         low = (low << 8) & MASK32
         rng <<= 8
     return low, rng, n
-
-
-@cuda.jit(device=True)
-def _flush(low, rng, n, out):
-    """The end of range_coder.encode_stream; returns the stream's length."""
-    nbytes = 4
-    value = low
-    for k in range(5):
-        unit = np.int64(1) << (32 - 8 * k)
-        candidate = (low + unit - 1) & ~(unit - 1)
-        if candidate < low + rng:
-            nbytes = k
-            value = candidate
-            break
-    if value > MASK32:
-        _add_carry(out, n)
-        value &= MASK32
-    for j in range(nbytes):
-        out[n] = (value >> (24 - 8 * j)) & 0xFF
-        n += 1
-    while n > 0 and out[n - 1] == 0:
-        n -= 1
-    return n
 
 
 @cuda.jit
@@ -709,17 +692,9 @@ def symbols(q, signed, modes, lo_eff, chunk_tokens, sym, stream=0):
 
 @cuda.jit
 def _encode_kernel(symf, sym64f, words8, tabf, W, L, T, C, chunk_tokens, group, slots, lengths):
-    K = (T + chunk_tokens - 1) // chunk_tokens
-    groups = (C + group - 1) // group
-    i = cuda.grid(1)
-    if i >= K * L * 2 * groups:
+    s, plane, t0, t1, c0, c1 = _coder_thread(cuda.grid(1), L, T, C, chunk_tokens, group)
+    if s < 0:
         return
-    s, k, l, kv, g = _coder_thread(i, K, L, groups)
-    t0 = k * chunk_tokens
-    t1 = min(T, t0 + chunk_tokens)
-    c0 = g * group
-    c1 = min(C, c0 + group)
-    plane = l * 2 + kv
     trow0 = (plane * C + c0) * W  # channel c's table row: trow0 + (c - c0) * W
     out = slots[s]
     low = np.int64(0)
@@ -739,7 +714,7 @@ def _encode_kernel(symf, sym64f, words8, tabf, W, L, T, C, chunk_tokens, group, 
             for c in range(c0, c1):
                 entry = np.int64(tabf[trow0 + (c - c0) * W + np.int64(symf[at + c])])
                 low, rng, n = _code_symbol(low, rng, n, out, entry)
-    lengths[s] = _flush(low, rng, n, out)
+    lengths[s] = flush_stream(low, rng, n, out)
 
 
 def encode_streams(sym, sym64, tab, chunk_tokens, group, slots, lengths, stream=0):
@@ -790,17 +765,9 @@ def _decode_symbol(code, rng, pos, blob, start, length, tabf, trow, lutf, lrow):
 
 @cuda.jit
 def _decode_kernel(blob, starts, lens, tabf, W, lutf, L, T, C, chunk_tokens, group, symf, sym64f, words8):
-    K = (T + chunk_tokens - 1) // chunk_tokens
-    groups = (C + group - 1) // group
-    i = cuda.grid(1)
-    if i >= K * L * 2 * groups:
+    s, plane, t0, t1, c0, c1 = _coder_thread(cuda.grid(1), L, T, C, chunk_tokens, group)
+    if s < 0:
         return
-    s, k, l, kv, g = _coder_thread(i, K, L, groups)
-    t0 = k * chunk_tokens
-    t1 = min(T, t0 + chunk_tokens)
-    c0 = g * group
-    c1 = min(C, c0 + group)
-    plane = l * 2 + kv
     trow0 = (plane * C + c0) * W
     lrow0 = (plane * C + c0) * LUT_SIZE
     start = np.int64(starts[s])

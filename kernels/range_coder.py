@@ -81,7 +81,14 @@ def encode_stream(symbols, t0, t1, c0, c1, cum, row0, row_step, out):
                 n += 1
                 low = (low << 8) & MASK32
                 rng <<= 8
-    # Flush: the shortest prefix of some value in [low, low + rng).
+    return flush_stream(low, rng, n, out)
+
+
+@register_jitable
+def flush_stream(low, rng, n, out):
+    """End a stream whose coder state is (low, rng) after n bytes in out: the shortest prefix
+    of some value in [low, low + rng), then trailing zero bytes dropped (the decoder reads
+    zeros past the end).  Returns the stream's length."""
     nbytes = 4
     value = low
     for k in range(5):
