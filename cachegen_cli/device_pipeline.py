@@ -44,6 +44,7 @@ from .kvio import DTYPE_BY_NAME, KVCache
 from .params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, bf16_values
 
 _FMT = {"float32": 0, "bfloat16": 1, "float16": 2}
+_TORCH_WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a word of n bytes
 _LOCK = threading.RLock()  # the cached constants below are shared between calls
 _COST: dict = {}
 _HEAD_DTYPE = np.dtype([("magic", "S4"), ("index", "<u4"), ("first_token", "<u4"), ("token_count", "<u4"),
@@ -128,8 +129,8 @@ def _empty(shape, dtype, dev):
 
 
 def _int64_view(t: torch.Tensor, C: int):
-    """t [L, 2, T, C] (one byte per value) viewed as int64 words [L, 2, T, C / 8], or a
-    placeholder when C is not a multiple of 8."""
+    """t [..., C] (one byte per value) viewed as int64 words [..., C / 8], or a placeholder
+    when C is not a multiple of 8."""
     if C % 8 == 0 and t.numel():
         return t.view(torch.int64)
     return torch.zeros((1, 1, 1, 1), dtype=torch.int64, device=t.device)
@@ -176,12 +177,15 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[to
     lossless = cfg.method == "lossless"
     _mark("start")
     q = _empty((L, 2, T, C), torch.uint8 if lossless else torch.int8, dev)
+    V = k.lanes(C, itemsize)  # channels per thread of the token-walking kernels
+    wv = words.view(_TORCH_WORD[V * itemsize])
+    qv = q.view(_TORCH_WORD[V])
     stats = _empty((L, 2, K, C, 6), torch.int32, dev)
     sink = R = bits = 0
     nraw = 0
     if lossless:
         nraw = itemsize - 1
-        k.split_levels(_nb(words), 8 * nraw, ct, _nb(q), _nb(stats))
+        k.split_levels(_nb(wv), itemsize, 8 * nraw, ct, _nb(qv), _nb(stats))
         _mark("levels")
         method, allow_delta, fixed = METHOD_LOSSLESS, False, b""
         ref = torch.zeros((1, 1, 1, 1), dtype=torch.uint8, device=dev)
@@ -190,7 +194,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[to
         NB = -(-T // STATS_BLOCK)
         part = _empty((2, L, 2, NB, C), torch.float64, dev)
         sums = _empty((2, L, 2, C), torch.float64, dev)
-        k.transform_stats(_nb(words), _FMT[dt], sink, _nb(part[0]), _nb(part[1]), _nb(sums[0]), _nb(sums[1]))
+        k.transform_stats(_nb(wv), itemsize, _FMT[dt], sink, _nb(part[0]), _nb(part[1]), _nb(sums[0]), _nb(sums[1]))
         _mark("statistics")
         sums_h = sums.cpu().numpy()  # synchronisation 1: the steps come from the sums
         _mark("sums to the host (sync)")
@@ -200,8 +204,8 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[to
         m_d = torch.from_numpy(np.ascontiguousarray(m, np.float32)).to(dev)
         steps_d = torch.from_numpy(np.ascontiguousarray(steps, np.float64)).to(dev)
         _mark("steps (host) + upload")
-        k.quantize_levels(_nb(words), _FMT[dt], sink, _nb(m_d), _nb(steps_d), float(cfg.rounding), T - R, bits, ct,
-                          _nb(q), _nb(ref), _nb(stats))
+        k.quantize_levels(_nb(wv), itemsize, _FMT[dt], sink, _nb(m_d), _nb(steps_d), float(cfg.rounding), T - R, bits,
+                          ct, _nb(qv), _nb(ref), _nb(stats))
         method, allow_delta = METHOD_TRANSFORM, cfg.token_delta
         _mark("levels")
         fixed = (bytes(32) + np.ascontiguousarray(steps_bits, "<u2").tobytes()
@@ -210,8 +214,12 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[to
     lo = _empty((L, 2, C), torch.int32, dev)
     alphabet = _empty((L, 2, C), torch.int32, dev)
     k.choose_tables(_nb(stats), allow_delta, T, _nb(modes), _nb(lo), _nb(alphabet))
+    lob = _empty((2, L, 2, C), torch.uint8, dev)  # [own lo, lo coded with]: symbol bytes
+    dmb = _empty((L, 2, C), torch.uint8, dev)
+    k.symbol_bytes(_nb(lo), _nb(modes), _nb(lob[0]), _nb(dmb))
     counts = torch.zeros((L, 2, C, 256), dtype=torch.int32, device=dev)
-    k.histogram(_nb(q), not lossless, _nb(modes), _nb(lo), ct, _nb(counts))
+    Vh = k.lanes(C, 1, 4)
+    k.histogram(_nb(q.view(_TORCH_WORD[Vh])), _nb(lob[0]), _nb(dmb), ct, _nb(counts))
     codes = _empty((L, 2, C, 256), torch.uint8, dev)
     cum = _empty((L, 2, C, 257), torch.int32, dev)
     k.build_tables(_nb(counts), _nb(alphabet), _nb(codes), _nb(cum))
@@ -224,12 +232,11 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[to
     alphabet_eff = _empty((L, 2, C), torch.int32, dev)
     k.coder_tables(_nb(cum), _nb(refc), _nb(lo), _nb(alphabet), _nb(tab), _nb(lo_eff), _nb(alphabet_eff),
                    _nb(_empty((1, 1, 1, 1), torch.uint8, dev)))
-    sym = _empty((L, 2, T, C), torch.uint8, dev)
-    k.symbols(_nb(q), not lossless, _nb(modes), _nb(lo_eff), ct, _nb(sym))
-    _mark("symbols")
+    k.symbol_bytes(_nb(lo_eff), _nb(modes), _nb(lob[1]), _nb(dmb))
     slots = _empty((n, max_stream_bytes(ct * G)), torch.uint8, dev)
     lengths = _empty((n,), torch.int32, dev)
-    k.encode_streams(_nb(sym), _nb(_int64_view(sym, C)), _nb(tab), ct, G, _nb(slots), _nb(lengths))
+    k.encode_streams(_nb(q), _nb(_int64_view(q, C)), _nb(lob[1]), _nb(dmb), _nb(_int64_view(lob[1], C)),
+                     _nb(_int64_view(dmb, C)), _nb(tab), ct, G, _nb(slots), _nb(lengths))
     _mark("range coding")
     incl = torch.cumsum(lengths, 0, dtype=torch.int64)
     entry = torch.where(shared.bool(), 1, 3 + (alphabet + 1) // 2).reshape(-1).to(torch.int64)
@@ -444,10 +451,10 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int) 
     nraw = h.raw_bytes_per_value
     if lossless or dtype == torch.bfloat16:
         words = _empty((L, 2, T, C), torch.int16 if ITEMSIZE[h.dtype] == 2 else torch.int32, dev)
-        out_fmt = 1
     else:
         words = _empty((L, 2, T, C), torch.int32, dev)  # float32 bits; float16 files are cast after
-        out_fmt = 0
+    out_bytes = words.element_size()
+    V = k.lanes(C, out_bytes)  # channels per thread
     S = h.sink_tokens
     if lossless:
         offsets_f = torch.zeros((1, 1, 1), dtype=torch.float32, device=dev)
@@ -455,8 +462,9 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int) 
     else:
         offsets_f = torch.from_numpy(np.ascontiguousarray(bf16_values(p.offsets), np.float32)).to(dev)
         steps_f = torch.from_numpy(np.ascontiguousarray(bf16_values(p.steps), np.float64)).to(dev)
-    k.dequantize(_nb(sym), _nb(modes_d), _nb(lo_eff), ct, not lossless, S, _nb(offsets_f), _nb(steps_f), r0, bits,
-                 blob_nb, _nb(raw_at_d), nraw, out_fmt, _nb(words))
+    k.dequantize(_nb(sym.view(_TORCH_WORD[V])), _nb(modes_d), _nb(lo_eff), ct, not lossless, S, _nb(offsets_f),
+                 _nb(steps_f), r0, bits, blob_nb, _nb(raw_at_d), nraw, out_bytes,
+                 _nb(words.view(_TORCH_WORD[V * out_bytes])))
     if lossless:
         data = words.view(dtype)
     elif dtype == torch.bfloat16:

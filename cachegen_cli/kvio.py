@@ -224,7 +224,10 @@ def check_finite(data: torch.Tensor) -> None:
         words = words.view(np.uint16 if view == torch.int16 else np.uint32).reshape(data.shape[0], -1)
         if first_nonfinite_row(words, mask) < 0:
             return
-    elif bool(torch.isfinite(data).all()):  # one pass and one sync on a GPU
+    elif data.is_cuda:
+        if not _cuda_nonfinite_layers(data).any():  # one pass over the words and one sync
+            return
+    elif bool(torch.isfinite(data).all()):
         return
     for layer in range(data.shape[0]):
         plane = data[layer]
@@ -235,6 +238,22 @@ def check_finite(data: torch.Tensor) -> None:
             if bool(torch.isinf(plane).any()):
                 kinds.append("Inf")
             raise NonFiniteError(_nonfinite_message(layer, kinds))
+
+
+def _cuda_nonfinite_layers(data: torch.Tensor) -> np.ndarray:
+    """uint8 [L]: 1 for each layer of a CUDA cache that holds a NaN or an Inf (exponent bits
+    all ones), from one kernel over its raw words (torch.isfinite(...).all() takes five
+    passes over the cache)."""
+    from .kernels.cuda_pipeline import nonfinite_layers
+
+    view, mask = _EXPONENT[data.dtype]
+    L = data.shape[0]
+    flat = data.contiguous().view(view).reshape(L, -1)
+    if (flat.shape[1] * flat.element_size()) % 8 == 0:
+        flat = flat.view(torch.int64)  # 8 bytes of values per thread
+    flags = torch.zeros(L, dtype=torch.uint8, device=data.device)
+    nonfinite_layers(flat.reshape(-1), flat.shape[1], mask, data.element_size(), flags)
+    return flags.cpu().numpy()
 
 
 def _nonfinite_message(layer: int, kinds: list[str]) -> str:

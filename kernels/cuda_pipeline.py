@@ -8,25 +8,30 @@ codes and CDFs; range_coder.py: the coder), so every decision matches the CPU's;
 differs is who does what, so that every kernel has enough threads and adjacent threads
 touch adjacent memory.
 
-Who does what (host wrappers launch on ``stream`` without synchronising):
-  stats_partial      one thread per (layer, K/V, 256-token block, channel): the block's sum
+Who does what (host wrappers launch on ``stream`` without synchronising; V = channels per
+thread, as many as one 8-byte word holds, see ``lanes``):
+  nonfinite_layers   one thread per 8-byte word of the cache: flags the layers with NaN / Inf
+  stats_partial      one thread per (layer, K/V, 256-token block, V channels): the block's sum
                      and sum of squares in token order (transform.STATS_BLOCK's tree)
   stats_reduce       one thread per (layer, K/V, channel): the block sums in block order
-  quantize_levels    one thread per (layer, K/V, chunk, channel), walking the chunk's tokens:
+  quantize_levels    one thread per (layer, K/V, chunk, V channels), walking the chunk's tokens:
                      levels (int8), refinement indices, and the chunk's level statistics
   split_levels       the same for the lossless method: top-byte symbols and statistics
   choose_tables      one thread per table: statistics over the chunks -> mode, lo, alphabet
-  histogram          one block per (layer, K/V, 32 channels): 32 lanes x 8 chunk slices,
+  histogram          one block per (layer, K/V, 32 channels): 32 / V lanes x 8 V chunk slices,
                      counts in shared memory (rows padded to 257: no bank conflicts)
   build_tables       one thread per table: counts -> 4-bit codes -> CDF
-  share_tables       one warp per (layer, K/V): channels in order, lanes over symbols
+  share_tables       one warp per (layer, K/V, 64 channels): channels in order, lanes over symbols
+  coder_tables,
+  symbol_bytes       one thread per table: packed coder rows, the lo / delta bytes
   encode_streams,
-  decode_streams     one thread per stream; threads are ordered (layer, K/V, group, chunk) so
-                     that a block's threads share a few groups' tables, copied to shared
-                     memory (dynamic) when they fit, read from global memory otherwise
+  decode_streams     one thread per stream, threads ordered (layer, K/V, group, chunk) so that
+                     a warp's lanes read the same table rows; the encoder makes each symbol
+                     from the levels as it codes (no symbol array)
   write_tables       one thread per table entry of the Params block
-  write_records      chunk records: lengths, streams (a warp each), raw sections
-  dequantize         one thread per (layer, K/V, chunk, channel): symbols -> levels (token
+  write_streams      a warp per stream: its length and bytes
+  write_raw          the raw sections: one thread per value (lossless) or per byte (refinement)
+  dequantize         one thread per (layer, K/V, chunk, V channels): symbols -> levels (token
                      delta) -> values (refinement bits read from the file), bfloat16 or
                      float32 out; the lossless join likewise
 """
@@ -72,21 +77,6 @@ def _cfg(n: int, block: int = BLOCK):
     return _grid(n, block), block
 
 
-#: Tokens a thread loads before it uses the first: the loads of a token-walking thread are
-#: in flight together instead of one memory latency per token.
-UNROLL = 8
-
-
-@cuda.jit(device=True)
-def _prefetch(af, at, C, m, buf):
-    """buf[j] = af[at + j * C] for j < m (<= UNROLL): the next m tokens of one channel of a flat
-    [L, 2, T, C] array.  (Flat arrays and running offsets throughout: 4-D indexing costs a
-    chain of 64-bit multiply-adds per access.)"""
-    for j in range(UNROLL):
-        if j < m:
-            buf[j] = af[at + j * C]
-
-
 @cuda.jit(device=True)
 def _word_value(w, fmt):
     """float32 value of a cache word: float32 bits (fmt 0), bfloat16 (1), float16 (2); the
@@ -99,37 +89,127 @@ def _word_value(w, fmt):
     return float_from_bits16(w, 2)
 
 
+# ---------------------------------------------------------------- channels per thread
+#
+# The token-walking kernels (statistics, levels, histogram, values) give each thread V
+# adjacent channels, read and written as one word of V values (8 bytes of 16-bit words, or
+# 4 bytes of levels): a warp's loads are 8x wider than one channel per thread, and each
+# thread's index arithmetic is shared by V values.  V is a compile-time constant (a kernel
+# per V, made on first use), so the per-channel state stays in registers.
+
+
+def lanes(C: int, itemsize: int, limit: int = 8) -> int:
+    """Channels per thread: the most (a power of two) whose values fit ``limit`` bytes and
+    divide C."""
+    v = max(1, limit // itemsize)
+    while v > 1 and C % v:
+        v //= 2
+    return v
+
+
+#: numpy dtype of a word of n bytes
+WORD_DTYPE = {1: np.int8, 2: np.int16, 4: np.int32, 8: np.int64}
+
+_MADE: dict = {}
+
+
+def _made(make, *key):
+    """The kernel make(*key), compiled once per key."""
+    kern = _MADE.get((make, key))
+    if kern is None:
+        kern = _MADE[(make, key)] = make(*key)
+    return kern
+
+
+@cuda.jit(device=True)
+def _signed_word(w, nbytes):
+    """The low nbytes of w as a signed integer (what an int8/16/32/64 array holds)."""
+    if nbytes >= 8:
+        return w
+    w &= (np.int64(1) << (8 * nbytes)) - 1
+    if w >= np.int64(1) << (8 * nbytes - 1):
+        w -= np.int64(1) << (8 * nbytes)
+    return w
+
+
+# ---------------------------------------------------------------- finite values
+
+
+def _make_nonfinite(nvals, bits):
+    vmask = (1 << bits) - 1
+
+    @cuda.jit
+    def kernel(wf, per_layer, emask, flags):
+        i = cuda.grid(1)
+        if i >= wf.shape[0]:
+            return
+        w = np.int64(wf[i])
+        bad = False
+        for j in range(nvals):
+            if ((w >> (bits * j)) & vmask & emask) == emask:
+                bad = True
+        if bad:
+            flags[i // per_layer] = 1  # every writer writes 1: no race that matters
+
+    return kernel
+
+
+def nonfinite_layers(words, per_layer, exponent_mask, itemsize, flags, stream=0):
+    """flags[l] = 1 (uint8 [L], zeroed by the caller) when layer l holds a NaN or an Inf: a
+    value whose exponent bits (exponent_mask) are all ones.  words: the cache's values as
+    flat words of 8 // itemsize values (or 1 per word), per_layer words per layer."""
+    n = words.shape[0]
+    if n == 0:
+        return
+    nvals = words.dtype.itemsize // itemsize
+    _made(_make_nonfinite, nvals, 8 * itemsize)[(*_cfg(n), stream)](
+        as_device(words), np.int64(per_layer), np.int64(exponent_mask), as_device(flags))
+
+
 # ---------------------------------------------------------------- statistics (method 2)
 
 
-@cuda.jit
-def _stats_partial_kernel(wf, L, T, C, fmt, sink, part1, part2):
-    i = cuda.grid(1)
-    NB = part1.shape[2]
-    if i >= L * 2 * NB * C:
-        return
-    c = i % C
-    r = i // C
-    b = r % NB
-    p = r // NB
-    l = p // 2
-    kv = p % 2
-    s1 = 0.0
-    s2 = 0.0
-    buf = cuda.local.array(UNROLL, np.int64)
-    t1 = min(T, (b + 1) * STATS_BLOCK)
-    tb0 = max(sink, b * STATS_BLOCK)
-    at = (p * T + tb0) * C + c
-    for tb in range(tb0, t1, UNROLL):
-        m = min(UNROLL, t1 - tb)
-        _prefetch(wf, at, C, m, buf)
-        at += UNROLL * C
-        for j in range(m):  # in token order: the CPU's sums
-            v = np.float64(_word_value(buf[j], fmt))
-            s1 += v
-            s2 += v * v
-    part1[l, kv, b, c] = s1
-    part2[l, kv, b, c] = s2
+def _make_stats_partial(V, B):
+    vmask = (1 << B) - 1
+
+    @cuda.jit
+    def kernel(wf, L, T, CW, fmt, sink, part1, part2):
+        i = cuda.grid(1)
+        NB = part1.shape[2]
+        if i >= L * 2 * NB * CW:
+            return
+        cw = i % CW
+        r = i // CW
+        b = r % NB
+        p = r // NB
+        l = p // 2
+        kv = p % 2
+        s1 = cuda.local.array(V, np.float64)
+        s2 = cuda.local.array(V, np.float64)
+        for j in range(V):
+            s1[j] = 0.0
+            s2[j] = 0.0
+        t1 = min(T, (b + 1) * STATS_BLOCK)
+        tb0 = max(sink, b * STATS_BLOCK)
+        at = (p * T + tb0) * CW + cw
+        w = np.int64(0)
+        if tb0 < t1:
+            w = np.int64(wf[at])
+        for t in range(tb0, t1):
+            wn = np.int64(0)
+            if t + 1 < t1:  # the next token's load in flight while this one is summed
+                wn = np.int64(wf[at + CW])
+            for j in range(V):  # each channel in token order: the CPU's sums
+                v = np.float64(_word_value((w >> (B * j)) & vmask, fmt))
+                s1[j] += v
+                s2[j] += v * v
+            w = wn
+            at += CW
+        for j in range(V):
+            part1[l, kv, b, cw * V + j] = s1[j]
+            part2[l, kv, b, cw * V + j] = s2[j]
+
+    return kernel
 
 
 @cuda.jit
@@ -151,30 +231,23 @@ def _stats_reduce_kernel(part1, part2, sums, sumsq):
     sumsq[l, kv, c] = s2
 
 
-def transform_stats(words, fmt, sink, part1, part2, sums, sumsq, stream=0):
+def transform_stats(words, itemsize, fmt, sink, part1, part2, sums, sumsq, stream=0):
     """sums / sumsq [L, 2, C]: cpu_transform.transform_stats of an unrotated cache given as its
-    raw words; part1 / part2: float64 scratch [L, 2, ceil(T / STATS_BLOCK), C]."""
+    raw words [L, 2, T, C / V], V = words.itemsize // itemsize values each; part1 / part2:
+    float64 scratch [L, 2, ceil(T / STATS_BLOCK), C]."""
     L, _, NB, C = part1.shape
-    if L * 2 * NB * C:
+    CW = words.shape[3]
+    V = C // CW if CW else 1
+    if L * 2 * NB * CW:
         T = words.shape[2]
-        _stats_partial_kernel[(*_cfg(L * 2 * NB * C), stream)](as_device(words.reshape(-1)), np.int64(L), np.int64(T),
-                                                                np.int64(C), np.int64(fmt), np.int64(sink),
-                                                                as_device(part1), as_device(part2))
+        _made(_make_stats_partial, V, 8 * itemsize)[(*_cfg(L * 2 * NB * CW), stream)](
+            as_device(words.reshape(-1)), np.int64(L), np.int64(T), np.int64(CW), np.int64(fmt), np.int64(sink),
+            as_device(part1), as_device(part2))
     _stats_reduce_kernel[(*_cfg(L * 2 * C), stream)](as_device(part1), as_device(part2), as_device(sums),
                                                       as_device(sumsq))
 
 
 # ---------------------------------------------------------------- levels and their statistics
-
-
-@cuda.jit(device=True)
-def _chunk_thread(i, L, K, C):
-    """(layer, K/V, chunk, channel) of thread i of a (layer, K/V, chunk, channel) launch."""
-    c = i % C
-    r = i // C
-    k = r % K
-    p = r // K
-    return p // 2, p % 2, k, c
 
 
 @cuda.jit(device=True)
@@ -187,101 +260,128 @@ def _put_stats(stats, l, kv, k, c, mn, mx, ab, dmn, dmx, dab):
     stats[l, kv, k, c, 5] = dab
 
 
-@cuda.jit
-def _quantize_kernel(wf, L, T, C, fmt, sink, offsets, steps, threshold, t_ref, bits, chunk_tokens, qf, ref, stats):
-    i = cuda.grid(1)
-    K = stats.shape[2]
-    if i >= L * 2 * K * C:
-        return
-    l, kv, k, c = _chunk_thread(i, L, K, C)
-    t0 = k * chunk_tokens
-    t1 = min(T, t0 + chunk_tokens)
-    off = offsets[l, kv, c]
-    step = steps[l, kv]
-    mn = mx = dmn = dmx = np.int64(0)
-    ab = dab = np.int64(0)
-    prev = np.int64(0)
-    buf = cuda.local.array(UNROLL, np.int64)
-    at = ((l * 2 + kv) * T + t0) * C + c
-    for t in range(t0, t1):
-        if (t - t0) % UNROLL == 0:
-            _prefetch(wf, at, C, min(UNROLL, t1 - t), buf)
-        v = np.int64(0)
-        if t >= sink:
-            y = np.float64(_word_value(buf[(t - t0) % UNROLL], fmt))
+def _make_quantize(V, B, lossless):
+    """Levels of V channels per thread: method 2's (token_level, refine_index), or the lossless
+    method's top-byte symbols (then shift = 8 x the raw bytes per value)."""
+    vmask = (1 << B) - 1
+
+    @cuda.jit
+    def kernel(wf, L, T, CW, fmt, sink, offsets, steps, threshold, t_ref, bits, chunk_tokens, shift, qf, ref, stats):
+        i = cuda.grid(1)
+        K = stats.shape[2]
+        if i >= L * 2 * K * CW:
+            return
+        cw = i % CW
+        r = i // CW
+        k = r % K
+        p = r // K
+        l = p // 2
+        kv = p % 2
+        c0 = cw * V
+        t0 = k * chunk_tokens
+        t1 = min(T, t0 + chunk_tokens)
+        step = 0.0
+        if not lossless:
+            step = steps[l, kv]
+        off = cuda.local.array(V, np.float64)
+        prev = cuda.local.array(V, np.int64)
+        mn = cuda.local.array(V, np.int64)
+        mx = cuda.local.array(V, np.int64)
+        ab = cuda.local.array(V, np.int64)
+        dmn = cuda.local.array(V, np.int64)
+        dmx = cuda.local.array(V, np.int64)
+        dab = cuda.local.array(V, np.int64)
+        for j in range(V):
+            off[j] = 0.0
+            if not lossless:
+                off[j] = offsets[l, kv, c0 + j]
+            prev[j] = 0
+            mn[j] = 0
+            mx[j] = 0
+            ab[j] = 0
+            dmn[j] = 0
+            dmx[j] = 0
+            dab[j] = 0
+        at = (p * T + t0) * CW + cw
+        w = np.int64(0)
+        if t0 < t1:
+            w = np.int64(wf[at])
+        for t in range(t0, t1):
+            wn = np.int64(0)
+            if t + 1 < t1:  # the next token's load in flight while this one is quantized
+                wn = np.int64(wf[at + CW])
             refined = bits > 0 and t >= t_ref
-            v = np.int64(token_level(y, off, step, TRANSFORM_QMAX, threshold, refined, bits))
-            if refined:
-                ref[l, kv, t - t_ref, c] = refine_index(y, off, step, v, bits)
-        qf[at] = v
-        at += C
-        d = v - prev
-        prev = v
-        if t == t0:
-            mn = mx = dmn = dmx = v
-        mn = min(mn, v)
-        mx = max(mx, v)
-        ab += abs(v)
-        dmn = min(dmn, d)
-        dmx = max(dmx, d)
-        dab += abs(d)
-    _put_stats(stats, l, kv, k, c, mn, mx, ab, dmn, dmx, dab)
+            qw = np.int64(0)
+            for j in range(V):
+                x = (w >> (B * j)) & vmask
+                v = np.int64(0)
+                if lossless:
+                    v = np.int64(top_byte_symbol(x >> shift))
+                elif t >= sink:
+                    y = np.float64(_word_value(x, fmt))
+                    v = np.int64(token_level(y, off[j], step, TRANSFORM_QMAX, threshold, refined, bits))
+                    if refined:
+                        ref[l, kv, t - t_ref, c0 + j] = refine_index(y, off[j], step, v, bits)
+                qw |= (v & 0xFF) << (8 * j)
+                d = v - prev[j]
+                prev[j] = v
+                if t == t0:
+                    mn[j] = v
+                    mx[j] = v
+                    dmn[j] = d
+                    dmx[j] = d
+                mn[j] = min(mn[j], v)
+                mx[j] = max(mx[j], v)
+                ab[j] += abs(v)
+                dmn[j] = min(dmn[j], d)
+                dmx[j] = max(dmx[j], d)
+                dab[j] += abs(d)
+            qf[at] = _signed_word(qw, V)
+            w = wn
+            at += CW
+        for j in range(V):
+            if lossless:  # no deltas: their statistics are the levels' (split_words')
+                _put_stats(stats, l, kv, k, c0 + j, mn[j], mx[j], ab[j], mn[j], mx[j], ab[j])
+            else:
+                _put_stats(stats, l, kv, k, c0 + j, mn[j], mx[j], ab[j], dmn[j], dmx[j], dab[j])
+
+    return kernel
 
 
-def quantize_levels(words, fmt, sink, offsets, steps, threshold, t_ref, bits, chunk_tokens, q, ref, stats, stream=0):
-    """Levels q (int8 [L, 2, T, C]) of cpu_transform.transform_quantize, the refinement indices
-    ref [L, 2, T - t_ref, C] of cpu_transform.transform_refine (tokens t_ref.. when bits > 0), and
-    stats [L, 2, K, C, 6] (int32): per chunk, cpu_transform.level_stats' quantities."""
+def quantize_levels(words, itemsize, fmt, sink, offsets, steps, threshold, t_ref, bits, chunk_tokens, q, ref, stats,
+                    stream=0):
+    """Levels q (int8 [L, 2, T, C], given as words [L, 2, T, C / V] of V levels) of
+    cpu_transform.transform_quantize, the refinement indices ref [L, 2, T - t_ref, C] of
+    cpu_transform.transform_refine (tokens t_ref.. when bits > 0), and stats [L, 2, K, C, 6]
+    (int32): per chunk, cpu_transform.level_stats' quantities.  words: the cache's raw words
+    [L, 2, T, C / V], V values of ``itemsize`` bytes each."""
+    _levels(False, words, itemsize, fmt, sink, offsets, steps, threshold, t_ref, bits, chunk_tokens, 0, q, ref,
+            stats, stream)
+
+
+def split_levels(words, itemsize, shift, chunk_tokens, q, stats, stream=0):
+    """Lossless: q (uint8 [L, 2, T, C], as words of V symbols) = the coded symbol of each
+    word's top byte (cpu_transform.split_words), and per-chunk statistics as quantize_levels
+    (no deltas); words as quantize_levels'."""
+    offsets = np.zeros((1, 1, 1), np.float32) if SIM else _placeholder((1, 1, 1), np.float32)
+    steps = np.zeros((1, 1), np.float64) if SIM else _placeholder((1, 1), np.float64)
+    ref = np.zeros((1, 1, 1, 1), np.uint8) if SIM else _placeholder((1, 1, 1, 1), np.uint8)
+    _levels(True, words, itemsize, 0, 0, offsets, steps, 0.5, 0, 0, chunk_tokens, shift, q, ref, stats, stream)
+
+
+def _levels(lossless, words, itemsize, fmt, sink, offsets, steps, threshold, t_ref, bits, chunk_tokens, shift, q, ref,
+            stats, stream):
     L, _, K, C, _ = stats.shape
-    n = L * 2 * K * C
+    CW = words.shape[3]
+    n = L * 2 * K * CW
     if n == 0:
         return
+    V = C // CW
     T = words.shape[2]
-    _quantize_kernel[(*_cfg(n), stream)](as_device(words.reshape(-1)), np.int64(L), np.int64(T), np.int64(C),
-                                         np.int64(fmt), np.int64(sink), as_device(offsets), as_device(steps),
-                                         np.float64(threshold), np.int64(t_ref), np.int64(bits),
-                                         np.int64(chunk_tokens), as_device(q.reshape(-1)), as_device(ref),
-                                         as_device(stats))
-
-
-@cuda.jit
-def _split_kernel(wf, L, T, C, shift, chunk_tokens, qf, stats):
-    i = cuda.grid(1)
-    K = stats.shape[2]
-    if i >= L * 2 * K * C:
-        return
-    l, kv, k, c = _chunk_thread(i, L, K, C)
-    t0 = k * chunk_tokens
-    t1 = min(T, t0 + chunk_tokens)
-    mn = mx = np.int64(0)
-    ab = np.int64(0)
-    buf = cuda.local.array(UNROLL, np.int64)
-    at = ((l * 2 + kv) * T + t0) * C + c
-    for t in range(t0, t1):
-        if (t - t0) % UNROLL == 0:
-            _prefetch(wf, at, C, min(UNROLL, t1 - t), buf)
-        v = np.int64(top_byte_symbol(buf[(t - t0) % UNROLL] >> shift))
-        qf[at] = v
-        at += C
-        if t == t0:
-            mn = mx = v
-        mn = min(mn, v)
-        mx = max(mx, v)
-        ab += v
-    _put_stats(stats, l, kv, k, c, mn, mx, ab, mn, mx, ab)
-
-
-def split_levels(words, shift, chunk_tokens, q, stats, stream=0):
-    """Lossless: q (uint8 [L, 2, T, C]) = the coded symbol of each word's top byte
-    (cpu_transform.split_words), and per-chunk statistics as quantize_levels (no deltas)."""
-    L, _, K, C, _ = stats.shape
-    n = L * 2 * K * C
-    if n == 0:
-        return
-    T = words.shape[2]
-    _split_kernel[(*_cfg(n), stream)](as_device(words.reshape(-1)), np.int64(L), np.int64(T), np.int64(C),
-                                      np.int64(shift), np.int64(chunk_tokens), as_device(q.reshape(-1)),
-                                      as_device(stats))
+    _made(_make_quantize, V, 8 * itemsize, lossless)[(*_cfg(n), stream)](
+        as_device(words.reshape(-1)), np.int64(L), np.int64(T), np.int64(CW), np.int64(fmt), np.int64(sink),
+        as_device(offsets), as_device(steps), np.float64(threshold), np.int64(t_ref), np.int64(bits),
+        np.int64(chunk_tokens), np.int64(shift), as_device(q.reshape(-1)), as_device(ref), as_device(stats))
 
 
 # ---------------------------------------------------------------- tables
@@ -324,74 +424,98 @@ def choose_tables(stats, allow_delta, num_tokens, modes, lo, alphabet, stream=0)
                                                as_device(modes), as_device(lo), as_device(alphabet))
 
 
-@cuda.jit(device=True)
-def _signed_level(v, signed):
-    """A level read from q: int8 (method 2) or uint8 (lossless symbols) held in an int64."""
-    v = np.int64(v)
-    if not signed and v < 0:  # lossless symbols 128..255 read back from an int8 view
-        v += 256
-    return v
+def _make_histogram(V):
+    HL = 32 // V  # threads across a tile of 32 channels
+
+    @cuda.jit
+    def kernel(qf, L, T, CW, lob, dmb, chunk_tokens, counts):
+        hist = cuda.shared.array((32, HIST_ROW), np.int32)
+        K = (T + chunk_tokens - 1) // chunk_tokens
+        C = CW * V
+        tiles = (C + 31) // 32
+        p = cuda.blockIdx.x // tiles
+        tile = cuda.blockIdx.x % tiles
+        l = p // 2
+        kv = p % 2
+        tid = cuda.threadIdx.x
+        lane = tid % HL
+        part = tid // HL
+        slices = cuda.blockDim.x // HL
+        for j in range(tid, 32 * HIST_ROW, cuda.blockDim.x):
+            hist[j // HIST_ROW, j % HIST_ROW] = 0
+        cuda.syncthreads()
+        c0 = tile * 32 + lane * V
+        if c0 < C:
+            cw = c0 // V
+            low = np.int64(0)  # the V channels' lo bytes and delta masks, one byte each
+            dmw = np.int64(0)
+            for j in range(V):
+                low |= np.int64(lob[l, kv, c0 + j]) << (8 * j)
+                dmw |= np.int64(dmb[l, kv, c0 + j]) << (8 * j)
+            per = (K + slices - 1) // slices
+            for k in range(part * per, min(K, (part + 1) * per)):
+                t0 = k * chunk_tokens
+                t1 = min(T, t0 + chunk_tokens)
+                at = (p * T + t0) * CW + cw
+                pm = np.int64(0)
+                w = np.int64(qf[at])
+                for t in range(t0, t1):
+                    wn = np.int64(0)
+                    if t + 1 < t1:
+                        wn = np.int64(qf[at + CW])
+                    for j in range(V):  # byte arithmetic mod 256: the symbol whatever the signs
+                        s = (((w >> (8 * j)) & 0xFF) - ((pm >> (8 * j)) & 0xFF) - ((low >> (8 * j)) & 0xFF)) & 0xFF
+                        cuda.atomic.add(hist, (lane * V + j, s), 1)
+                    pm = w & dmw
+                    w = wn
+                    at += CW
+        cuda.syncthreads()
+        for j in range(tid, 32 * 256, cuda.blockDim.x):
+            r = j // 256
+            cc = tile * 32 + r
+            if cc < C:
+                counts[l, kv, cc, j % 256] = hist[r, j % 256]
+
+    return kernel
 
 
-@cuda.jit(device=True)
-def _level(q, l, kv, t, c, signed):
-    return _signed_level(q[l, kv, t, c], signed)
+def histogram(q, lob, dmb, chunk_tokens, counts, stream=0):
+    """counts [L, 2, C, 256] (int32) = the symbols of each table under its own mode and lo,
+    over every token (cpu_transform.levels_to_symbols' counts); q: the levels as words
+    [L, 2, T, C / V] of V bytes (V <= 4); lob / dmb (uint8 [L, 2, C]): each channel's own
+    lo (low byte) and 0xFF where its mode is the token delta (symbol_bytes)."""
+    L, _, T, CW = q.shape
+    C = counts.shape[2]
+    if T == 0:
+        return
+    V = C // CW
+    blocks = L * 2 * ((C + 31) // 32)
+    threads = (32 // V) * (1 if SIM else 8 * V)
+    _made(_make_histogram, V)[blocks, threads, stream](as_device(q.reshape(-1)), np.int64(L), np.int64(T),
+                                                        np.int64(CW), as_device(lob), as_device(dmb),
+                                                        np.int64(chunk_tokens), as_device(counts))
 
 
 @cuda.jit
-def _histogram_kernel(qf, L, T, C, signed, modes, lo, chunk_tokens, counts):
-    hist = cuda.shared.array((32, HIST_ROW), np.int32)
-    K = (T + chunk_tokens - 1) // chunk_tokens
-    tiles = (C + 31) // 32
-    p = cuda.blockIdx.x // tiles
-    tile = cuda.blockIdx.x % tiles
-    l = p // 2
-    kv = p % 2
-    tid = cuda.threadIdx.x
-    lane = tid % 32
-    part = tid // 32
-    for j in range(tid, 32 * HIST_ROW, cuda.blockDim.x):
-        hist[j // HIST_ROW, j % HIST_ROW] = 0
-    cuda.syncthreads()
-    c = tile * 32 + lane
-    buf = cuda.local.array(UNROLL, np.int64)
-    if c < C:
-        delta = modes[l, kv, c] == MODE_DELTA
-        base = np.int64(lo[l, kv, c])
-        per = (K + HIST_SLICES - 1) // HIST_SLICES
-        for k in range(part * per, min(K, (part + 1) * per)):
-            t0 = k * chunk_tokens
-            t1 = min(T, t0 + chunk_tokens)
-            prev = np.int64(0)
-            at = (p * T + t0) * C + c
-            for t in range(t0, t1):
-                if (t - t0) % UNROLL == 0:
-                    _prefetch(qf, at, C, min(UNROLL, t1 - t), buf)
-                    at += UNROLL * C
-                v = _signed_level(buf[(t - t0) % UNROLL], signed)
-                s = v - base
-                if delta:
-                    s = v - prev - base
-                prev = v
-                cuda.atomic.add(hist, (lane, s), 1)
-    cuda.syncthreads()
-    for j in range(tid, 32 * 256, cuda.blockDim.x):
-        r = j // 256
-        cc = tile * 32 + r
-        if cc < C:
-            counts[l, kv, cc, j % 256] = hist[r, j % 256]
-
-
-def histogram(q, signed, modes, lo, chunk_tokens, counts, stream=0):
-    """counts [L, 2, C, 256] (int32) = the symbols of each table under its own mode and lo, over
-    every token (cpu_transform.levels_to_symbols' counts)."""
-    L, _, T, C = q.shape
-    if T == 0:
+def _symbol_bytes_kernel(lo, modes, lob, dmb):
+    i = cuda.grid(1)
+    L, _, C = lo.shape
+    if i >= L * 2 * C:
         return
-    blocks = L * 2 * ((C + 31) // 32)
-    _histogram_kernel[blocks, 32 * HIST_SLICES, stream](as_device(q.reshape(-1)), np.int64(L), np.int64(T),
-                                                        np.int64(C), np.int64(bool(signed)), as_device(modes),
-                                                        as_device(lo), np.int64(chunk_tokens), as_device(counts))
+    c = i % C
+    p = i // C
+    lob[p // 2, p % 2, c] = np.int64(lo[p // 2, p % 2, c]) & 0xFF
+    dmb[p // 2, p % 2, c] = 0xFF if modes[p // 2, p % 2, c] == MODE_DELTA else 0
+
+
+def symbol_bytes(lo, modes, lob, dmb, stream=0):
+    """lob / dmb (uint8 [L, 2, C]): the low byte of each channel's lo, and 0xFF where its mode
+    is the token delta, else 0: a symbol is (level - (previous level & dmb) - lob) mod 256
+    at every token but a chunk's first (where the previous level counts as 0)."""
+    L, _, C = lo.shape
+    if L * C:
+        _symbol_bytes_kernel[(*_cfg(L * 2 * C), stream)](as_device(lo), as_device(modes), as_device(lob),
+                                                          as_device(dmb))
 
 
 @cuda.jit
@@ -625,15 +749,6 @@ def _coder_thread(i, L, T, C, chunk_tokens, group):
 
 
 @cuda.jit(device=True)
-def _byte_level(w, j, signed):
-    """Level held in byte j of the 8-byte word w (int8 when signed, else uint8)."""
-    v = (w >> (8 * j)) & 0xFF
-    if signed and v >= 128:
-        v -= 256
-    return v
-
-
-@cuda.jit(device=True)
 def _code_symbol(low, rng, n, out, entry):
     """One symbol of range_coder.encode_stream; entry = cum | freq << 16."""
     r = rng >> PROB_BITS
@@ -651,47 +766,7 @@ def _code_symbol(low, rng, n, out, entry):
 
 
 @cuda.jit
-def _symbols_kernel(qf, L, T, C, signed, modes, lo_eff, chunk_tokens, symf):
-    i = cuda.grid(1)
-    K = (T + chunk_tokens - 1) // chunk_tokens
-    if i >= L * 2 * K * C:
-        return
-    l, kv, k, c = _chunk_thread(i, L, K, C)
-    t0 = k * chunk_tokens
-    base = np.int64(lo_eff[l, kv, c])
-    delta = modes[l, kv, c] == MODE_DELTA
-    prev = np.int64(0)
-    t1 = min(T, t0 + chunk_tokens)
-    buf = cuda.local.array(UNROLL, np.int64)
-    at = ((l * 2 + kv) * T + t0) * C + c
-    for t in range(t0, t1):
-        if (t - t0) % UNROLL == 0:
-            _prefetch(qf, at, C, min(UNROLL, t1 - t), buf)
-        v = _signed_level(buf[(t - t0) % UNROLL], signed)
-        s = v - base
-        if delta:
-            s -= prev
-        prev = v
-        symf[at] = s
-        at += C
-
-
-def symbols(q, signed, modes, lo_eff, chunk_tokens, sym, stream=0):
-    """sym [L, 2, T, C] (uint8) = (level, or its token delta within the chunk) - lo_eff: the
-    symbols each channel codes with the table it uses (cpu_transform.levels_to_symbols after
-    transform_codec.expand_shared)."""
-    L, _, T, C = q.shape
-    K = (T + chunk_tokens - 1) // chunk_tokens
-    n = L * 2 * K * C
-    if n == 0:
-        return
-    _symbols_kernel[(*_cfg(n), stream)](as_device(q.reshape(-1)), np.int64(L), np.int64(T), np.int64(C),
-                                        np.int64(bool(signed)), as_device(modes), as_device(lo_eff),
-                                        np.int64(chunk_tokens), as_device(sym.reshape(-1)))
-
-
-@cuda.jit
-def _encode_kernel(symf, sym64f, words8, tabf, W, L, T, C, chunk_tokens, group, slots, lengths):
+def _encode_kernel(qf, q64f, words8, lob, dmb, lob64, dmb64, tabf, W, L, T, C, chunk_tokens, group, slots, lengths):
     s, plane, t0, t1, c0, c1 = _coder_thread(cuda.grid(1), L, T, C, chunk_tokens, group)
     if s < 0:
         return
@@ -701,37 +776,51 @@ def _encode_kernel(symf, sym64f, words8, tabf, W, L, T, C, chunk_tokens, group, 
     rng = np.int64(RANGE_INIT)
     n = 0
     for t in range(t0, t1):
+        # each symbol: (level - (previous level if token delta) - lo) mod 256 (symbol_bytes)
         if words8:
             at = ((plane * T + t) * C + c0) // 8
+            bat = (plane * C + c0) // 8
             for wj in range((c1 - c0) // 8):
-                w = np.int64(sym64f[at + wj])
+                w = np.int64(q64f[at + wj])
+                pm = np.int64(0)
+                if t > t0:
+                    pm = np.int64(q64f[at + wj - C // 8]) & np.int64(dmb64[bat + wj])
+                lw = np.int64(lob64[bat + wj])
                 tb = trow0 + wj * 8 * W
                 for j in range(8):
-                    entry = np.int64(tabf[tb + j * W + ((w >> (8 * j)) & 0xFF)])
+                    sym = (((w >> (8 * j)) & 0xFF) - ((pm >> (8 * j)) & 0xFF) - ((lw >> (8 * j)) & 0xFF)) & 0xFF
+                    entry = np.int64(tabf[tb + j * W + sym])
                     low, rng, n = _code_symbol(low, rng, n, out, entry)
         else:
             at = (plane * T + t) * C
             for c in range(c0, c1):
-                entry = np.int64(tabf[trow0 + (c - c0) * W + np.int64(symf[at + c])])
+                pm = np.int64(0)
+                if t > t0:
+                    pm = np.int64(qf[at + c - C]) & np.int64(dmb[plane * C + c])
+                sym = (np.int64(qf[at + c]) - pm - np.int64(lob[plane * C + c])) & 0xFF
+                entry = np.int64(tabf[trow0 + (c - c0) * W + sym])
                 low, rng, n = _code_symbol(low, rng, n, out, entry)
     lengths[s] = flush_stream(low, rng, n, out)
 
 
-def encode_streams(sym, sym64, tab, chunk_tokens, group, slots, lengths, stream=0):
-    """Range-code every stream of the symbols sym [L, 2, T, C] (uint8, from ``symbols``) with
-    tab (coder_tables): slots[s] gets stream s (the format's order: chunk, layer, K/V, group),
-    lengths[s] its length: the bytes of cpu_transform.encode_table_planes.  sym64: sym viewed
-    as int64 words, used when group and C are multiples of 8 (else any placeholder)."""
-    L, _, T, C = sym.shape
+def encode_streams(q, q64, lob, dmb, lob64, dmb64, tab, chunk_tokens, group, slots, lengths, stream=0):
+    """Range-code every stream of the levels q [L, 2, T, C] (int8 levels or uint8 lossless
+    symbols) with tab (coder_tables) and the symbol bytes lob / dmb of the tables the channels
+    code with (symbol_bytes of lo_eff): slots[s] gets stream s (the format's order: chunk,
+    layer, K/V, group), lengths[s] its length: the bytes of cpu_transform.encode_table_planes.
+    q64, lob64, dmb64: the same as int64 words, used when group and C are multiples of 8
+    (else any placeholders)."""
+    L, _, T, C = q.shape
     n = lengths.shape[0]
     if n == 0:
         return
     words8 = group % 8 == 0 and C % 8 == 0
     W = tab.shape[3]
     _encode_kernel[(*_cfg(n), stream)](
-        as_device(sym.reshape(-1)), as_device(sym64.reshape(-1)), np.int64(words8), as_device(tab.reshape(-1)),
-        np.int64(W), np.int64(L), np.int64(T), np.int64(C), np.int64(chunk_tokens), np.int64(group),
-        as_device(slots), as_device(lengths))
+        as_device(q.reshape(-1)), as_device(q64.reshape(-1)), np.int64(words8), as_device(lob.reshape(-1)),
+        as_device(dmb.reshape(-1)), as_device(lob64.reshape(-1)), as_device(dmb64.reshape(-1)),
+        as_device(tab.reshape(-1)), np.int64(W), np.int64(L), np.int64(T), np.int64(C), np.int64(chunk_tokens),
+        np.int64(group), as_device(slots), as_device(lengths))
 
 
 @cuda.jit(device=True)
@@ -747,7 +836,16 @@ def _decode_symbol(code, rng, pos, blob, start, length, tabf, trow, lutf, lrow):
     table (at lutf[lrow:]) gives the first candidate; the scan over its table row (tabf[trow:])
     stops at the row's PROB_TOTAL entry at the latest."""
     r = rng >> PROB_BITS
-    qq = np.int64(np.float64(code) / np.float64(r))
+    # floor(code / r): a float32 quotient is within 2 of it (code < 2^32, 2^8 <= r <= 2^16),
+    # then exact integer steps; cheaper than a float64 division per symbol
+    qq = np.int64(np.float32(code) / np.float32(r))
+    rem = code - qq * r
+    while rem < 0:
+        qq -= 1
+        rem += r
+    while rem >= r:
+        qq += 1
+        rem -= r
     if qq >= PROB_TOTAL:
         qq = PROB_TOTAL - 1
     s = np.int64(lutf[lrow + (qq >> LUT_SHIFT)])
@@ -1038,74 +1136,102 @@ def _raw_bits(blob, at, pos, bits):
     return v & ((np.int64(1) << bits) - 1)
 
 
-@cuda.jit
-def _dequantize_kernel(symf, L, T, C, modes, lo_eff, chunk_tokens, method2, sink, offsets, steps, refine_start, bits,
-                       blob, raw_at, nraw, out_fmt, outf):
-    i = cuda.grid(1)
-    K = (T + chunk_tokens - 1) // chunk_tokens
-    if i >= L * 2 * K * C:
-        return
-    l, kv, k, c = _chunk_thread(i, L, K, C)
-    t0 = k * chunk_tokens
-    t1 = min(T, t0 + chunk_tokens)
-    base = np.int64(lo_eff[l, kv, c])
-    delta = modes[l, kv, c] == MODE_DELTA
-    off = offsets[l, kv, c] if method2 else np.float32(0.0)
-    step = steps[l, kv] if method2 else 0.0
-    r0 = max(t0, refine_start)
-    nk = t1 - r0
-    at = ((l * 2 + kv) * T + t0) * C + c  # value (l, kv, t, c) of the flat arrays, t = t0 first
-    raw = raw_at[k]
-    shift = 8 * nraw
-    width = 8 * (nraw + 1)
-    prev = np.int64(0)
-    buf = cuda.local.array(UNROLL, np.int64)
-    for t in range(t0, t1):
-        if (t - t0) % UNROLL == 0:
-            for j in range(UNROLL):
-                if t + j < t1:
-                    buf[j] = symf[at + j * C]
-        v = np.int64(buf[(t - t0) % UNROLL]) + base
-        if delta and t > t0:
-            v += prev
-        prev = v
+def _make_dequantize(V, OB, method2):
+    """Values of V channels per thread, OB output bytes each (2: bfloat16 or 16-bit lossless
+    words; 4: float32 bits or 32-bit lossless words)."""
+    omask = (1 << (8 * OB)) - 1
+
+    @cuda.jit
+    def kernel(symf, L, T, CW, modes, lo_eff, chunk_tokens, sink, offsets, steps, refine_start, bits, blob, raw_at,
+               nraw, outf):
+        i = cuda.grid(1)
+        K = (T + chunk_tokens - 1) // chunk_tokens
+        if i >= L * 2 * K * CW:
+            return
+        cw = i % CW
+        r = i // CW
+        k = r % K
+        p = r // K
+        l = p // 2
+        kv = p % 2
+        C = CW * V
+        c0 = cw * V
+        t0 = k * chunk_tokens
+        t1 = min(T, t0 + chunk_tokens)
+        base = cuda.local.array(V, np.int64)
+        delta = cuda.local.array(V, np.int64)
+        off = cuda.local.array(V, np.float32)
+        prev = cuda.local.array(V, np.int64)
+        for j in range(V):
+            base[j] = lo_eff[l, kv, c0 + j]
+            delta[j] = 1 if modes[l, kv, c0 + j] == MODE_DELTA else 0
+            off[j] = 0.0
+            if method2:
+                off[j] = offsets[l, kv, c0 + j]
+            prev[j] = 0
+        step = 0.0
         if method2:
-            if t >= sink:
-                refined = bits > 0 and t >= refine_start
-                j = np.int64(0)
-                if refined:
-                    j = _raw_bits(blob, raw, (((l * 2 + kv) * nk + (t - r0)) * C + c) * bits, bits)
-                z = token_value(v, j, refined, bits, off, step)
-                if out_fmt == 1:
-                    outf[at] = _bf16_nearest(z)
+            step = steps[l, kv]
+        r0 = max(t0, refine_start)
+        nk = t1 - r0
+        raw = raw_at[k]
+        shift = 8 * nraw
+        width = 8 * (nraw + 1)
+        at = (p * T + t0) * CW + cw
+        w = np.int64(0)
+        if t0 < t1:
+            w = np.int64(symf[at])
+        for t in range(t0, t1):
+            wn = np.int64(0)
+            if t + 1 < t1:
+                wn = np.int64(symf[at + CW])
+            refined = bits > 0 and t >= refine_start
+            ow = np.int64(0)
+            for j in range(V):
+                v = ((w >> (8 * j)) & 0xFF) + base[j]
+                if delta[j] != 0 and t > t0:
+                    v += prev[j]
+                prev[j] = v
+                val = np.int64(0)
+                if method2:
+                    if t >= sink:  # tokens below sink: the sink words, written afterwards
+                        jj = np.int64(0)
+                        if refined:
+                            jj = _raw_bits(blob, raw, (((l * 2 + kv) * nk + (t - r0)) * C + c0 + j) * bits, bits)
+                        z = token_value(v, jj, refined, bits, off[j], step)
+                        if OB == 2:
+                            val = _bf16_nearest(z)
+                        else:
+                            val = _f32_bits(z)
                 else:
-                    outf[at] = _f32_bits(z)
-        else:
-            w = np.int64(symbol_top_byte(v)) << shift
-            o = raw + ((((l * 2 + kv) * (t1 - t0)) + (t - t0)) * C + c) * nraw
-            for b in range(nraw):
-                w |= np.int64(blob[o + b]) << (8 * b)
-            if w >= np.int64(1) << (width - 1):  # the output words are signed
-                w -= np.int64(1) << width
-            outf[at] = w
-        at += C
+                    val = np.int64(symbol_top_byte(v)) << shift
+                    o = raw + ((((l * 2 + kv) * (t1 - t0)) + (t - t0)) * C + c0 + j) * nraw
+                    for b in range(nraw):
+                        val |= np.int64(blob[o + b]) << (8 * b)
+                ow |= (val & omask) << (8 * OB * j)
+            outf[at] = _signed_word(ow, V * OB)
+            w = wn
+            at += CW
+
+    return kernel
 
 
 def dequantize(sym, modes, lo_eff, chunk_tokens, method2, sink, offsets, steps, refine_start, bits, blob, raw_at,
-               nraw, out_fmt, out, stream=0):
+               nraw, out_bytes, out, stream=0):
     """Decoded symbols -> the cache: levels (symbols + lo, token deltas summed within each
     chunk: cpu_transform.symbols_to_levels), then method 2's values (token_value, refinement
-    indices read from the chunks' raw sections at raw_at[k]) as bfloat16 bits (out_fmt 1,
-    int16 out) or float32 bits (out_fmt 0, int32 out), tokens below sink left alone; or the
-    lossless words (the top byte joined with the nraw raw low bytes).  Same values as
+    indices read from the chunks' raw sections at raw_at[k]) as bfloat16 bits (out_bytes 2)
+    or float32 bits (out_bytes 4), tokens below sink left for the caller; or the lossless words
+    (the top byte joined with the nraw raw low bytes).  sym: words [L, 2, T, C / V] of V
+    symbols; out: words [L, 2, T, C / V] of V values of out_bytes each.  Same values as
     transform_codec.decode_v2 on the CPU."""
-    L, _, T, C = sym.shape
+    L, _, T, CW = sym.shape
     K = (T + chunk_tokens - 1) // chunk_tokens
-    n = L * 2 * K * C
+    n = L * 2 * K * CW
     if n == 0:
         return
-    _dequantize_kernel[(*_cfg(n), stream)](
-        as_device(sym.reshape(-1)), np.int64(L), np.int64(T), np.int64(C), as_device(modes), as_device(lo_eff),
-        np.int64(chunk_tokens), np.int64(bool(method2)), np.int64(sink), as_device(offsets), as_device(steps),
-        np.int64(refine_start), np.int64(bits), as_device(blob), as_device(raw_at), np.int64(nraw), np.int64(out_fmt),
-        as_device(out.reshape(-1)))
+    V = out.dtype.itemsize // out_bytes
+    _made(_make_dequantize, V, out_bytes, bool(method2))[(*_cfg(n), stream)](
+        as_device(sym.reshape(-1)), np.int64(L), np.int64(T), np.int64(CW), as_device(modes), as_device(lo_eff),
+        np.int64(chunk_tokens), np.int64(sink), as_device(offsets), as_device(steps), np.int64(refine_start),
+        np.int64(bits), as_device(blob), as_device(raw_at), np.int64(nraw), as_device(out.reshape(-1)))

@@ -64,10 +64,33 @@ def test_same_bytes_and_values_as_the_cpu(quality, dtype):
         assert torch.equal(_words(_device_decode(blob).reshape(kv.shape)), _words(kv))
 
 
-def test_channels_not_a_multiple_of_eight():
-    """The coder's byte-at-a-time path (the word path needs C and the group to be multiples of 8)."""
-    kv = realistic_kv(layers=1, tokens=13, heads=1, head_dim=5, dtype=torch.bfloat16, seed=5)
-    _check(kv, "balanced", chunk_tokens=4)
+@pytest.mark.parametrize("head_dim, dtype, quality", [
+    (5, torch.bfloat16, "balanced"), (6, torch.bfloat16, "high"), (6, torch.float32, "lossless"),
+    (3, torch.float32, "small"),
+])
+def test_channels_not_a_multiple_of_eight(head_dim, dtype, quality):
+    """The coder's byte-at-a-time path (the word path needs C and the group to be multiples of
+    8) and every width of the token-walking kernels' words: 1, 2 or 4 channels per thread."""
+    kv = realistic_kv(layers=1, tokens=13, heads=1, head_dim=head_dim, dtype=dtype, seed=5)
+    _check(kv, quality, chunk_tokens=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_nonfinite_layers_kernel(dtype):
+    """kernels/cuda_pipeline.nonfinite_layers (what check_finite runs on a CUDA cache) flags
+    exactly the layers that hold a NaN or an Inf, at any position within a word."""
+    from cachegen_cli.kernels import cuda_pipeline as k
+
+    kv = realistic_kv(layers=4, tokens=5, heads=1, head_dim=8, dtype=dtype, seed=6).reshape(4, -1).clone()
+    kv[1, 3] = float("nan")
+    kv[3, kv.shape[1] - 1] = float("-inf")
+    kv[2, 0] = torch.finfo(dtype).max  # the largest finite value is not flagged
+    view, mask = kvio._EXPONENT[dtype]
+    for word in (view, torch.int64):
+        words = kv.view(view).view(word)
+        flags = np.zeros(4, np.uint8)
+        k.nonfinite_layers(words.reshape(-1).numpy(), words.shape[1], mask, kv.element_size(), flags)
+        assert flags.tolist() == [0, 1, 0, 1]
 
 
 @pytest.mark.parametrize("chunk_tokens, tokens", [(1, 5), (64, 9)])
