@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import json
 import statistics
 import subprocess
@@ -30,6 +31,7 @@ from bench import build_cache  # noqa: E402
 
 import cachegen_cli as cg  # noqa: E402
 from cachegen_cli import device_pipeline, gpu_codec  # noqa: E402
+from cachegen_cli.kernels import cuda_pipeline  # noqa: E402
 
 METHODS = {
     "lossless": {"quality": "lossless"},
@@ -90,8 +92,12 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--json", type=Path)
+    p.add_argument("--widths", default="",
+                   help="kernel widths to time, e.g. 'levels=4,values=4;levels=2' (kernels/cuda_pipeline.WIDTH; "
+                        "';' separates settings, each timed after the default one; the bytes do not change)")
     args = p.parse_args()
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("CACHEGEN_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
+                                                                 text=True).stdout.strip()
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}, commit {commit[:12]}, command: {' '.join(sys.argv)}", flush=True)
     ceiling = copy_ceiling()
@@ -135,6 +141,19 @@ def main() -> None:
               f"cpu==gpu bytes {same} values {same_values}" + ("  bit-exact" if exact else ""), flush=True)
         for label, st in (("  encode", row["encode_stages_ms"]), ("  decode", row["decode_stages_ms"])):
             print(label + ": " + ", ".join(f"{n} {ms:.2f}" for n, ms in st) + f"  (sum {sum(ms for _, ms in st):.2f} ms)")
+        row["widths"] = []
+        default = dict(cuda_pipeline.WIDTH)
+        for setting in filter(None, args.widths.split(";")):
+            cuda_pipeline.WIDTH.update({k: int(v) for k, v in (kv_.split("=") for kv_ in setting.split(","))})
+            e = timed(lambda: cg.encode_to_device(kv, **kw), args.repeats)
+            d = timed(lambda: cg.decode(blob, device="cuda"), args.repeats)
+            same_w = cg.encode_to_device(kv, **kw).equal(blob)
+            row["widths"].append({"width": dict(cuda_pipeline.WIDTH), "encode_GBps": nbytes / e[0] / 1e9,
+                                  "decode_GBps": nbytes / d[0] / 1e9, "same_bytes": same_w})
+            print(f"  widths {cuda_pipeline.WIDTH}: encode {nbytes / e[0] / 1e9:.1f} GB/s, decode "
+                  f"{nbytes / d[0] / 1e9:.1f} GB/s, same bytes {same_w}", flush=True)
+            cuda_pipeline.WIDTH.clear()
+            cuda_pipeline.WIDTH.update(default)
         del blob, out
         torch.cuda.empty_cache()
     if args.json:

@@ -177,7 +177,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[to
     lossless = cfg.method == "lossless"
     _mark("start")
     q = _empty((L, 2, T, C), torch.uint8 if lossless else torch.int8, dev)
-    V = k.lanes(C, itemsize)  # channels per thread of the token-walking kernels
+    V = k.lanes(C, itemsize, k.WIDTH["levels"])  # channels per thread of the token-walking kernels
     wv = words.view(_TORCH_WORD[V * itemsize])
     qv = q.view(_TORCH_WORD[V])
     stats = _empty((L, 2, K, C, 6), torch.int32, dev)
@@ -218,7 +218,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[to
     dmb = _empty((L, 2, C), torch.uint8, dev)
     k.symbol_bytes(_nb(lo), _nb(modes), _nb(lob[0]), _nb(dmb))
     counts = torch.zeros((L, 2, C, 256), dtype=torch.int32, device=dev)
-    Vh = k.lanes(C, 1, 4)
+    Vh = k.lanes(C, 1, k.WIDTH["histogram"])
     k.histogram(_nb(q.view(_TORCH_WORD[Vh])), _nb(lob[0]), _nb(dmb), ct, _nb(counts))
     codes = _empty((L, 2, C, 256), torch.uint8, dev)
     cum = _empty((L, 2, C, 257), torch.int32, dev)
@@ -454,7 +454,7 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int) 
     else:
         words = _empty((L, 2, T, C), torch.int32, dev)  # float32 bits; float16 files are cast after
     out_bytes = words.element_size()
-    V = k.lanes(C, out_bytes)  # channels per thread
+    V = k.lanes(C, out_bytes, k.WIDTH["values"])  # channels per thread
     S = h.sink_tokens
     if lossless:
         offsets_f = torch.zeros((1, 1, 1), dtype=torch.float32, device=dev)

@@ -47,8 +47,8 @@ from .crc import CRC_TABLE, multmodp, x8nmodp
 from .quantize import float_from_bits16
 from .range_coder import _add_carry, flush_stream
 from .tables import COST_ONE, SHARE_SPAN, STAT_EMPTY, choose_table, table_bytes
-from .transform import (MODE_DELTA, STATS_BLOCK, TRANSFORM_QMAX, refine_index, symbol_top_byte, token_level,
-                        token_value, top_byte_symbol)
+from .transform import (MODE_DELTA, STATS_BLOCK, TRANSFORM_QMAX, refine_index, step_level, symbol_top_byte,
+                        token_level, token_value, top_byte_symbol)
 
 #: Histogram blocks: 32 channels (lanes) x HIST_SLICES chunk slices (one under the simulator,
 #: which runs every thread in Python).
@@ -98,6 +98,12 @@ def _word_value(w, fmt):
 # per V, made on first use), so the per-channel state stays in registers.
 
 
+#: Bytes of values per thread of the token-walking kernels (see ``lanes``): "levels"
+#: (statistics, levels), "histogram" (levels in), "values" (values out).  Benchmarks may
+#: change them (benchmarks/bench_device.py --widths); the bytes do not depend on them.
+WIDTH = {"levels": 8, "histogram": 4, "values": 8}
+
+
 def lanes(C: int, itemsize: int, limit: int = 8) -> int:
     """Channels per thread: the most (a power of two) whose values fit ``limit`` bytes and
     divide C."""
@@ -140,18 +146,23 @@ def _make_nonfinite(nvals, bits):
 
     @cuda.jit
     def kernel(wf, per_layer, emask, flags):
-        i = cuda.grid(1)
-        if i >= wf.shape[0]:
-            return
-        w = np.int64(wf[i])
-        bad = False
-        for j in range(nvals):
-            if ((w >> (bits * j)) & vmask & emask) == emask:
-                bad = True
-        if bad:
-            flags[i // per_layer] = 1  # every writer writes 1: no race that matters
+        # thread i reads words i, i + n, i + 2n, ... (n threads): coalesced, several loads in
+        # flight per thread
+        n = cuda.gridsize(1)
+        for i in range(cuda.grid(1), wf.shape[0], n):
+            w = np.int64(wf[i])
+            bad = False
+            for j in range(nvals):
+                if ((w >> (bits * j)) & vmask & emask) == emask:
+                    bad = True
+            if bad:
+                flags[i // per_layer] = 1  # every writer writes 1: no race that matters
 
     return kernel
+
+
+#: Words per thread of nonfinite_layers.
+NONFINITE_WORDS = 4
 
 
 def nonfinite_layers(words, per_layer, exponent_mask, itemsize, flags, stream=0):
@@ -162,7 +173,7 @@ def nonfinite_layers(words, per_layer, exponent_mask, itemsize, flags, stream=0)
     if n == 0:
         return
     nvals = words.dtype.itemsize // itemsize
-    _made(_make_nonfinite, nvals, 8 * itemsize)[(*_cfg(n), stream)](
+    _made(_make_nonfinite, nvals, 8 * itemsize)[(*_cfg(-(-n // NONFINITE_WORDS)), stream)](
         as_device(words), np.int64(per_layer), np.int64(exponent_mask), as_device(flags))
 
 
@@ -260,6 +271,33 @@ def _put_stats(stats, l, kv, k, c, mn, mx, ab, dmn, dmx, dab):
     stats[l, kv, k, c, 5] = dab
 
 
+#: How far from a rounding decision (an integer, or an integer + the threshold) a level
+#: computed with the step's reciprocal must be to be trusted: it is within 3 units in the
+#: last place of the correctly rounded quotient, < 2e-12 below FAST_LEVEL_LIMIT.
+FAST_LEVEL_EPS = 1.0e-9
+FAST_LEVEL_LIMIT = 4096.0
+
+
+@cuda.jit(device=True)
+def _fast_level(y, off, step, inv, threshold):
+    """transform.step_level(y, off, step, TRANSFORM_QMAX, threshold), the same integer: a
+    multiplication by 1 / step decides unless the quotient is near a decision point, where
+    the correctly rounded division of step_level does (a float64 division costs tens of
+    instructions per value)."""
+    v = (y - np.float64(off)) * inv
+    a = abs(v)
+    if a < FAST_LEVEL_LIMIT:
+        whole = np.float64(np.int64(a))
+        fa = a - whole
+        if fa > FAST_LEVEL_EPS and fa < 1.0 - FAST_LEVEL_EPS and abs(fa - threshold) > FAST_LEVEL_EPS:
+            qa = np.int64(whole)
+            if fa >= threshold:
+                qa += 1
+            qa = min(qa, TRANSFORM_QMAX)
+            return qa if v > 0 else -qa
+    return np.int64(step_level(y, off, step, TRANSFORM_QMAX, threshold))
+
+
 def _make_quantize(V, B, lossless):
     """Levels of V channels per thread: method 2's (token_level, refine_index), or the lossless
     method's top-byte symbols (then shift = 8 x the raw bytes per value)."""
@@ -280,9 +318,10 @@ def _make_quantize(V, B, lossless):
         c0 = cw * V
         t0 = k * chunk_tokens
         t1 = min(T, t0 + chunk_tokens)
-        step = 0.0
+        step = 1.0
         if not lossless:
             step = steps[l, kv]
+        inv = 1.0 / step
         off = cuda.local.array(V, np.float64)
         prev = cuda.local.array(V, np.int64)
         mn = cuda.local.array(V, np.int64)
@@ -319,9 +358,11 @@ def _make_quantize(V, B, lossless):
                     v = np.int64(top_byte_symbol(x >> shift))
                 elif t >= sink:
                     y = np.float64(_word_value(x, fmt))
-                    v = np.int64(token_level(y, off[j], step, TRANSFORM_QMAX, threshold, refined, bits))
                     if refined:
+                        v = np.int64(token_level(y, off[j], step, TRANSFORM_QMAX, threshold, True, bits))
                         ref[l, kv, t - t_ref, c0 + j] = refine_index(y, off[j], step, v, bits)
+                    else:
+                        v = _fast_level(y, off[j], step, inv, threshold)
                 qw |= (v & 0xFF) << (8 * j)
                 d = v - prev[j]
                 prev[j] = v
@@ -751,9 +792,10 @@ def _coder_thread(i, L, T, C, chunk_tokens, group):
 @cuda.jit(device=True)
 def _code_symbol(low, rng, n, out, entry):
     """One symbol of range_coder.encode_stream; entry = cum | freq << 16."""
-    r = rng >> PROB_BITS
-    low += r * (entry & 0xFFFF)
-    rng = r * ((entry >> 16) & 0xFFFF)
+    # 32 x 32 -> 64-bit products (the operands fit 32 bits): one wide multiply each
+    r = np.int64(np.uint32(rng >> PROB_BITS))
+    low += r * np.int64(np.uint32(entry & 0xFFFF))
+    rng = r * np.int64(np.uint32((entry >> 16) & 0xFFFF))
     if low > MASK32:
         _add_carry(out, n)
         low &= MASK32
@@ -763,6 +805,12 @@ def _code_symbol(low, rng, n, out, entry):
         low = (low << 8) & MASK32
         rng <<= 8
     return low, rng, n
+
+
+@cuda.jit(device=True)
+def _sub_bytes(x, y):
+    """The four bytes of x - y, each mod 256 (x, y < 2^32): borrows stop at byte borders."""
+    return (((x | 0x80808080) - (y & 0x7F7F7F7F)) ^ ((x ^ ~y) & 0x80808080)) & MASK32
 
 
 @cuda.jit
@@ -787,10 +835,12 @@ def _encode_kernel(qf, q64f, words8, lob, dmb, lob64, dmb64, tabf, W, L, T, C, c
                     pm = np.int64(q64f[at + wj - C // 8]) & np.int64(dmb64[bat + wj])
                 lw = np.int64(lob64[bat + wj])
                 tb = trow0 + wj * 8 * W
-                for j in range(8):
-                    sym = (((w >> (8 * j)) & 0xFF) - ((pm >> (8 * j)) & 0xFF) - ((lw >> (8 * j)) & 0xFF)) & 0xFF
-                    entry = np.int64(tabf[tb + j * W + sym])
-                    low, rng, n = _code_symbol(low, rng, n, out, entry)
+                for half in range(2):  # 4 symbols at once per 32-bit half (bytewise mod 256)
+                    sh = 32 * half
+                    sw = _sub_bytes(_sub_bytes((w >> sh) & MASK32, (pm >> sh) & MASK32), (lw >> sh) & MASK32)
+                    for j in range(4):
+                        entry = np.int64(tabf[tb + (4 * half + j) * W + ((sw >> (8 * j)) & 0xFF)])
+                        low, rng, n = _code_symbol(low, rng, n, out, entry)
         else:
             at = (plane * T + t) * C
             for c in range(c0, c1):
@@ -852,8 +902,9 @@ def _decode_symbol(code, rng, pos, blob, start, length, tabf, trow, lutf, lrow):
     while (np.int64(tabf[trow + s + 1]) & 0xFFFF) <= qq:
         s += 1
     entry = np.int64(tabf[trow + s])
-    code -= r * (entry & 0xFFFF)
-    rng = r * ((entry >> 16) & 0xFFFF)
+    r32 = np.int64(np.uint32(r))  # 32 x 32 -> 64-bit products: one wide multiply each
+    code -= r32 * np.int64(np.uint32(entry & 0xFFFF))
+    rng = r32 * np.int64(np.uint32((entry >> 16) & 0xFFFF))
     while rng < RANGE_TOP:
         code = ((code << 8) | _next_byte(blob, start, length, pos)) & MASK32
         pos += 1

@@ -21,6 +21,8 @@ from cachegen_cli import codec, container, device_pipeline, kvio
 from cachegen_cli.config import TransformConfig, resolve_quantization
 from cachegen_cli.errors import ChecksumError, SizeError
 
+from cachegen_cli.kernels import cuda_pipeline
+from cachegen_cli.kernels.cuda import cuda
 from conftest import per_layer, realistic_kv
 
 
@@ -151,3 +153,38 @@ def test_corruption_gives_the_cpu_readers_errors():
     _recrc_chunk(bad, last)
     with pytest.raises(SizeError, match="padding"):
         _device_decode(bytes(bad))
+
+
+@cuda.jit
+def _fast_levels(y, off, step, thr, out):
+    i = cuda.grid(1)
+    if i < y.shape[0]:
+        out[i] = cuda_pipeline._fast_level(np.float64(y[i]), off[i], step[i], 1.0 / step[i], thr[i])
+
+
+def test_fast_level_is_step_level():
+    """The quantize kernel's level from the step's reciprocal (_fast_level) equals the
+    correctly rounded division's (transform.step_level) also at every decision point: values
+    on a level, on a midpoint, just either side of the threshold, huge, tiny, zero."""
+    from cachegen_cli.kernels.transform import TRANSFORM_QMAX, step_level
+
+    rng = np.random.default_rng(0)
+    steps = np.array([0.0078125, 0.01171875, 0.3359375, 1.0, 3.0, 96.0], np.float64)  # bfloat16 values
+    cases = []
+    for step in steps:
+        for thr in (0.5, 0.55, 0.75):
+            off = np.float32(rng.normal())
+            for kq in range(-130, 131, 7):
+                for frac in (0.0, thr, -thr, 0.5, 1e-12, -1e-12):
+                    y = np.float32(off + (kq + frac) * step)
+                    for dy in (0.0, np.spacing(y), -np.spacing(y)):
+                        cases.append((np.float32(y + dy), off, step, thr))
+            for y in rng.normal(size=40).astype(np.float32) * np.float32(step * 50):
+                cases.append((y, off, step, thr))
+            cases += [(np.float32(3e38), off, step, thr), (np.float32(-3e38), off, step, thr), (off, off, step, thr)]
+    y, off, step, thr = (np.array(c) for c in zip(*cases))
+    y, off = y.astype(np.float32), off.astype(np.float32)
+    out = np.zeros(len(cases), np.int64)
+    _fast_levels[(len(cases) + 127) // 128, 128](y, off, step, thr, out)
+    want = [step_level(np.float64(a), b, c, TRANSFORM_QMAX, d) for a, b, c, d in zip(y, off, step, thr)]
+    assert out.tolist() == want
