@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import build_cache  # noqa: E402
 
 import cachegen_cli as cg  # noqa: E402
-from cachegen_cli import device_pipeline, gpu_codec  # noqa: E402
+from cachegen_cli import container, device_pipeline, gpu_codec  # noqa: E402
 from cachegen_cli.kernels import cuda_pipeline  # noqa: E402
 
 METHODS = {
@@ -95,7 +95,12 @@ def main() -> None:
     p.add_argument("--widths", default="",
                    help="kernel widths to time, e.g. 'levels=4,values=4;levels=2' (kernels/cuda_pipeline.WIDTH; "
                         "';' separates settings, each timed after the default one; the bytes do not change)")
+    p.add_argument("--stream-symbols", type=int, default=None,
+                   help="symbols per stream the version-2 writer aims at (container.STREAM_SYMBOLS_V2; the CPU == GPU "
+                        "check then compares files written with it on both devices)")
     args = p.parse_args()
+    if args.stream_symbols:
+        container.STREAM_SYMBOLS_V2 = args.stream_symbols
     commit = os.environ.get("CACHEGEN_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                                                  text=True).stdout.strip()
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, "

@@ -147,12 +147,18 @@ def choose_group(chunk_tokens: int, num_channels: int) -> int:
     return max(1, min(num_channels, 1024 // chunk_tokens, MAX_STREAM_SYMBOLS // chunk_tokens))
 
 
+#: Symbols per stream the version-2 writer aims at (choose_group_v2).
+STREAM_SYMBOLS_V2 = 2048
+
+
 def choose_group_v2(chunk_tokens: int, num_channels: int) -> int:
-    """Version 2: streams of ~4096 symbols.  Its tables live in the header, so a stream costs
-    only its 2-byte length and ~1 flush byte; longer streams make those 4x rarer than
-    version 1's (0.7% smaller files at 256-token chunks) and still leave a GPU more than
-    10^5 streams for a long cache."""
-    return max(1, min(num_channels, 4096 // chunk_tokens, MAX_STREAM_SYMBOLS // chunk_tokens))
+    """Version 2: streams of ~2048 symbols.  Its tables live in the header, so a stream costs
+    only its 2-byte length and ~1 flush byte: twice version 1's stream length makes those
+    rarer, and a GPU still gets a thread for every 2048 values (twice as many as 4096-symbol
+    streams give: the coders run faster for files ~0.2% larger, docs/benchmarks.md;
+    benchmarks/bench_device.py --stream-symbols compares).  Any group the header's rule
+    allows is valid; this is the writer's choice."""
+    return max(1, min(num_channels, STREAM_SYMBOLS_V2 // chunk_tokens, MAX_STREAM_SYMBOLS // chunk_tokens))
 
 
 def _crc(*parts: bytes) -> int:

@@ -445,7 +445,8 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int) 
     _mark("lengths + tables")
     sym = _empty((L, 2, T, C), torch.uint8, dev)
     blob_nb = _nb(blob)
-    k.decode_streams(blob_nb, _nb(starts), _nb(lens_c), _nb(tab), _nb(lut), ct, G, _nb(sym), _nb(_int64_view(sym, C)))
+    k.decode_streams(blob_nb, _words64(blob), _nb(starts), _nb(lens_c), _nb(tab), _nb(lut), ct, G, _nb(sym),
+                     _nb(_int64_view(sym, C)))
     _mark("range decoding")
     lossless = h.method == METHOD_LOSSLESS
     nraw = h.raw_bytes_per_value

@@ -790,21 +790,57 @@ def _coder_thread(i, L, T, C, chunk_tokens, group):
 
 
 @cuda.jit(device=True)
-def _code_symbol(low, rng, n, out, entry):
-    """One symbol of range_coder.encode_stream; entry = cum | freq << 16."""
+def _emit(out, n, p, f, b):
+    """Emit byte b.  The coder holds back its last byte below 0xFF (p, -1 before the first)
+    and the 0xFF bytes after it (f of them): range_coder._add_carry's walk back over 0xFF
+    bytes then happens in registers, not in reads of the bytes just written (a carry comes
+    every ~15 symbols, and a warp waits for any lane's)."""
+    if b == 0xFF and p >= 0:
+        return n, p, f + 1
+    if p >= 0:
+        out[n] = p
+        n += 1
+        for _ in range(f):
+            out[n] = 0xFF
+            n += 1
+    return n, b, 0
+
+
+@cuda.jit(device=True)
+def _carry(out, n, p, f):
+    """Add one to the big-endian number out[:n], p, f x 0xFF (range_coder._add_carry)."""
+    if p < 0:  # nothing emitted yet: nothing to add to (as _add_carry(out, 0))
+        return n, p, f
+    p += 1
+    if p == 256:  # only when the first byte was 0xFF: the written bytes take the carry
+        p = 0
+        _add_carry(out, n)
+    if f == 0:
+        return n, p, 0
+    out[n] = p  # the 0xFF bytes became zeros: the last one is the byte held back
+    n += 1
+    for _ in range(f - 1):
+        out[n] = 0
+        n += 1
+    return n, 0, 0
+
+
+@cuda.jit(device=True)
+def _code_symbol(low, rng, n, p, f, out, entry):
+    """One symbol of range_coder.encode_stream (entry = cum | freq << 16), bytes held back
+    as _emit says."""
     # 32 x 32 -> 64-bit products (the operands fit 32 bits): one wide multiply each
     r = np.int64(np.uint32(rng >> PROB_BITS))
     low += r * np.int64(np.uint32(entry & 0xFFFF))
     rng = r * np.int64(np.uint32((entry >> 16) & 0xFFFF))
     if low > MASK32:
-        _add_carry(out, n)
+        n, p, f = _carry(out, n, p, f)
         low &= MASK32
     while rng < RANGE_TOP:
-        out[n] = (low >> 24) & 0xFF
-        n += 1
+        n, p, f = _emit(out, n, p, f, (low >> 24) & 0xFF)
         low = (low << 8) & MASK32
         rng <<= 8
-    return low, rng, n
+    return low, rng, n, p, f
 
 
 @cuda.jit(device=True)
@@ -823,6 +859,8 @@ def _encode_kernel(qf, q64f, words8, lob, dmb, lob64, dmb64, tabf, W, L, T, C, c
     low = np.int64(0)
     rng = np.int64(RANGE_INIT)
     n = 0
+    p = np.int64(-1)  # the byte held back (_emit) and the 0xFF bytes after it
+    f = 0
     for t in range(t0, t1):
         # each symbol: (level - (previous level if token delta) - lo) mod 256 (symbol_bytes)
         if words8:
@@ -840,7 +878,7 @@ def _encode_kernel(qf, q64f, words8, lob, dmb, lob64, dmb64, tabf, W, L, T, C, c
                     sw = _sub_bytes(_sub_bytes((w >> sh) & MASK32, (pm >> sh) & MASK32), (lw >> sh) & MASK32)
                     for j in range(4):
                         entry = np.int64(tabf[tb + (4 * half + j) * W + ((sw >> (8 * j)) & 0xFF)])
-                        low, rng, n = _code_symbol(low, rng, n, out, entry)
+                        low, rng, n, p, f = _code_symbol(low, rng, n, p, f, out, entry)
         else:
             at = (plane * T + t) * C
             for c in range(c0, c1):
@@ -849,7 +887,9 @@ def _encode_kernel(qf, q64f, words8, lob, dmb, lob64, dmb64, tabf, W, L, T, C, c
                     pm = np.int64(qf[at + c - C]) & np.int64(dmb[plane * C + c])
                 sym = (np.int64(qf[at + c]) - pm - np.int64(lob[plane * C + c])) & 0xFF
                 entry = np.int64(tabf[trow0 + (c - c0) * W + sym])
-                low, rng, n = _code_symbol(low, rng, n, out, entry)
+                low, rng, n, p, f = _code_symbol(low, rng, n, p, f, out, entry)
+    if p >= 0:  # write what is held back (the 0 only pushes it out), then the CPU's flush
+        n, p, f = _emit(out, n, p, f, 0)
     lengths[s] = flush_stream(low, rng, n, out)
 
 
@@ -874,19 +914,33 @@ def encode_streams(q, q64, lob, dmb, lob64, dmb64, tab, chunk_tokens, group, slo
 
 
 @cuda.jit(device=True)
-def _next_byte(blob, start, length, pos):
-    if pos < length:
-        return np.int64(blob[start + pos])
-    return np.int64(0)
+def _stream_byte(blob, blob64, n64, a, end, cur, cur_at):
+    """(byte a of the file, or 0 at or past end; the word cache): the bytes come from one
+    aligned 8-byte load per 8 (cur holds word cur_at of blob64, its first n64 words), the
+    file's last partial word byte by byte."""
+    if a >= end:
+        return np.int64(0), cur, cur_at
+    wi = a >> 3
+    if wi != cur_at:
+        cur_at = wi
+        if wi < n64:
+            cur = np.int64(blob64[wi])
+        else:
+            cur = np.int64(0)
+            for b in range(8):
+                if wi * 8 + b < blob.shape[0]:
+                    cur |= np.int64(blob[wi * 8 + b]) << (8 * b)
+    return (cur >> (8 * (a & 7))) & 0xFF, cur, cur_at
 
 
 @cuda.jit(device=True)
-def _decode_symbol(code, rng, pos, blob, start, length, tabf, trow, lutf, lrow):
-    """One symbol of range_coder.decode_stream: (symbol, code, rng, pos).  The channel's lookup
-    table (at lutf[lrow:]) gives the first candidate; the scan over its table row (tabf[trow:])
-    stops at the row's PROB_TOTAL entry at the latest."""
+def _decode_symbol(code, rng, a, end, cur, cur_at, blob, blob64, n64, tabf, trow, lutf, lrow):
+    """One symbol of range_coder.decode_stream: (symbol, code, rng, a, cur, cur_at), reading
+    the stream's byte a next (_stream_byte).  The channel's lookup table (at lutf[lrow:])
+    gives the first candidate; the scan over its table row (tabf[trow:]) stops at the row's
+    PROB_TOTAL entry at the latest."""
     r = rng >> PROB_BITS
-    # floor(code / r): a float32 quotient is within 2 of it (code < 2^32, 2^8 <= r <= 2^16),
+    # floor(code / r): a float32 quotient is within 2 of it (code < 2^32, 2^8 <= r <= 2^17),
     # then exact integer steps; cheaper than a float64 division per symbol
     qq = np.int64(np.float32(code) / np.float32(r))
     rem = code - qq * r
@@ -906,26 +960,29 @@ def _decode_symbol(code, rng, pos, blob, start, length, tabf, trow, lutf, lrow):
     code -= r32 * np.int64(np.uint32(entry & 0xFFFF))
     rng = r32 * np.int64(np.uint32((entry >> 16) & 0xFFFF))
     while rng < RANGE_TOP:
-        code = ((code << 8) | _next_byte(blob, start, length, pos)) & MASK32
-        pos += 1
+        x, cur, cur_at = _stream_byte(blob, blob64, n64, a, end, cur, cur_at)
+        code = ((code << 8) | x) & MASK32
+        a += 1
         rng <<= 8
-    return s, code, rng, pos
+    return s, code, rng, a, cur, cur_at
 
 
 @cuda.jit
-def _decode_kernel(blob, starts, lens, tabf, W, lutf, L, T, C, chunk_tokens, group, symf, sym64f, words8):
+def _decode_kernel(blob, blob64, n64, starts, lens, tabf, W, lutf, L, T, C, chunk_tokens, group, symf, sym64f, words8):
     s, plane, t0, t1, c0, c1 = _coder_thread(cuda.grid(1), L, T, C, chunk_tokens, group)
     if s < 0:
         return
     trow0 = (plane * C + c0) * W
     lrow0 = (plane * C + c0) * LUT_SIZE
-    start = np.int64(starts[s])
-    length = np.int64(lens[s])
-    pos = 0
+    a = np.int64(starts[s])
+    end = a + np.int64(lens[s])
+    cur = np.int64(0)
+    cur_at = np.int64(-1)
     code = np.int64(0)
     for _ in range(4):
-        code = (code << 8) | _next_byte(blob, start, length, pos)
-        pos += 1
+        x, cur, cur_at = _stream_byte(blob, blob64, n64, a, end, cur, cur_at)
+        code = (code << 8) | x
+        a += 1
     rng = np.int64(RANGE_INIT)
     for t in range(t0, t1):
         if words8:
@@ -935,21 +992,22 @@ def _decode_kernel(blob, starts, lens, tabf, W, lutf, L, T, C, chunk_tokens, gro
                 tb = trow0 + wj * 8 * W
                 lb = lrow0 + wj * 8 * LUT_SIZE
                 for j in range(8):
-                    x, code, rng, pos = _decode_symbol(code, rng, pos, blob, start, length, tabf, tb + j * W, lutf,
-                                                       lb + j * LUT_SIZE)
+                    x, code, rng, a, cur, cur_at = _decode_symbol(code, rng, a, end, cur, cur_at, blob, blob64, n64,
+                                                                  tabf, tb + j * W, lutf, lb + j * LUT_SIZE)
                     w |= x << (8 * j)
                 sym64f[at + wj] = w
         else:
             at = (plane * T + t) * C
             for c in range(c0, c1):
-                x, code, rng, pos = _decode_symbol(code, rng, pos, blob, start, length, tabf, trow0 + (c - c0) * W,
-                                                   lutf, lrow0 + (c - c0) * LUT_SIZE)
+                x, code, rng, a, cur, cur_at = _decode_symbol(code, rng, a, end, cur, cur_at, blob, blob64, n64, tabf,
+                                                              trow0 + (c - c0) * W, lutf, lrow0 + (c - c0) * LUT_SIZE)
                 symf[at + c] = x
 
 
-def decode_streams(blob, starts, lens, tab, lut, chunk_tokens, group, sym, sym64, stream=0):
+def decode_streams(blob, blob64, starts, lens, tab, lut, chunk_tokens, group, sym, sym64, stream=0):
     """Decode every stream s = blob[starts[s]:starts[s] + lens[s]] (the format's order) into
     sym [L, 2, T, C] (uint8) with the coding tables tab and lookup tables lut (coder_tables);
+    blob64: blob's first len // 8 bytes as int64 words (blob 8-byte aligned), else None;
     sym64: sym viewed as int64 words (group and C multiples of 8), else a placeholder.  The
     symbols of cpu_transform.decode_table_planes; a corrupt stream decodes to some symbols of
     the table (the chunk CRC is what reports it)."""
@@ -957,11 +1015,15 @@ def decode_streams(blob, starts, lens, tab, lut, chunk_tokens, group, sym, sym64
     n = lens.shape[0]
     if n == 0:
         return
+    n64 = 0 if blob64 is None else blob64.shape[0]
+    if blob64 is None:
+        blob64 = np.zeros(1, np.int64) if SIM else _placeholder((1,), np.int64)
     words8 = group % 8 == 0 and C % 8 == 0
-    _decode_kernel[(*_cfg(n), stream)](as_device(blob), as_device(starts), as_device(lens), as_device(tab.reshape(-1)),
-                                       np.int64(tab.shape[3]), as_device(lut.reshape(-1)), np.int64(L), np.int64(T),
-                                       np.int64(C), np.int64(chunk_tokens), np.int64(group),
-                                       as_device(sym.reshape(-1)), as_device(sym64.reshape(-1)), np.int64(words8))
+    _decode_kernel[(*_cfg(n), stream)](as_device(blob), as_device(blob64), np.int64(n64), as_device(starts),
+                                       as_device(lens), as_device(tab.reshape(-1)), np.int64(tab.shape[3]),
+                                       as_device(lut.reshape(-1)), np.int64(L), np.int64(T), np.int64(C),
+                                       np.int64(chunk_tokens), np.int64(group), as_device(sym.reshape(-1)),
+                                       as_device(sym64.reshape(-1)), np.int64(words8))
 
 
 # ---------------------------------------------------------------- the file's sections

@@ -188,3 +188,84 @@ def test_fast_level_is_step_level():
     _fast_levels[(len(cases) + 127) // 128, 128](y, off, step, thr, out)
     want = [step_level(np.float64(a), b, c, TRANSFORM_QMAX, d) for a, b, c, d in zip(y, off, step, thr)]
     assert out.tolist() == want
+
+
+@cuda.jit
+def _code_one_stream(symbols, entries, out, length):
+    low = np.int64(0)
+    rng = np.int64(0xFFFFFFFF)
+    n = 0
+    p = np.int64(-1)
+    f = 0
+    for i in range(symbols.shape[0]):
+        low, rng, n, p, f = cuda_pipeline._code_symbol(low, rng, n, p, f, out, np.int64(entries[symbols[i]]))
+    if p >= 0:
+        n, p, f = cuda_pipeline._emit(out, n, p, f, 0)
+    length[0] = cuda_pipeline.flush_stream(low, rng, n, out)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_device_coder_holds_bytes_back_exactly(seed):
+    """The device encoder keeps its last byte and the 0xFF bytes after it in registers
+    (_emit, _carry) instead of walking back over written bytes on a carry: the same bytes as
+    range_coder.encode_stream, on streams made to carry often and to emit long 0xFF runs
+    (one symbol of probability ~1, rare symbols at the top of the range)."""
+    from cachegen_cli.kernels import range_coder
+    from cachegen_cli.kernels.coding_params import PROB_TOTAL, max_stream_bytes
+
+    rng = np.random.default_rng(seed)
+    freq = np.array([PROB_TOTAL - 40, 8, 8, 8, 8, 8], np.int64) if seed % 2 else rng.integers(1, 4000, 7)
+    freq = freq * PROB_TOTAL // freq.sum()
+    freq[0] += PROB_TOTAL - freq.sum()
+    cum = np.concatenate([[0], np.cumsum(freq)]).astype(np.int64)
+    p = freq / freq.sum()
+    symbols = rng.choice(len(freq), size=3000, p=p if seed % 4 < 2 else p[::-1] / p.sum()).astype(np.uint8)
+    if seed == 3:  # runs of the top symbol: the low end climbs and carries
+        symbols[::3] = len(freq) - 1
+    entries = (cum[:-1] | (freq << 16)).astype(np.int64)
+    entries[entries >= 1 << 31] -= 1 << 32
+    out = np.zeros(max_stream_bytes(symbols.size), np.uint8)
+    length = np.zeros(1, np.int64)
+    _code_one_stream[1, 1](symbols, entries.astype(np.int32), out, length)
+    want = np.zeros_like(out)
+    n = range_coder.encode_stream(symbols.reshape(1, -1), 0, 1, 0, symbols.size, cum.reshape(1, -1), 0, 0, want)
+    assert int(length[0]) == n and out[:n].tobytes() == want[:n].tobytes()
+
+
+@cuda.jit
+def _replay(ops, out, length):
+    n = 0
+    p = np.int64(-1)
+    f = 0
+    for i in range(ops.shape[0]):
+        if ops[i] < 0:
+            n, p, f = cuda_pipeline._carry(out, n, p, f)
+        else:
+            n, p, f = cuda_pipeline._emit(out, n, p, f, np.int64(ops[i]))
+    if p >= 0:
+        n, p, f = cuda_pipeline._emit(out, n, p, f, 0)
+    length[0] = n
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_held_back_bytes_and_carries(seed):
+    """_emit / _carry against range_coder._add_carry on bytes in memory, over sequences rich in
+    0xFF bytes and carries: carries into a run of 0xFF, into a held-back 0xFF first byte,
+    twice in a row, before any byte."""
+    from cachegen_cli.kernels import range_coder
+
+    rng = np.random.default_rng(seed)
+    ops = rng.choice([-1, 0xFF, 0xFE, 0x00, 0x7F], size=4000, p=[0.25, 0.45, 0.15, 0.1, 0.05]).astype(np.int64)
+    ops[:3] = [-1, 0xFF, -1]  # a carry before any byte, then into a first byte of 0xFF
+    want = np.zeros(ops.size, np.uint8)
+    n = 0
+    for op in ops:
+        if op < 0:
+            range_coder._add_carry(want, n)
+        else:
+            want[n] = op
+            n += 1
+    out = np.zeros(ops.size, np.uint8)
+    length = np.zeros(1, np.int64)
+    _replay[1, 1](ops, out, length)
+    assert int(length[0]) == n and out[:n].tobytes() == want[:n].tobytes()
