@@ -1,0 +1,145 @@
+"""Reader hardening (issue "Hardening": inputs found by fuzzing).  Each case is refused with a
+one-line ``error:`` and exit code 1 by the CLI, and with a specific error type by the library."""
+
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+import cachegen_cli as cg
+from cachegen_cli import container
+from cachegen_cli.cli import app
+from cachegen_cli.errors import FormatError, LayoutError, SizeError, TruncatedError
+
+from conftest import SAMPLE_STACKED
+
+runner = CliRunner()
+
+
+def real_kv(layers: int = 2, tokens: int = 12, channels: int = 8, dtype=torch.bfloat16) -> torch.Tensor:
+    """[layers, 2, tokens, 1, channels] cut from the real SmolLM2 sample."""
+    from safetensors.torch import load_file
+
+    kv = load_file(str(SAMPLE_STACKED))["kv"]
+    return kv[3 : 3 + layers, :, :tokens, :1, :channels].to(dtype).contiguous()
+
+
+def cli_error(tmp_path: Path, command: str, blob: bytes, needle: str = "") -> str:
+    """Run ``cachegen COMMAND file`` on the bytes: exit code 1 and one line ``error: ...``."""
+    src = tmp_path / "bad.cgen"
+    src.write_bytes(blob)
+    args = [command, str(src)] + (["-o", str(tmp_path / "out.safetensors"), "--device", "cpu"] if command == "decode" else [])
+    r = runner.invoke(app, args)
+    err = r.stderr.strip()
+    assert r.exit_code == 1, (r.exit_code, r.output)
+    assert "Traceback" not in r.output and "internal error" not in err, err
+    assert err.count("\n") == 0 and err.startswith("error:"), err
+    assert needle in err, err
+    assert not (tmp_path / "out.safetensors").exists()
+    return err
+
+
+def with_descriptor(blob: bytes, desc: bytes) -> bytes:
+    """The .cgen bytes with another Descriptor (sizes, CRC, index offsets and trailer fixed)."""
+    version, = struct.unpack_from("<H", blob, 8)
+    old_size, = struct.unpack_from("<I", blob, 12)
+    layers, = struct.unpack_from("<I", blob, 24)
+    head = bytearray(blob[:64])
+    struct.pack_into("<I", head, 12, len(desc))
+    if version == 1:
+        before = bytes(blob[64 : 64 + 2 * layers])
+        after_at = 64 + 2 * layers + old_size
+        crc = zlib.crc32(bytes(head[:60]) + before + desc)
+        extra = b""
+    else:
+        params_size, = struct.unpack_from("<I", blob, 48)
+        before = b""
+        extra = bytes(blob[64 + old_size : 64 + old_size + params_size])
+        after_at = 64 + old_size + params_size
+        crc = zlib.crc32(bytes(head[:60]) + desc + extra)
+    struct.pack_into("<I", head, 60, crc)
+    shift = len(desc) - old_size
+    rest = bytearray(blob[after_at:])
+    index_offset, magic = struct.unpack_from("<Q8s", blob, len(blob) - 16)
+    at = index_offset - after_at  # the Index within rest
+    count, = struct.unpack_from("<I", rest, at + 4)
+    offsets = np.frombuffer(bytes(rest[at + 8 : at + 8 + 8 * count]), "<u8") + shift
+    index = b"CGIX" + struct.pack("<I", count) + offsets.astype("<u8").tobytes()
+    index += struct.pack("<I", zlib.crc32(index))
+    rest = rest[:at] + index + struct.pack("<Q8s", index_offset + shift, magic)
+    return bytes(head) + before + desc + extra + bytes(rest)
+
+
+def descriptor_of(blob: bytes) -> dict:
+    version, = struct.unpack_from("<H", blob, 8)
+    size, = struct.unpack_from("<I", blob, 12)
+    layers, = struct.unpack_from("<I", blob, 24)
+    at = 64 + (2 * layers if version == 1 else 0)
+    return json.loads(blob[at : at + size])
+
+
+def dumps(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode()
+
+
+@pytest.fixture(scope="module")
+def blobs() -> dict[str, bytes]:
+    kv = real_kv()
+    per = {f"layers.{i}.{k}": kv[i, j].permute(1, 0, 2).unsqueeze(0).contiguous()
+           for i in range(kv.shape[0]) for j, k in enumerate(("key", "value"))}
+    return {
+        "v1": cg.encode(kv, preset="lmcache", chunk_tokens=4, device="cpu"),
+        "v2": cg.encode(kv, quality="balanced", chunk_tokens=4, device="cpu"),
+        "v1_per_layer": cg.encode(per, preset="lmcache", chunk_tokens=4, device="cpu"),
+        "v2_per_layer": cg.encode(per, quality="lossless", chunk_tokens=4, device="cpu"),
+    }
+
+
+def test_helper_keeps_a_file_valid(blobs):
+    for blob in blobs.values():
+        again = with_descriptor(blob, dumps(descriptor_of(blob)) + b" ")
+        a, b = cg.decode(blob, device="cpu"), cg.decode(again, device="cpu")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---------------------------------------------------------------- 1. deeply nested JSON
+
+
+@pytest.mark.parametrize("kind", ["v1", "v2"])
+@pytest.mark.parametrize("depth", [5000, 100_000])
+def test_deeply_nested_descriptor_is_a_format_error(blobs, kind, depth):
+    d = descriptor_of(blobs[kind])
+    text = dumps(d)[:-1] + b',"x":' + b"[" * depth + b"]" * depth + b"}"
+    with pytest.raises(SizeError, match="nest"):
+        cg.decode(with_descriptor(blobs[kind], text), device="cpu")
+
+
+def test_nesting_inside_strings_does_not_count(blobs):
+    d = descriptor_of(blobs["v2"])
+    d["metadata"] = {"brackets": "[" * 5000 + '\\"{' * 100}
+    out = cg.decode(with_descriptor(blobs["v2"], dumps(d)), device="cpu")
+    assert out["kv"].shape == (2, 2, 12, 1, 8)
+
+
+def test_nesting_just_over_the_cap_is_refused(blobs):
+    d = descriptor_of(blobs["v2"])
+    ok = dumps(d)[:-1] + b',"x":' + b"[" * (container.MAX_DESCRIPTOR_DEPTH - 1) + b"]" * (container.MAX_DESCRIPTOR_DEPTH - 1) + b"}"
+    cg.decode(with_descriptor(blobs["v2"], ok), device="cpu")  # an unknown key, within the depth: accepted
+    bad = dumps(d)[:-1] + b',"x":' + b"[" * container.MAX_DESCRIPTOR_DEPTH + b"]" * container.MAX_DESCRIPTOR_DEPTH + b"}"
+    with pytest.raises(SizeError, match="nest"):
+        cg.decode(with_descriptor(blobs["v2"], bad), device="cpu")
+
+
+@pytest.mark.parametrize("command", ["decode", "stats"])
+def test_cli_deeply_nested_descriptor(blobs, tmp_path, command):
+    d = descriptor_of(blobs["v1"])
+    text = dumps(d)[:-1] + b',"x":' + b"[" * 5000 + b"]" * 5000 + b"}"
+    cli_error(tmp_path, command, with_descriptor(blobs["v1"], text), "nest")
