@@ -344,14 +344,21 @@ def to_tensors(data: torch.Tensor, descriptor: Mapping) -> dict[str, torch.Tenso
 
 
 def validate_descriptor(descriptor: object, num_layers: int, num_tokens: int, num_channels: int) -> dict:
-    """Check a descriptor read from a file against the header; returns it.  Raises ValueError."""
+    """Check a descriptor read from a file against the header; returns it.  Raises ValueError.
+
+    Integers must be JSON integers: true / false (Python bools, equal to 1 / 0) and numbers
+    with a fraction or exponent (floats) are refused wherever a count or a size is expected."""
+
+    def is_int(v: object) -> bool:
+        return type(v) is int
+
     if not isinstance(descriptor, dict):
         raise ValueError("descriptor is not an object")
     layout = descriptor.get("layout")
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}")
     H, D = descriptor.get("num_kv_heads"), descriptor.get("head_dim")
-    if not (isinstance(H, int) and isinstance(D, int) and H >= 1 and D >= 1 and H * D == num_channels):
+    if not (is_int(H) and is_int(D) and H >= 1 and D >= 1 and H * D == num_channels):
         raise ValueError("num_kv_heads x head_dim does not match the channel count")
     meta = descriptor.get("metadata", {})
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
@@ -367,7 +374,7 @@ def validate_descriptor(descriptor: object, num_layers: int, num_tokens: int, nu
             raise ValueError(f"tensor {entry['name']!r} listed twice")
         names.add(entry["name"])
         shape = entry["shape"]
-        if not all(isinstance(s, int) and s >= 0 for s in shape):
+        if not all(is_int(s) and s >= 0 for s in shape):
             raise ValueError("bad tensor shape")
     if layout == "stacked":
         if len(tensors) != 1 or tensors[0]["shape"] != [num_layers, 2, num_tokens, H, D]:

@@ -143,3 +143,60 @@ def test_cli_deeply_nested_descriptor(blobs, tmp_path, command):
     d = descriptor_of(blobs["v1"])
     text = dumps(d)[:-1] + b',"x":' + b"[" * 5000 + b"]" * 5000 + b"}"
     cli_error(tmp_path, command, with_descriptor(blobs["v1"], text), "nest")
+
+
+# ---------------------------------------------------------------- 2. JSON booleans are not integers
+
+
+def _bool_variants(d: dict) -> list[dict]:
+    """Descriptors where one integer is replaced by true / false (equal to 1 / 0 in Python)."""
+    out = []
+    if d["layout"] == "per-layer":
+        e = json.loads(json.dumps(d))
+        e["tensors"][0]["shape"][0] = True  # [1, H, T, D] -> [true, H, T, D]
+        out.append(e)
+        e = json.loads(json.dumps(d))
+        e["tensors"][1]["shape"][1] = True  # H = 1
+        out.append(e)
+    else:
+        e = json.loads(json.dumps(d))
+        e["tensors"][0]["shape"][3] = True  # H = 1
+        out.append(e)
+    e = json.loads(json.dumps(d))
+    e["num_kv_heads"] = True
+    out.append(e)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["v1", "v2", "v1_per_layer", "v2_per_layer"])
+def test_booleans_in_the_descriptor_are_refused(blobs, kind):
+    d = descriptor_of(blobs[kind])
+    variants = _bool_variants(d)
+    assert variants
+    for v in variants:
+        with pytest.raises(SizeError, match="descriptor"):
+            cg.decode(with_descriptor(blobs[kind], dumps(v)), device="cpu")
+
+
+def test_validate_descriptor_is_strict_about_integers():
+    from cachegen_cli.kvio import validate_descriptor
+
+    good = {"layout": "stacked", "num_kv_heads": 1, "head_dim": 8, "metadata": {},
+            "tensors": [{"name": "kv", "shape": [2, 2, 12, 1, 8]}]}
+    assert validate_descriptor(good, 2, 12, 8) is good
+    for path, value in ((("num_kv_heads",), True), (("head_dim",), 8.0), (("tensors", 0, "shape", 0), 2.0),
+                        (("tensors", 0, "shape", 3), True), (("tensors", 0, "shape", 1), False)):
+        bad = json.loads(json.dumps(good))
+        target = bad
+        for key in path[:-1]:
+            target = target[key]
+        target[path[-1]] = value
+        with pytest.raises(ValueError):
+            validate_descriptor(bad, 2, 12, 8)
+
+
+@pytest.mark.parametrize("command", ["decode", "stats"])
+def test_cli_boolean_shape(blobs, tmp_path, command):
+    d = descriptor_of(blobs["v2_per_layer"])
+    d["tensors"][0]["shape"][0] = True
+    cli_error(tmp_path, command, with_descriptor(blobs["v2_per_layer"], dumps(d)), "descriptor")
