@@ -620,4 +620,18 @@ def read_index(f: BinaryIO, h: FileHeader, header_end: int, file_size: int) -> l
         raise SizeError("first chunk offset does not follow the header")
     if not offsets and index_offset != header_end:
         raise SizeError("index offset does not follow the header")
+    # Every chunk holds at least its header and the sections whose sizes the file header fixes
+    # (v1: scales, CDF codes, stream lengths; v2: raw bytes, stream lengths): a file too short
+    # for them is refused here, before a decoder allocates the output the header announces.
+    K, T = h.num_chunks, h.num_tokens
+    scales, cdf, lengths = h.section_sizes(min(h.chunk_tokens, T)) if K else (0, 0, 0)
+    if h.version == FORMAT_VERSION_2:
+        need = K * (CHUNK_HEADER.size + lengths) + h.num_layers * 2 * T * h.num_channels * h.raw_bytes_per_value
+        if h.flags & FLAG_REFINED:
+            need += h.num_layers * 2 * h.params.refine_tokens * h.num_channels * h.params.refine_bits // 8
+    else:
+        need = K * (CHUNK_HEADER.size + cdf + lengths) + h.num_layers * 2 * T * 2
+    if header_end + need > index_offset:
+        raise TruncatedError(f"the header announces {T} tokens in {K} chunks, which take at least {need} bytes; "
+                             f"the file holds {index_offset - header_end} (truncated or corrupted)")
     return offsets

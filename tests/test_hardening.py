@@ -200,3 +200,71 @@ def test_cli_boolean_shape(blobs, tmp_path, command):
     d = descriptor_of(blobs["v2_per_layer"])
     d["tensors"][0]["shape"][0] = True
     cli_error(tmp_path, command, with_descriptor(blobs["v2_per_layer"], dumps(d)), "descriptor")
+
+
+# ---------------------------------------------------------------- 3. sizes claimed beyond the file
+
+
+def _claiming(blob: bytes, num_tokens: int, chunk_tokens: int, fill: int = 40, channels: int | None = None) -> bytes:
+    """A file with ``blob``'s layers, channels, tables and descriptor that claims ``num_tokens``
+    tokens: the header, then ``fill`` bytes per announced chunk (fake chunks), a valid Index
+    and Trailer.  Nothing but the header's numbers says how large the cache is."""
+    from cachegen_cli import codec
+
+    f, _ = codec.open_input(blob)
+    h, _ = container.read_file_header(f, len(blob))
+    h.num_tokens, h.chunk_tokens = num_tokens, chunk_tokens
+    h.num_chunks = -(-num_tokens // chunk_tokens)
+    h.group = 1
+    d = json.loads(json.dumps(h.descriptor))
+    if channels is not None:  # version 1 only (a version-2 Params block has C entries)
+        h.num_channels = channels
+        d["num_kv_heads"], d["head_dim"] = 1, channels
+        for e in d["tensors"]:
+            e["shape"][-1], e["shape"][-2 if d["layout"] == "stacked" else -3] = channels, 1
+    for e in d["tensors"]:
+        if d["layout"] == "stacked":
+            e["shape"][2] = num_tokens
+        else:
+            e["shape"][-2] = num_tokens
+    h.descriptor = d
+    head = container.pack_file_header(h)
+    offsets = [len(head) + fill * i for i in range(h.num_chunks)]
+    index_at = len(head) + fill * h.num_chunks
+    return head + bytes(fill * h.num_chunks) + container.pack_index(offsets) + container.pack_trailer(index_at)
+
+
+@pytest.mark.parametrize("kind", ["v1", "v2", "v2_per_layer"])
+def test_claimed_size_beyond_the_file_fails_before_allocating(blobs, kind, monkeypatch):
+    # 2 layers x 2 x 2^22 tokens x 8 channels x 2 bytes = 256 MiB claimed by a file of 12 KB
+    bad = _claiming(blobs[kind], 1 << 22, 1 << 14)
+    assert len(bad) < 20_000
+
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("allocated the output of a file that cannot hold it")
+
+    from cachegen_cli import codec
+
+    monkeypatch.setattr(codec.torch, "empty", no_allocation)
+    with pytest.raises(TruncatedError, match="at least"):
+        cg.decode(bad, device="cpu")
+    with pytest.raises(TruncatedError, match="at least"):
+        codec.read_header_and_index(container.BufferReader(bad))
+
+
+def test_a_file_of_empty_chunks_still_decodes(blobs):
+    """The bound is each chunk's fixed bytes: a real file that holds exactly them (all-zero
+    cache, every stream empty) is not refused."""
+    kv = torch.zeros(2, 2, 40, 1, 8, dtype=torch.bfloat16)
+    for blob in (cg.encode(kv, preset="lmcache", chunk_tokens=4, device="cpu"),
+                 cg.encode(kv, quality="balanced", chunk_tokens=4, device="cpu"),
+                 cg.encode(kv, quality="lossless", chunk_tokens=4, device="cpu")):
+        assert torch.equal(cg.decode(blob, device="cpu")["kv"], kv)
+
+
+def test_cli_claimed_size_beyond_the_file(blobs, tmp_path):
+    # 550 GB claimed by a 3 KB file: 2 layers x 2 x 2^20 tokens x 65536 channels x 2 bytes
+    bad = _claiming(blobs["v1"], 1 << 20, 1 << 14, channels=1 << 16)
+    assert len(bad) < 4000
+    for command in ("decode", "stats"):
+        cli_error(tmp_path, command, bad, "at least")
