@@ -176,7 +176,12 @@ def _from_per_layer(tensors: Mapping[str, torch.Tensor], meta: dict[str, str]) -
         match = _PER_LAYER_NAME.match(name)
         if not match:
             raise LayoutError(f"tensor {name!r} is not named layers.{{i}}.key or layers.{{i}}.value")
-        found[(int(match.group(1)), match.group(2))] = (name, t)
+        if len(match.group(1)) > 9:
+            raise LayoutError(f"tensor {name[:40]!r}...: layer number out of range (at most {MAX_LAYERS - 1})")
+        slot = (int(match.group(1)), match.group(2))
+        if slot in found:  # layers.0.key and layers.00.key: which one is layer 0's key?
+            raise LayoutError(f"tensors {found[slot][0]!r} and {name!r} both name layer {slot[0]}'s {slot[1]}")
+        found[slot] = (name, t)
     num_layers = max(i for i, _ in found) + 1
     for i in range(num_layers):
         for kind in ("key", "value"):
@@ -382,10 +387,15 @@ def validate_descriptor(descriptor: object, num_layers: int, num_tokens: int, nu
     else:
         if len(tensors) != 2 * num_layers:
             raise ValueError("per-layer tensor count does not match the layer count")
+        slots: dict[tuple[int, str], str] = {}
         for entry in tensors:
             match = _PER_LAYER_NAME.match(entry["name"])
-            if not match or int(match.group(1)) >= num_layers:
-                raise ValueError(f"bad per-layer tensor name {entry['name']!r}")
+            if not match or len(match.group(1)) > 9 or int(match.group(1)) >= num_layers:
+                raise ValueError(f"bad per-layer tensor name {entry['name'][:60]!r}")
+            slot = (int(match.group(1)), match.group(2))
+            if slot in slots:  # with 2 x L distinct slots, every layer's key and value is listed
+                raise ValueError(f"layer {slot[0]}'s {slot[1]} is listed twice ({slots[slot]!r}, {entry['name']!r})")
+            slots[slot] = entry["name"]
             if entry["shape"] not in ([H, num_tokens, D], [1, H, num_tokens, D]):
                 raise ValueError(f"shape of {entry['name']!r} does not match the header")
     return descriptor

@@ -71,7 +71,7 @@ def with_descriptor(blob: bytes, desc: bytes) -> bytes:
     index_offset, magic = struct.unpack_from("<Q8s", blob, len(blob) - 16)
     at = index_offset - after_at  # the Index within rest
     count, = struct.unpack_from("<I", rest, at + 4)
-    offsets = np.frombuffer(bytes(rest[at + 8 : at + 8 + 8 * count]), "<u8") + shift
+    offsets = np.frombuffer(bytes(rest[at + 8 : at + 8 + 8 * count]), "<u8").astype(np.int64) + shift
     index = b"CGIX" + struct.pack("<I", count) + offsets.astype("<u8").tobytes()
     index += struct.pack("<I", zlib.crc32(index))
     rest = rest[:at] + index + struct.pack("<Q8s", index_offset + shift, magic)
@@ -268,3 +268,63 @@ def test_cli_claimed_size_beyond_the_file(blobs, tmp_path):
     assert len(bad) < 4000
     for command in ("decode", "stats"):
         cli_error(tmp_path, command, bad, "at least")
+
+
+# ---------------------------------------------------------------- 4. names of the same layer
+
+
+def _per_layer_tensors(names: list[str]) -> dict[str, torch.Tensor]:
+    kv = real_kv(layers=1)
+    planes = {"key": kv[0, 0], "value": kv[0, 1]}
+    return {n: planes[n.rsplit(".", 1)[1]].permute(1, 0, 2).unsqueeze(0).clone() for n in names}
+
+
+@pytest.mark.parametrize("names", [["layers.0.key", "layers.00.key", "layers.0.value"],
+                                   ["layers.0.key", "layers.0.value", "layers.00.value"],
+                                   ["layers.0.key", "layers.0.value", "layers.\u0660.key"]])
+def test_two_names_for_one_tensor_are_refused_on_encode(names):
+    tensors = _per_layer_tensors(names)
+    for kw in (dict(preset="lmcache"), dict(quality="balanced")):
+        with pytest.raises(LayoutError, match="both"):
+            cg.encode(tensors, device="cpu", **kw)
+
+
+def test_cli_two_names_for_one_tensor(tmp_path):
+    src = tmp_path / "kv.safetensors"
+    save_file(_per_layer_tensors(["layers.0.key", "layers.00.key", "layers.0.value"]), src)
+    r = runner.invoke(app, ["encode", str(src), "-o", str(tmp_path / "kv.cgen"), "--device", "cpu"])
+    err = r.stderr.strip()
+    assert r.exit_code == 1 and "Traceback" not in r.output
+    assert err.count("\n") == 0 and err.startswith("error:") and "both" in err, err
+    assert not (tmp_path / "kv.cgen").exists()
+
+
+def _aliased(blob: bytes) -> bytes:
+    """A one-layer per-layer file whose descriptor names layer 0's key twice and its value never."""
+    d = descriptor_of(blob)
+    assert [e["name"] for e in d["tensors"]] == ["layers.0.key", "layers.0.value"]
+    d["tensors"][1]["name"] = "layers.00.key"
+    return with_descriptor(blob, dumps(d))
+
+
+@pytest.mark.parametrize("quality", ["lmcache", "balanced", "lossless"])
+def test_a_descriptor_naming_one_tensor_twice_is_refused(quality):
+    tensors = _per_layer_tensors(["layers.0.key", "layers.0.value"])
+    kw = dict(preset="lmcache") if quality == "lmcache" else dict(quality=quality)
+    blob = _aliased(cg.encode(tensors, chunk_tokens=4, device="cpu", **kw))
+    with pytest.raises(SizeError, match="twice"):
+        cg.decode(blob, device="cpu")
+
+
+@pytest.mark.parametrize("command", ["decode", "stats"])
+def test_cli_descriptor_naming_one_tensor_twice(tmp_path, command):
+    tensors = _per_layer_tensors(["layers.0.key", "layers.0.value"])
+    blob = _aliased(cg.encode(tensors, quality="balanced", chunk_tokens=4, device="cpu"))
+    cli_error(tmp_path, command, blob, "twice")
+
+
+def test_layer_numbers_with_thousands_of_digits_are_a_layout_error():
+    tensors = _per_layer_tensors(["layers.0.key", "layers.0.value"])
+    tensors["layers." + "9" * 5000 + ".key"] = tensors["layers.0.key"]
+    with pytest.raises(LayoutError):
+        cg.encode(tensors, device="cpu")
