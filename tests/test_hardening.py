@@ -328,3 +328,108 @@ def test_layer_numbers_with_thousands_of_digits_are_a_layout_error():
     tensors["layers." + "9" * 5000 + ".key"] = tensors["layers.0.key"]
     with pytest.raises(LayoutError):
         cg.encode(tensors, device="cpu")
+
+
+# ---------------------------------------------------------------- 5. extreme finite values decode finite
+
+_REL_ULP = {torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8, torch.float32: 2.0 ** -24}
+EXTREMES = {
+    torch.float16: [65504.0, 65400.0, 65281.0, 6e-8, 6.1e-5],
+    torch.bfloat16: [float(torch.finfo(torch.bfloat16).max), 3.0e38, 1e-40],
+    torch.float32: [float(torch.finfo(torch.float32).max), 3.39e38, 1e38, 1e-45, 1e-40],
+}
+METHODS = {"lmcache": dict(preset="lmcache"), "bins255": dict(bins="255"), "small": dict(quality="small"),
+           "balanced": dict(quality="balanced"), "high": dict(quality="high"), "lossless": dict(quality="lossless")}
+
+
+def _extreme_kv(dtype, value: float, where: str) -> torch.Tensor:
+    x = real_kv(layers=2, tokens=24, channels=16, dtype=torch.float32)
+    if where == "spots":  # a few values and one whole token at the extreme
+        x[0, 0, 5, 0, 3], x[1, 1, 7, 0, 0], x[0, 1, 2, 0, :] = value, -value, value
+    else:  # whole channels at the extreme (their means too)
+        x[0, 0, :, 0, 3], x[1, 1, :, 0, 0] = value, -value
+    return x.to(dtype)
+
+
+def _error_bound(blob: bytes, x: torch.Tensor) -> torch.Tensor:
+    """What the method allows for each value [L, 2, T, C] (float64): half a quantization step
+    (method 1: the token's scale / (2 maxq); method 2: the plane's step / 2) plus the rounding
+    to the output dtype; 0 for lossless."""
+    from cachegen_cli import codec
+    from cachegen_cli.params import bf16_values
+
+    f, _ = codec.open_input(blob)
+    h, _, offsets, size = codec.read_header_and_index(f)
+    L, T, C = h.num_layers, h.num_tokens, h.num_channels
+    xs = x.double().reshape(L, 2, T, C).abs()
+    rounding = xs * _REL_ULP[x.dtype] + 1e-300
+    if h.version == 1:
+        scales = np.concatenate([c.scales for c in codec.iter_chunks(f, h, offsets, size)], axis=2)
+        s = torch.from_numpy(bf16_values(scales))  # [L, 2, T]
+        maxq = torch.from_numpy(h.maxq.astype(np.float64))[:, :, None]
+        half = s / (2 * maxq)
+        # A token whose maxq / s exceeds float32 (a scale below ~1e-39: subnormal values) is
+        # quantized with inv = the largest float32 (docs/format.md): its levels are 0, its error <= s.
+        half = torch.where(maxq / s.clamp(min=1e-300) > float(torch.finfo(torch.float32).max), s, half)
+        return half[..., None] * (1 + 1e-6) + rounding
+    if h.method == 3:
+        return torch.zeros_like(xs)
+    steps = torch.from_numpy(bf16_values(h.params.steps))  # [L, 2]
+    return (steps / 2)[:, :, None, None] * (1 + 1e-6) + rounding
+
+
+@pytest.mark.parametrize("dtype", list(EXTREMES))
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("where", ["spots", "channel"])
+def test_extreme_finite_values_decode_finite_within_the_error(dtype, method, where):
+    for value in EXTREMES[dtype]:
+        x = _extreme_kv(dtype, value, where)
+        blob = cg.encode(x, chunk_tokens=8, device="cpu", **METHODS[method])
+        y = cg.decode(blob, device="cpu")["kv"]
+        assert bool(torch.isfinite(y).all()), (value, method)
+        err = (y.double() - x.double()).abs().reshape(_error_bound(blob, x).shape)
+        bound = _error_bound(blob, x)
+        assert bool((err <= bound).all()), (value, method, float((err - bound).max()))
+
+
+def test_fp16_top_values_do_not_change_normal_bytes():
+    """The clamp only touches float16 values above 65280: a cache without them keeps its bytes."""
+    x = _extreme_kv(torch.float16, 65280.0, "spots")
+    from cachegen_cli import codec
+
+    assert codec.fp16_headroom(x) is x
+    y = _extreme_kv(torch.float16, 65504.0, "spots")
+    assert torch.equal(codec.fp16_headroom(y), x)
+    assert cg.encode(y, preset="lmcache", chunk_tokens=8, device="cpu") == cg.encode(x, preset="lmcache", chunk_tokens=8,
+                                                                                      device="cpu")
+
+
+def test_files_from_before_the_clamp_decode_saturated(monkeypatch):
+    """A float16 file whose scale rounded up to 65536 (what the encoder wrote before) decodes its
+    top values to 65504, float16's largest, not to Inf."""
+    from cachegen_cli import codec
+
+    x = _extreme_kv(torch.float16, 65504.0, "spots")
+    monkeypatch.setattr(codec, "fp16_headroom", lambda block: block)
+    blob = cg.encode(x, preset="lmcache", chunk_tokens=8, device="cpu")
+    monkeypatch.undo()
+    f, _ = codec.open_input(blob)
+    h, _, offsets, size = codec.read_header_and_index(f)
+    scales = np.concatenate([c.scales for c in codec.iter_chunks(f, h, offsets, size)], axis=2)
+    assert int(scales.max()) == 0x4780  # 65536
+    y = cg.decode(blob, device="cpu")["kv"]
+    assert bool(torch.isfinite(y).all()) and float(y.max()) == 65504.0
+
+
+def test_cli_fp16_top_values_round_trip_finite(tmp_path):
+    from safetensors.torch import load_file
+
+    src = tmp_path / "kv.safetensors"
+    save_file({"kv": _extreme_kv(torch.float16, 65504.0, "spots")}, src)
+    for args in (["--preset", "lmcache"], ["--quality", "small"]):
+        r = runner.invoke(app, ["encode", str(src), "-o", str(tmp_path / "kv.cgen"), "--device", "cpu", "-f", *args])
+        assert r.exit_code == 0, r.output
+        r = runner.invoke(app, ["decode", str(tmp_path / "kv.cgen"), "-o", str(tmp_path / "out.safetensors"), "-f",
+                                "--device", "cpu"])
+        assert r.exit_code == 0, r.output
+        assert bool(torch.isfinite(load_file(str(tmp_path / "out.safetensors"))["kv"]).all())
