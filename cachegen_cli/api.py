@@ -90,7 +90,7 @@ def _encode_on_device(cache: kvio.KVCache, quant, calibration, chunk_tokens: int
 
             raise ConfigError("--calibration does not apply to --quality lossless")
         return device_pipeline.encode(cache, quant, validate_chunk_tokens(chunk_tokens))[0]
-    return gpu_codec.encode_file_device(codec.make_header(cache, quant, chunk_tokens), cache.data)
+    return gpu_codec.encode_file_device(codec.make_header(cache, quant, chunk_tokens), codec.fp16_headroom(cache.data))
 
 
 def encode_to_device(
@@ -181,9 +181,13 @@ def decode(data: bytes | bytearray | memoryview | torch.Tensor, *, device: str =
                 header, offsets, size = device_pipeline.read_header(blob)
                 if device_pipeline.decodable(header):
                     tensor = device_pipeline.decode(blob, header, offsets, size)
+                    if codec.saturates(header):
+                        codec.saturate_(tensor)
                     return kvio.to_tensors(tensor, header.descriptor)
             else:
                 header, tensor = gpu_codec.decode_device(blob)
+                if header.dtype == "float16":  # a file from before the encoder's clamp (codec.fp16_headroom)
+                    codec.saturate_(tensor)
                 return kvio.to_tensors(tensor, header.descriptor)
     if isinstance(data, torch.Tensor):
         data = memoryview(data.cpu().numpy())

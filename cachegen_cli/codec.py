@@ -122,6 +122,63 @@ def _code_width(h: FileHeader) -> int:
     return int(h.alphabets.max())
 
 
+# ---------------------------------------------------------------- the largest finite values
+#
+# Every finite input decodes to a finite value (docs/format.md, "Saturation").  Method 1 on a
+# float16 cache: a scale is the abs-max rounded up to a bfloat16, and float16's largest values
+# (65280, 65504] round up to 65536, which decodes to Inf; the encoder clamps them to 65280, the
+# largest bfloat16 a float16 holds (an error below half a quantization step).  Decoders
+# saturate: a value beyond the output dtype's largest finite one decodes to it (files written
+# before, and method 2's offsets + levels x steps near the top of a dtype).
+
+#: The largest bfloat16 that a float16 holds: method 1's largest scale for a float16 cache.
+FP16_SCALE_MAX = 65280.0
+_FP16_SCALE_MAX_BITS = 0x477F  # its bfloat16 bits
+
+
+def fp16_headroom(block: torch.Tensor) -> torch.Tensor:
+    """A float16 block with |x| > FP16_SCALE_MAX clamped to it (method 1's encoder); the block
+    itself when it holds no such value (every other dtype: unchanged)."""
+    if block.dtype != torch.float16 or block.numel() == 0:
+        return block
+    if not bool((block.abs() > FP16_SCALE_MAX).any()):
+        return block
+    return block.clamp(-FP16_SCALE_MAX, FP16_SCALE_MAX)
+
+
+def saturates(h: FileHeader) -> bool:
+    """Whether a method-2 file's values may exceed its dtype's largest finite value (so the
+    decoder's output needs saturate_): a bound from its steps, offsets and rotation."""
+    if h.version != container.FORMAT_VERSION_2 or h.method != 2:
+        return False
+    from .params import bf16_values
+
+    p = h.params
+    top = 128.0 * float(bf16_values(p.steps).max(initial=0.0)) + float(np.abs(bf16_values(p.offsets)).max(initial=0.0))
+    if h.rotated:  # an orthonormal rotation: |x'| <= ||z|| <= sqrt(C) max |z|
+        top *= float(np.sqrt(h.num_channels))
+    return top >= float(torch.finfo(DTYPE_BY_NAME[h.dtype]).max)
+
+
+def saturate_(t: torch.Tensor) -> torch.Tensor:
+    """Clamp a decoded float tensor (any device, in place) to its dtype's finite range: an Inf
+    that came from rounding a finite value beyond the largest one becomes that value."""
+    big = float(torch.finfo(t.dtype).max)
+    return t.clamp_(-big, big)
+
+
+def saturate_words_(words: np.ndarray, dtype: torch.dtype) -> None:
+    """saturate_ on the words (uint16 / uint32, any strides) of a decoded CPU block."""
+    signed = words.view(np.int16 if words.dtype == np.uint16 else np.int32)
+    saturate_(torch.from_numpy(signed).view(dtype))
+
+
+def _v1_scales_overflow(h: FileHeader, chunks: list[Chunk]) -> bool:
+    """True when a version-1 float16 slab has a scale above FP16_SCALE_MAX (written by an
+    encoder before the clamp): its largest levels decode beyond float16's range."""
+    return h.dtype == "float16" and any(int(c.scales.max(initial=0)) > _FP16_SCALE_MAX_BITS for c in chunks)
+
+
 # ---------------------------------------------------------------- CPU fast path
 #
 # On the CPU a slab goes through two fused kernels (cpu.encode_planes / decode_planes)
@@ -305,7 +362,7 @@ def encode_to_stream(
     payload_bytes = 0
     slabs = list(iter_slabs(h, GPU_SLAB_BYTES if device == "cuda" else SLAB_BYTES))
     fused = device == "cpu" and kernels is cpu_kernels
-    words = _cpu_source_words(cache.data) if fused and source is None else None
+    words = _cpu_source_words(cache.data) if fused and source is None else None  # (bf16 / fp32 only)
     check = source.finite_check() if source is not None else None
     from .kvio import SlabBuffers
 
@@ -318,6 +375,7 @@ def encode_to_stream(
                 for rest in slabs[number + 1 :]:
                     check.add(source.read(rest.t0, rest.t1, buffers))
                 check.raise_if_bad()
+        block = fp16_headroom(block)
         block_words = _cpu_source_words(block) if fused and source is not None else None
         if device == "cuda":
             from . import gpu_codec
@@ -474,6 +532,7 @@ class SlabDecoder:
         self.device = resolve_device(device)
         self.dtype = DTYPE_BY_NAME[h.dtype]
         self.calibration = calibration
+        self.saturate = saturates(h)
         self.v2 = None
         if h.version == container.FORMAT_VERSION_2:
             from . import transform_codec
@@ -508,6 +567,8 @@ class SlabDecoder:
             else:
                 chunks = list(iter_chunks(f, h, self.offsets, self.size))
                 data = transform_codec.decode_v2(h, chunks, self.dtype, self.calibration, self.device)
+            if self.saturate:
+                saturate_(data)
             if progress:
                 progress(h.num_chunks, h.num_chunks)
             yield 0, h.num_tokens, data
@@ -519,10 +580,14 @@ class SlabDecoder:
                 part = [next(chunks) for _ in range(slab.num_chunks)]
                 if into is not None:
                     self.v2.decode_into(part, into, slab.t0)
+                    if self.saturate:
+                        saturate_words_(into[:, :, slab.t0 : slab.t1], self.dtype)
                     block = None
                 else:  # the block is valid until the next one
                     words = self.v2.empty(slab.t1 - slab.t0, reuse=True)
                     self.v2.decode_into(part, words, 0)
+                    if self.saturate:
+                        saturate_words_(words, self.dtype)
                     block = self.v2.as_tensor(words)
                 del part
                 if progress:
@@ -562,9 +627,10 @@ class SlabDecoder:
                 if blob_d is None:
                     blob_d = upload.result()
                 x, blob_d = gpu_codec.decode_blob(h, blob, self.offsets, batch, slab.first_chunk, blob_d)
-                x = x.to(self.dtype)
+                x = (saturate_(x.to(self.dtype)) if _v1_scales_overflow(h, batch) else x.to(self.dtype))
             elif device == "cuda":
-                x = torch.from_numpy(gpu_codec.decode_slab(h, batch)).to(self.dtype)
+                x = torch.from_numpy(gpu_codec.decode_slab(h, batch))
+                x = saturate_(x.to(self.dtype)) if _v1_scales_overflow(h, batch) else x.to(self.dtype)
             elif fused and into is not None:  # the fused CPU kernel writes straight into the output
                 _decode_slab_cpu(h, batch, into, slab.t0, to_bf16)
                 x = None
@@ -573,8 +639,10 @@ class SlabDecoder:
                                     np.uint16 if to_bf16 else np.float32)  # valid until the next block
                 _decode_slab_cpu(h, batch, words, 0, to_bf16)
                 x = torch.from_numpy(words.view(np.int16)).view(torch.bfloat16) if to_bf16 else torch.from_numpy(words)
-            else:
+            else:  # float16 (or the reference kernels): float32, then converted
                 x = torch.from_numpy(decode_slab(h, batch, kernels)).to(self.dtype)
+                if _v1_scales_overflow(h, batch):
+                    saturate_(x)
             del batch
             if progress:
                 progress(slab.first_chunk + slab.num_chunks, h.num_chunks)

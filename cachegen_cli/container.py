@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import struct
 import zlib
 from dataclasses import dataclass
@@ -52,6 +53,7 @@ MAX_PARAMS_BYTES = 1 << 30
 
 # Caps: a reader refuses anything beyond these before allocating.
 MAX_DESCRIPTOR_BYTES = 16 << 20
+MAX_DESCRIPTOR_DEPTH = 16  # arrays / objects nested in the Descriptor (cachegen writes 4)
 MAX_LAYERS = 4096
 MAX_CHANNELS = 1 << 16
 MAX_TOKENS = (1 << 32) - 1
@@ -280,9 +282,12 @@ def _check_dims(header_size, desc_size, num_tokens, num_layers, num_channels, ch
 
 
 def _parse_descriptor(desc_raw: bytes, num_layers: int, num_tokens: int, num_channels: int) -> dict:
+    depth = _json_depth(desc_raw)
+    if depth > MAX_DESCRIPTOR_DEPTH:
+        raise SizeError(f"descriptor nests arrays and objects {depth} deep (at most {MAX_DESCRIPTOR_DEPTH})")
     try:
         descriptor = json.loads(desc_raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         raise SizeError("descriptor is not valid UTF-8 JSON") from None
     from .kvio import validate_descriptor
 
@@ -291,6 +296,21 @@ def _parse_descriptor(desc_raw: bytes, num_layers: int, num_tokens: int, num_cha
     except ValueError as exc:
         raise SizeError(f"descriptor does not match the header: {exc}") from None
     return descriptor
+
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"?', re.DOTALL)
+
+
+def _json_depth(raw: bytes) -> int:
+    """How deep the arrays and objects of a JSON text nest (brackets inside strings do not
+    count), without parsing it: json.loads recurses once per level, so a deep enough text
+    would exhaust the interpreter's stack.  Works on the UTF-8 bytes (quotes, backslashes
+    and brackets are ASCII, and no byte of a multi-byte character is)."""
+    bare = np.frombuffer(_JSON_STRING.sub(b'""', raw), np.uint8)
+    if not bare.size:
+        return 0
+    step = (np.isin(bare, (ord("["), ord("{"))).astype(np.int64) - np.isin(bare, (ord("]"), ord("}"))))
+    return int(np.cumsum(step).max(initial=0))
 
 
 def _read_file_header_v2(f: BinaryIO, raw: bytes, file_size: int | None,
@@ -606,4 +626,18 @@ def read_index(f: BinaryIO, h: FileHeader, header_end: int, file_size: int) -> l
         raise SizeError("first chunk offset does not follow the header")
     if not offsets and index_offset != header_end:
         raise SizeError("index offset does not follow the header")
+    # Every chunk holds at least its header and the sections whose sizes the file header fixes
+    # (v1: scales, CDF codes, stream lengths; v2: raw bytes, stream lengths): a file too short
+    # for them is refused here, before a decoder allocates the output the header announces.
+    K, T = h.num_chunks, h.num_tokens
+    scales, cdf, lengths = h.section_sizes(min(h.chunk_tokens, T)) if K else (0, 0, 0)
+    if h.version == FORMAT_VERSION_2:
+        need = K * (CHUNK_HEADER.size + lengths) + h.num_layers * 2 * T * h.num_channels * h.raw_bytes_per_value
+        if h.flags & FLAG_REFINED:
+            need += h.num_layers * 2 * h.params.refine_tokens * h.num_channels * h.params.refine_bits // 8
+    else:
+        need = K * (CHUNK_HEADER.size + cdf + lengths) + h.num_layers * 2 * T * 2
+    if header_end + need > index_offset:
+        raise TruncatedError(f"the header announces {T} tokens in {K} chunks, which take at least {need} bytes; "
+                             f"the file holds {index_offset - header_end} (truncated or corrupted)")
     return offsets

@@ -176,7 +176,12 @@ def _from_per_layer(tensors: Mapping[str, torch.Tensor], meta: dict[str, str]) -
         match = _PER_LAYER_NAME.match(name)
         if not match:
             raise LayoutError(f"tensor {name!r} is not named layers.{{i}}.key or layers.{{i}}.value")
-        found[(int(match.group(1)), match.group(2))] = (name, t)
+        if len(match.group(1)) > 9:
+            raise LayoutError(f"tensor {name[:40]!r}...: layer number out of range (at most {MAX_LAYERS - 1})")
+        slot = (int(match.group(1)), match.group(2))
+        if slot in found:  # layers.0.key and layers.00.key: which one is layer 0's key?
+            raise LayoutError(f"tensors {found[slot][0]!r} and {name!r} both name layer {slot[0]}'s {slot[1]}")
+        found[slot] = (name, t)
     num_layers = max(i for i, _ in found) + 1
     for i in range(num_layers):
         for kind in ("key", "value"):
@@ -344,14 +349,21 @@ def to_tensors(data: torch.Tensor, descriptor: Mapping) -> dict[str, torch.Tenso
 
 
 def validate_descriptor(descriptor: object, num_layers: int, num_tokens: int, num_channels: int) -> dict:
-    """Check a descriptor read from a file against the header; returns it.  Raises ValueError."""
+    """Check a descriptor read from a file against the header; returns it.  Raises ValueError.
+
+    Integers must be JSON integers: true / false (Python bools, equal to 1 / 0) and numbers
+    with a fraction or exponent (floats) are refused wherever a count or a size is expected."""
+
+    def is_int(v: object) -> bool:
+        return type(v) is int
+
     if not isinstance(descriptor, dict):
         raise ValueError("descriptor is not an object")
     layout = descriptor.get("layout")
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}")
     H, D = descriptor.get("num_kv_heads"), descriptor.get("head_dim")
-    if not (isinstance(H, int) and isinstance(D, int) and H >= 1 and D >= 1 and H * D == num_channels):
+    if not (is_int(H) and is_int(D) and H >= 1 and D >= 1 and H * D == num_channels):
         raise ValueError("num_kv_heads x head_dim does not match the channel count")
     meta = descriptor.get("metadata", {})
     if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
@@ -367,7 +379,7 @@ def validate_descriptor(descriptor: object, num_layers: int, num_tokens: int, nu
             raise ValueError(f"tensor {entry['name']!r} listed twice")
         names.add(entry["name"])
         shape = entry["shape"]
-        if not all(isinstance(s, int) and s >= 0 for s in shape):
+        if not all(is_int(s) and s >= 0 for s in shape):
             raise ValueError("bad tensor shape")
     if layout == "stacked":
         if len(tensors) != 1 or tensors[0]["shape"] != [num_layers, 2, num_tokens, H, D]:
@@ -375,10 +387,15 @@ def validate_descriptor(descriptor: object, num_layers: int, num_tokens: int, nu
     else:
         if len(tensors) != 2 * num_layers:
             raise ValueError("per-layer tensor count does not match the layer count")
+        slots: dict[tuple[int, str], str] = {}
         for entry in tensors:
             match = _PER_LAYER_NAME.match(entry["name"])
-            if not match or int(match.group(1)) >= num_layers:
-                raise ValueError(f"bad per-layer tensor name {entry['name']!r}")
+            if not match or len(match.group(1)) > 9 or int(match.group(1)) >= num_layers:
+                raise ValueError(f"bad per-layer tensor name {entry['name'][:60]!r}")
+            slot = (int(match.group(1)), match.group(2))
+            if slot in slots:  # with 2 x L distinct slots, every layer's key and value is listed
+                raise ValueError(f"layer {slot[0]}'s {slot[1]} is listed twice ({slots[slot]!r}, {entry['name']!r})")
+            slots[slot] = entry["name"]
             if entry["shape"] not in ([H, num_tokens, D], [1, H, num_tokens, D]):
                 raise ValueError(f"shape of {entry['name']!r} does not match the header")
     return descriptor

@@ -42,6 +42,7 @@ from .kvio import KVCache, SlabBuffers, TensorSource
 from .params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, Params, bf16_values
 
 _WORDS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 
 
 def _bf16_bits(values: np.ndarray) -> np.ndarray:
@@ -203,7 +204,9 @@ def step_params(sums: np.ndarray, sumsq: np.ndarray, n: int, rel: np.ndarray, se
     ``sensitivity`` [L, 2] (a calibration's) scales the relative steps ``rel`` (:func:`allocate`)."""
     C = sums.shape[2]
     mean = sums / n if n > 0 else np.zeros_like(sums)
-    offsets_bits = _bf16_bits(mean)
+    # A mean beyond bfloat16's largest finite value (a float32 channel near float32's top)
+    # would round to an Inf offset, which readers refuse: the largest one it is.
+    offsets_bits = _bf16_bits(np.clip(mean, -BF16_MAX, BF16_MAX))
     m = bf16_values(offsets_bits)
     # Residual energy around the stored (rounded) means: sum (v - m)^2 = sumsq - 2 m sum + n m^2.
     resid = np.maximum(sumsq - 2.0 * m * sums + n * m * m, 0.0).sum(axis=2)

@@ -1,0 +1,209 @@
+#!/usr/bin/env python3
+"""Write the golden .cgen files of tests/data/golden/ that are missing (never overwrite one).
+
+A golden file pins what a format version means: tests/test_golden.py decodes each one and
+compares the tensors with the SHA-256 recorded in ``manifest.json``, and re-encodes its
+committed source with the recorded options and compares the bytes.  **A golden file of an
+existing version is never regenerated**: a change that breaks one is a change of the format
+and needs a new format version or a new header flag (and new golden files, which this script
+then adds).  See tests/data/README.md.
+
+Each case is cut from the real SmolLM2 caches in sample_data/ (a couple of layers, one KV
+head, a few channels and tokens), so the files are a few KB.
+
+Usage::
+
+    python scripts/make_golden.py            # add the cases (sources, files) that are missing
+    python scripts/make_golden.py --check    # rebuild everything in memory and compare, write nothing
+
+A new format version or flag: add its cases to CASES (new names) and run the script; it
+writes their files and adds them to the manifest, leaving the existing ones untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from safetensors.torch import load_file, save  # noqa: E402
+
+import cachegen_cli as cg  # noqa: E402
+from cachegen_cli import calibration as calib  # noqa: E402
+from cachegen_cli.config import TransformConfig  # noqa: E402
+
+GOLDEN = ROOT / "tests" / "data" / "golden"
+MANIFEST = GOLDEN / "manifest.json"
+STACKED = ROOT / "sample_data" / "smollm2_pydoc_520.safetensors"
+PER_LAYER = ROOT / "sample_data" / "smollm2_code_96.safetensors"
+
+LAYERS = [3, 17]  # two layers of SmolLM2's 30
+TOKENS = 20  # chunks of 8: [0, 8), [8, 16), [16, 20), the last one short
+CHUNK_TOKENS = 8
+
+
+def _stacked(channels: int) -> torch.Tensor:
+    """[2, 2, TOKENS, 1, channels] bf16: layers LAYERS, KV head 0, its first ``channels`` dims."""
+    kv = load_file(str(STACKED))["kv"]
+    return kv[LAYERS, :, :TOKENS, :1, :channels].contiguous()
+
+
+def _per_layer() -> dict[str, torch.Tensor]:
+    """layers.{0,1}.{key,value} [1, 1, TOKENS, 32] bf16 from the per-layer sample (its layers LAYERS)."""
+    t = load_file(str(PER_LAYER))
+    out = {}
+    for i, layer in enumerate(LAYERS):
+        for kind in ("key", "value"):
+            out[f"layers.{i}.{kind}"] = t[f"layers.{layer}.{kind}"][:, :1, :TOKENS, :32].contiguous()
+    return out
+
+
+def _sources() -> dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]]:
+    """Source name -> (tensors, safetensors metadata)."""
+    bf16 = _stacked(32)
+    # The samples are bf16; fp32 / fp16 sources with full mantissas: the same values divided
+    # by 3 (one IEEE division, then one rounding to fp16).
+    fp32 = (bf16.float() / 3).contiguous()
+    fp16 = fp32.half().contiguous()
+    note = f"sample_data/{STACKED.name} layers {LAYERS} head 0 tokens [0, {TOKENS})"
+    return {
+        "source_bf16.safetensors": ({"kv": bf16}, {"source": note + " dims [0, 32)"}),
+        "source_bf16_c16.safetensors": ({"kv": _stacked(16)}, {"source": note + " dims [0, 16)"}),
+        "source_fp32.safetensors": ({"kv": fp32}, {"source": note + " dims [0, 32), fp32 / 3"}),
+        "source_fp16.safetensors": ({"kv": fp16}, {"source": note + " dims [0, 32), fp16(fp32 / 3)"}),
+        "source_bf16_per_layer.safetensors": (
+            _per_layer(), {"source": f"sample_data/{PER_LAYER.name} layers {LAYERS} head 0 tokens [0, {TOKENS}) dims [0, 32)"}),
+    }
+
+
+CALIBRATION = "calibration_c16.safetensors"
+
+
+def _calibration() -> calib.Calibration:
+    """A rotation for source_bf16_c16 learnt from other tokens of the same layers / channels."""
+    kv = load_file(str(STACKED))["kv"][LAYERS, :, TOKENS:, 0, :16].contiguous()
+    return calib.fit([kv])
+
+
+def _transform(**kw) -> dict:
+    """Every TransformConfig field, explicitly, so that a later change of a default or a
+    --quality preset does not change what a golden case means."""
+    cfg = dict(method="transform", key_step=[0.5], value_step=[0.5], sink_tokens=0, token_delta=False, rounding=0.5,
+               recent_tokens=0, recent_bits=0, allocation="none")
+    cfg.update(kw)
+    return cfg
+
+
+#: name -> case.  ``expect``: header fields the test checks (format_version, method, flags,
+#: sink_tokens, dtype code) and, for ``tables``, which kinds of table entries must occur.
+CASES: dict[str, dict] = {
+    "v2_lossless_bf16": dict(source="source_bf16.safetensors", config=_transform(method="lossless"),
+                             expect=dict(version=2, method=3, flags=0, sink_tokens=0, dtype=2)),
+    "v2_lossless_fp32": dict(source="source_fp32.safetensors", config=_transform(method="lossless"),
+                             expect=dict(version=2, method=3, flags=0, sink_tokens=0, dtype=3)),
+    "v2_transform": dict(source="source_bf16.safetensors", config=_transform(),
+                         expect=dict(version=2, method=2, flags=0, sink_tokens=0, dtype=2)),
+    "v2_refined": dict(source="source_bf16.safetensors", config=_transform(recent_tokens=6, recent_bits=2),
+                       expect=dict(version=2, method=2, flags=2, sink_tokens=0, dtype=2, refine_tokens=6,
+                                   refine_bits=2)),
+    "v2_sinks": dict(source="source_bf16.safetensors", config=_transform(sink_tokens=2),
+                     expect=dict(version=2, method=2, flags=0, sink_tokens=2, dtype=2)),
+    "v2_delta_shared": dict(source="source_bf16_per_layer.safetensors",
+                            config=_transform(key_step=[1.5], value_step=[1.5], sink_tokens=1, token_delta=True),
+                            expect=dict(version=2, method=2, flags=0, sink_tokens=1, dtype=2, layout=2,
+                                        tables=["direct", "delta", "same"])),
+    "v2_rotated": dict(source="source_bf16_c16.safetensors", calibration=CALIBRATION,
+                       config=_transform(sink_tokens=1),
+                       expect=dict(version=2, method=2, flags=1, sink_tokens=1, dtype=2)),
+    "v2_fp16": dict(source="source_fp16.safetensors",
+                    config=_transform(sink_tokens=1, token_delta=True, recent_tokens=6, recent_bits=2),
+                    expect=dict(version=2, method=2, flags=2, sink_tokens=1, dtype=1, refine_tokens=6,
+                                refine_bits=2)),
+}
+
+
+def config_of(case: dict) -> TransformConfig:
+    c = dict(case["config"])
+    c["key_step"], c["value_step"] = tuple(c["key_step"]), tuple(c["value_step"])
+    return TransformConfig(**c)
+
+
+def encode_case(case: dict, folder: Path = GOLDEN) -> bytes:
+    """The case's .cgen bytes from its committed source (as tests/test_golden.py re-encodes it)."""
+    from cachegen_cli import kvio
+
+    cache = kvio.read_safetensors(folder / case["source"])
+    tensors = kvio.to_tensors(cache.data, cache.descriptor())
+    cal = folder / case["calibration"] if case.get("calibration") else None
+    return cg.encode(tensors, quantization=config_of(case), calibration=cal, chunk_tokens=case.get("chunk_tokens", CHUNK_TOKENS),
+                     metadata=cache.metadata, device="cpu")
+
+
+def decoded_digests(blob: bytes, case: dict, folder: Path = GOLDEN) -> dict[str, dict]:
+    """name -> {dtype, shape, sha256 of the tensor's little-endian bytes} of the decoded file."""
+    cal = folder / case["calibration"] if case.get("calibration") else None
+    out = cg.decode(blob, device="cpu", calibration=cal)
+    return {name: tensor_digest(t) for name, t in sorted(out.items())}
+
+
+def tensor_digest(t: torch.Tensor) -> dict:
+    t = t.detach().cpu().contiguous()
+    words = t.view(torch.int16 if t.element_size() == 2 else torch.int32).numpy().astype("<i" + str(t.element_size()))
+    return {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape),
+            "sha256": hashlib.sha256(words.tobytes()).hexdigest()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="rebuild in memory and compare; write nothing")
+    args = ap.parse_args()
+    GOLDEN.mkdir(parents=True, exist_ok=True)
+    manifest = json.loads(MANIFEST.read_text()) if MANIFEST.exists() else {}
+    bad = 0
+
+    def put(path: Path, data: bytes) -> None:
+        nonlocal bad
+        if path.exists():
+            if path.read_bytes() != data:
+                print(f"differs (kept): {path.relative_to(ROOT)}")
+                bad += 1
+            return
+        if args.check:
+            print(f"missing: {path.relative_to(ROOT)}")
+            bad += 1
+            return
+        path.write_bytes(data)
+        print(f"wrote {path.relative_to(ROOT)} ({len(data)} bytes)")
+
+    for name, (tensors, meta) in _sources().items():
+        put(GOLDEN / name, save(tensors, metadata=meta))
+    if not (GOLDEN / CALIBRATION).exists() and not args.check:
+        # eigh's vectors depend on the LAPACK build: the calibration is fitted once and committed
+        calib.save(_calibration(), GOLDEN / CALIBRATION)
+        print(f"wrote {(GOLDEN / CALIBRATION).relative_to(ROOT)}")
+    for name, case in CASES.items():
+        blob = encode_case(case)
+        put(GOLDEN / f"{name}.cgen", blob)
+        kept = (GOLDEN / f"{name}.cgen").read_bytes() if (GOLDEN / f"{name}.cgen").exists() else blob
+        entry = dict(case, file=f"{name}.cgen", sha256=hashlib.sha256(kept).hexdigest(),
+                     decoded=decoded_digests(kept, case))
+        if name in manifest:
+            if manifest[name] != entry:
+                print(f"manifest entry differs (kept): {name}")
+                bad += 1
+        elif not args.check:
+            manifest[name] = entry
+    if not args.check:
+        MANIFEST.write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    print("ok" if not bad else f"{bad} difference(s)")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
