@@ -323,13 +323,15 @@ def _make_quantize(V, B, lossless):
             step = steps[l, kv]
         inv = 1.0 / step
         off = cuda.local.array(V, np.float64)
-        prev = cuda.local.array(V, np.int64)
-        mn = cuda.local.array(V, np.int64)
-        mx = cuda.local.array(V, np.int64)
-        ab = cuda.local.array(V, np.int64)
-        dmn = cuda.local.array(V, np.int64)
-        dmx = cuda.local.array(V, np.int64)
-        dab = cuda.local.array(V, np.int64)
+        # the per-channel state in 32 bits (levels are within +-255, a chunk's sums of |levels|
+        # within 255 x MAX_CHUNK_TOKENS): half the registers of int64, so more threads run
+        prev = cuda.local.array(V, np.int32)
+        mn = cuda.local.array(V, np.int32)
+        mx = cuda.local.array(V, np.int32)
+        ab = cuda.local.array(V, np.int32)
+        dmn = cuda.local.array(V, np.int32)
+        dmx = cuda.local.array(V, np.int32)
+        dab = cuda.local.array(V, np.int32)
         for j in range(V):
             off[j] = 0.0
             if not lossless:
