@@ -94,8 +94,9 @@ def gpu_kernel_times(kv_gpu: torch.Tensor, repeats: int) -> dict:
     range coding + stream packing; decode = CDF from codes + range decoding + dequantize + bf16 cast."""
     from numba import cuda
 
-    from cachegen_cli import codec, kvio
-    from cachegen_cli.config import lmcache_rule
+    from cachegen_cli.pipeline import codec
+    from cachegen_cli.storage import kvio
+    from cachegen_cli.methods.config import lmcache_rule
     from cachegen_cli.kernels import cuda as K
     from cachegen_cli.kernels.coding_params import max_stream_bytes
 
@@ -152,9 +153,9 @@ def gpu_kernel_times(kv_gpu: torch.Tensor, repeats: int) -> dict:
 
 def device_stage_times(kv: torch.Tensor, on_device: torch.Tensor, repeats: int) -> dict:
     """Per-stage milliseconds of encode_to_device and of decode(GPU bytes), from CUDA events
-    recorded after each stage's launches (gpu_codec.STAGE_HOOK); medians over the repeats."""
+    recorded after each stage's launches (lmcache_device.STAGE_HOOK); medians over the repeats."""
     import cachegen_cli as cg
-    from cachegen_cli import gpu_codec
+    from cachegen_cli.pipeline import lmcache_device
 
     out = {}
     for label, fn in (("encode", lambda: cg.encode_to_device(kv, preset=PRESET)), ("decode", lambda: cg.decode(on_device, device="cuda"))):
@@ -167,11 +168,11 @@ def device_stage_times(kv: torch.Tensor, on_device: torch.Tensor, repeats: int) 
                 e.record()
                 marks.append((name, e))
 
-            gpu_codec.STAGE_HOOK = hook
+            lmcache_device.STAGE_HOOK = hook
             try:
                 fn()
             finally:
-                gpu_codec.STAGE_HOOK = None
+                lmcache_device.STAGE_HOOK = None
             torch.cuda.synchronize()
             runs.append({name: marks[i - 1][1].elapsed_time(e) for i, (name, e) in enumerate(marks) if i})
         out[label] = {name: statistics.median(r[name] for r in runs) for name in runs[0]}
@@ -186,8 +187,9 @@ def end_to_end(kv: torch.Tensor, device: str, repeats: int) -> dict:
     if device == "cuda":
         import io
 
-        from cachegen_cli import codec, kvio
-        from cachegen_cli.config import lmcache_rule
+        from cachegen_cli.pipeline import codec
+        from cachegen_cli.storage import kvio
+        from cachegen_cli.methods.config import lmcache_rule
 
         # The GPU-resident paths first, before the host-bytes paths churn host memory; they
         # take ~10 ms, so twice the repeats.
@@ -263,7 +265,7 @@ def main() -> None:
         return
     import numba
 
-    from cachegen_cli.codec import resolve_device
+    from cachegen_cli.pipeline.codec import resolve_device
 
     devices = [d for d in args.devices.split(",") if d]
     if "cuda" in devices and resolve_device("auto") != "cuda":

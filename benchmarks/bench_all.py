@@ -5,7 +5,7 @@
     python benchmarks/bench_all.py --qualities balanced,lmcache --json all.json
 
 Methods: each ``--quality`` (lossless, high, balanced, small), the same with a calibration
-("+cal": a PCA rotation from ``cachegen_cli.calibration.fit`` fitted on *another* cache, the
+("+cal": a PCA rotation from ``cachegen_cli.methods.calibration.fit`` fitted on *another* cache, the
 second sample -- another text -- tiled to the same shape), and ``--preset lmcache``.
 
 The cache is ``bench.build_cache(tokens)``: Llama-3.1-8B-shaped (32 layers x 8 KV heads x 128
@@ -196,7 +196,7 @@ def tile_calibration_cache(layers: int = 32, heads: int = 8, head_dim: int = 128
     channel c % 192.  Its own 96 tokens only: repeating tokens adds nothing to a covariance."""
     import torch
 
-    from cachegen_cli import kvio
+    from cachegen_cli.storage import kvio
 
     src = kvio.read_safetensors(CAL_SAMPLE).data  # [30, 2, 96, 192]
     sl, _, st, sc = src.shape
@@ -212,7 +212,7 @@ def job_fit(spec: dict) -> dict:
     with calibration.load would re-check the orthonormality of 64 1024x1024 matrices in each."""
     import numpy as np
 
-    from cachegen_cli import calibration
+    from cachegen_cli.methods import calibration
 
     t = time.perf_counter()
     cache = tile_calibration_cache()
@@ -229,7 +229,7 @@ def load_calibration(cal_dir: str | None):
         return None
     import numpy as np
 
-    from cachegen_cli.calibration import Calibration
+    from cachegen_cli.methods.calibration import Calibration
 
     meta = json.loads((Path(cal_dir) / "metadata.json").read_text())
     return Calibration(np.ascontiguousarray(np.load(Path(cal_dir) / "rotation.npy")), meta)

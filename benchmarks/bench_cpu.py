@@ -61,8 +61,10 @@ def stage_breakdown(kv, runs: int, nbytes: int) -> list[tuple[str, float]]:
     (one slab: the sample fits in one)."""
     import numpy as np
 
-    from cachegen_cli import codec, container, kvio
-    from cachegen_cli.config import resolve_quantization
+    from cachegen_cli.pipeline import codec
+    from cachegen_cli.format import container
+    from cachegen_cli.storage import kvio
+    from cachegen_cli.methods.config import resolve_quantization
     from cachegen_cli.kernels import cpu
     from cachegen_cli.kernels.coding_params import max_stream_bytes
 

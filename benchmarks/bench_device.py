@@ -8,7 +8,7 @@ The cache is bench.py's Llama-3.1-8B-shaped one (32 layers x 8 KV heads x 128 di
 tiled from the real SmolLM2 sample: 8192 tokens = 1.07 GB).  Timings follow the device
 tool's METHOD.md: a warm-up call (compilation excluded), then the median (and min-max) of
 --repeats calls, host clock after a device synchronisation; stage times from CUDA events
-recorded after each stage's launches (device_pipeline.STAGE_HOOK / gpu_codec.STAGE_HOOK),
+recorded after each stage's launches (transform_resident.STAGE_HOOK / lmcache_device.STAGE_HOOK),
 so a stage includes the time the GPU waited for the host to launch it.
 """
 
@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import build_cache  # noqa: E402
 
 import cachegen_cli as cg  # noqa: E402
-from cachegen_cli import container, device_pipeline, gpu_codec  # noqa: E402
+from cachegen_cli.format import container  # noqa: E402
+from cachegen_cli.pipeline import transform_resident, lmcache_device  # noqa: E402
 from cachegen_cli.kernels import cuda_pipeline  # noqa: E402
 
 METHODS = {
@@ -119,19 +120,19 @@ def main() -> None:
         enc = timed(lambda: cg.encode_to_device(kv, **kw), args.repeats)
         dec = timed(lambda: cg.decode(blob, device="cuda"), args.repeats)
         st_e, st_d = Stages(), Stages()
-        device_pipeline.STAGE_HOOK = gpu_codec.STAGE_HOOK = st_e.hook
+        transform_resident.STAGE_HOOK = lmcache_device.STAGE_HOOK = st_e.hook
         for _ in range(3):
             cg.encode_to_device(kv, **kw)
-        device_pipeline.STAGE_HOOK = gpu_codec.STAGE_HOOK = st_d.hook
+        transform_resident.STAGE_HOOK = lmcache_device.STAGE_HOOK = st_d.hook
         for _ in range(3):
             cg.decode(blob, device="cuda")
-        device_pipeline.STAGE_HOOK = gpu_codec.STAGE_HOOK = None
+        transform_resident.STAGE_HOOK = lmcache_device.STAGE_HOOK = None
         # identity: the CPU's bytes and values for a smaller cache
         cpu_blob = cg.encode(small, device="cpu", **kw)
         gpu_blob = cg.encode_to_device(small.cuda(), **kw).cpu().numpy().tobytes()
         same = cpu_blob == gpu_blob
         a = cg.decode(cpu_blob, device="cpu")["kv"]
-        b = cg.decode(gpu_codec.device_bytes(cpu_blob), device="cuda")["kv"].cpu()
+        b = cg.decode(lmcache_device.device_bytes(cpu_blob), device="cuda")["kv"].cpu()
         same_values = torch.equal(a.view(torch.int16), b.view(torch.int16))
         row = {"method": name, "bytes": nbytes, "file_bytes": int(blob.numel()), "ratio": nbytes / blob.numel(),
                "encode_GBps": nbytes / enc[0] / 1e9, "encode_GBps_range": [nbytes / enc[2] / 1e9, nbytes / enc[1] / 1e9],

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import build_cache, median_time  # noqa: E402
 
 import cachegen_cli as cg  # noqa: E402
-from cachegen_cli import calibration as calib  # noqa: E402
+from cachegen_cli.methods import calibration as calib  # noqa: E402
 
 
 def run(kv: torch.Tensor, quality: str, device: str, repeats: int, cal=None) -> dict:

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 import cachegen_cli as cg  # noqa: E402
-from cachegen_cli import kvio  # noqa: E402
+from cachegen_cli.storage import kvio  # noqa: E402
 from lmcache_reference import lmcache_cachegen_size  # noqa: E402
 
 

@@ -42,8 +42,10 @@ def main() -> None:
     from safetensors.torch import load_file
 
     import cachegen_cli as cg
-    from cachegen_cli import codec, container, kvio
-    from cachegen_cli.config import lmcache_rule
+    from cachegen_cli.pipeline import codec
+    from cachegen_cli.format import container
+    from cachegen_cli.storage import kvio
+    from cachegen_cli.methods.config import lmcache_rule
     from cachegen_cli.kernels import cpu
     from cachegen_cli.kernels.coding_params import max_stream_bytes
 

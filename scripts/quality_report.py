@@ -4,7 +4,7 @@
 For each text (prose, source code, technical documentation) and context length,
 the script rebuilds SmolLM2-135M-Instruct's KV cache of the first N tokens (bf16,
 as ``cachegen capture`` stores it), then compresses it with each method below
-and scores the decoded cache with ``cachegen_cli.evaluate`` (the code behind
+and scores the decoded cache with ``cachegen_cli.model.evaluate`` (the code behind
 ``cachegen eval``): perplexity ratio, mean KL divergence and top-1 agreement
 of the next-token distributions over the following 128 tokens, and greedy
 agreement over 32 generated tokens.
@@ -40,8 +40,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import cachegen_cli as cg  # noqa: E402
-from cachegen_cli import calibration, capture, evaluate, tune  # noqa: E402
-from cachegen_cli.config import PRESETS, QUALITY_PRESETS  # noqa: E402
+from cachegen_cli.methods import calibration  # noqa: E402
+from cachegen_cli.model import capture, evaluate, tune  # noqa: E402
+from cachegen_cli.methods.config import PRESETS, QUALITY_PRESETS  # noqa: E402
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
 from lmcache_reference import lmcache_cachegen_size  # noqa: E402
@@ -193,7 +194,7 @@ def run_method(ref: evaluate.Reference, m: dict, tensors: dict, meta: dict, seen
 def side_fraction(blob: bytes) -> float:
     """Share of the file that is not range-coded payload (or raw low bytes): headers, tables,
     scales, offsets, sink tokens, stream lengths, index."""
-    from cachegen_cli import codec
+    from cachegen_cli.pipeline import codec
 
     f, _ = codec.open_input(blob)
     h, _, offsets, size = codec.read_header_and_index(f)
@@ -303,7 +304,7 @@ def write_page(results: dict, info: dict, out_md: pathlib.Path, out_png: pathlib
         "Each method compresses that cache; the decoded cache replaces the original, and the model is run "
         f"on the next {CONTINUATION} tokens of the text at positions N, N+1, … (teacher forcing: "
         f"{CONTINUATION} next-token predictions), then generates {GENERATE} tokens greedily. This is "
-        "`cachegen eval`'s code (`cachegen_cli/evaluate.py`).\n")
+        "`cachegen eval`'s code (`cachegen_cli/model/evaluate.py`).\n")
     L.append("- **bits/value**: compressed size × 8 / (layers × 2 × tokens × channels); bf16 is 16. "
              "**ratio**: against bf16.")
     L.append("- **ppl ratio**: perplexity of the continuation with the decoded cache ÷ with the original.")

@@ -4,7 +4,7 @@ by its last tokens (why cachegen refines the recent tokens, docs/config.md).
 
 For each text of scripts/quality_report.py at each context length: the model's Fisher
 information of the next 128 predictions with respect to every cached value
-(cachegen_cli.tune.fisher_traces, 8 backward passes), weighted per (layer, K/V) by the
+(cachegen_cli.model.tune.fisher_traces, 8 backward passes), weighted per (layer, K/V) by the
 plane's squared RMS (an error of a given *relative* size everywhere), summed per token.
 Prints a markdown table: the share of the last 16 / 64 / 256 tokens (the sink token, kept
 verbatim, left out) and, for scale, what those tokens' share of the tokens is.
@@ -27,7 +27,7 @@ import torch  # noqa: E402
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from quality_report import TEXTS, _machine, text_references  # noqa: E402
 
-from cachegen_cli import capture, tune  # noqa: E402
+from cachegen_cli.model import capture, tune  # noqa: E402
 
 LAST = (16, 64, 256)
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Does a tuned config meet its KL target on caches it was NOT tuned on?  (issue 5, item 4)
 
-Tunes per-layer steps (cachegen_cli.tune, what ``cachegen tune --target-kl`` does) on one
+Tunes per-layer steps (cachegen_cli.model.tune, what ``cachegen tune --target-kl`` does) on one
 text's 1024-token SmolLM2 cache, for several targets, then encodes the caches of the other
 texts of scripts/quality_report.py with the resulting config and scores them with
-cachegen_cli.evaluate (references from ``evaluate.build_reference``, 128 scored tokens, the
+cachegen_cli.model.evaluate (references from ``evaluate.build_reference``, 128 scored tokens, the
 code behind ``cachegen eval``).  For comparison it also searches one uniform step for every
 layer on the same tuning cache and target, and runs the no-model ``--target-error`` tuner.
 Prints a markdown table (and writes it to --out).
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from quality_report import TEXTS, _machine, text_references  # noqa: E402
 
-from cachegen_cli import capture, evaluate, tune  # noqa: E402
+from cachegen_cli.model import capture, evaluate, tune  # noqa: E402
 
 CONTEXT = 1024
 CONTINUATION = evaluate.DEFAULT_CONTINUATION

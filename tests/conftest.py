@@ -97,7 +97,7 @@ def one_line(result) -> str:
 @pytest.fixture(scope="session")
 def smol():
     """(model, tokenizer) of the default model, loaded once; 1 torch thread while the model tests run."""
-    from cachegen_cli import capture
+    from cachegen_cli.model import capture
 
     missing = None
     try:
@@ -116,7 +116,7 @@ def smol():
     torch.set_num_threads(1)
     try:
         model, tokenizer = capture.load_model(None)
-        from cachegen_cli import cli_model
+        from cachegen_cli.cli import model as cli_model
 
         cli_model._LOADED[str(capture.find_default_model().resolve())] = (model, tokenizer)
         yield model, tokenizer

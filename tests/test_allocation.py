@@ -10,14 +10,15 @@ import torch
 from typer.testing import CliRunner
 
 import cachegen_cli as cg
-from cachegen_cli import calibration as calib
-from cachegen_cli import codec, kvio
-from cachegen_cli.calibration import CalibrationError
+from cachegen_cli.methods import calibration as calib
+from cachegen_cli.pipeline import codec
+from cachegen_cli.storage import kvio
+from cachegen_cli.methods.calibration import CalibrationError
 from cachegen_cli.cli import app
-from cachegen_cli.config import ALLOCATION_MAX_STEP, ALLOCATION_STRENGTH, MIN_STEP, TransformConfig, load_config_file
+from cachegen_cli.methods.config import ALLOCATION_MAX_STEP, ALLOCATION_STRENGTH, MIN_STEP, TransformConfig, load_config_file
 from cachegen_cli.errors import ConfigError
-from cachegen_cli.params import bf16_values
-from cachegen_cli.transform_codec import allocate
+from cachegen_cli.format.params import bf16_values
+from cachegen_cli.methods.transform import allocate
 
 from conftest import SAMPLE_PER_LAYER as SAMPLE_CODE_96
 from conftest import SAMPLE_STACKED, realistic_kv

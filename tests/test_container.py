@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import cachegen_cli as cg
-from cachegen_cli import container
+from cachegen_cli.format import container
 from cachegen_cli.errors import (
     BadMagicError,
     ChecksumError,

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from cachegen_cli import codec
-from cachegen_cli.config import QuantizationConfig, QuantizationSpec
+from cachegen_cli.pipeline import codec
+from cachegen_cli.methods.config import QuantizationConfig, QuantizationSpec
 from cachegen_cli.kernels import cpu
 from cachegen_cli.kernels.cdf import codes_to_cum, counts_to_codes
 from cachegen_cli.kernels.coding_params import PROB_TOTAL, max_stream_bytes
-from cachegen_cli.kvio import from_tensors
+from cachegen_cli.storage.kvio import from_tensors
 
 from conftest import realistic_kv
 

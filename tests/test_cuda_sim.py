@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from cachegen_cli import codec
-from cachegen_cli import gpu_codec
-from cachegen_cli.config import QuantizationConfig, QuantizationSpec
-from cachegen_cli.kvio import from_tensors
+from cachegen_cli.pipeline import codec
+from cachegen_cli.pipeline import lmcache_device
+from cachegen_cli.methods.config import QuantizationConfig, QuantizationSpec
+from cachegen_cli.storage.kvio import from_tensors
 
 from conftest import realistic_kv
 
@@ -42,9 +42,9 @@ def test_gpu_encode_slab_matches_cpu(chunk_tokens, tokens):
     cache, h = _header(kv, chunk_tokens)
     x = cache.data.to(torch.float32).numpy()
     cpu_chunks = codec.encode_slab(h, np.ascontiguousarray(x), 0)
-    gpu_chunks = gpu_codec.encode_slab(h, cache.data, 0)
+    gpu_chunks = lmcache_device.encode_slab(h, cache.data, 0)
     _same_chunks(cpu_chunks, gpu_chunks)
-    decoded = gpu_codec.decode_slab(h, gpu_chunks)
+    decoded = lmcache_device.decode_slab(h, gpu_chunks)
     decoded = decoded.cpu().numpy() if isinstance(decoded, torch.Tensor) else decoded
     np.testing.assert_array_equal(decoded, codec.decode_slab(h, cpu_chunks))
 
@@ -134,7 +134,7 @@ def _device_case(kv, chunk_tokens, key_bins=16, value_bins=8):
     return cache, h, cpu_blob
 
 
-_DEV = "cuda" if gpu_codec.torch_cuda_ok() else "cpu"  # where decode_device's input lives
+_DEV = "cuda" if lmcache_device.torch_cuda_ok() else "cpu"  # where decode_device's input lives
 
 
 def _as_tensor(blob: bytes) -> torch.Tensor:
@@ -163,9 +163,9 @@ def test_device_file_matches_cpu(dtype, tokens, head_dim, chunk_tokens, bins):
     kv = realistic_kv(layers=1, tokens=tokens, heads=1, head_dim=head_dim, dtype=dtype, seed=tokens)
     kv[0, 1, 1] = 0  # an all-zero token
     cache, h, cpu_blob = _device_case(kv, chunk_tokens, *bins)
-    got = gpu_codec.encode_file_device(h, cache.data)
+    got = lmcache_device.encode_file_device(h, cache.data)
     assert got.cpu().numpy().tobytes() == cpu_blob
-    h2, out = gpu_codec.decode_device(_as_tensor(cpu_blob))
+    h2, out = lmcache_device.decode_device(_as_tensor(cpu_blob))
     assert out.dtype == dtype
     assert torch.equal(out.reshape(kv.shape).cpu(), cg.decode(cpu_blob, device="cpu")["kv"])
 
@@ -176,7 +176,7 @@ def test_device_decode_checks_like_the_cpu():
     import zlib
 
     import cachegen_cli as cg
-    from cachegen_cli import container
+    from cachegen_cli.format import container
 
     kv = realistic_kv(layers=1, tokens=5, heads=1, head_dim=4, dtype=torch.bfloat16, seed=1)
     blob = cg.encode(kv, chunk_tokens=2, device="cpu", preset="lmcache")
@@ -201,4 +201,4 @@ def test_device_decode_checks_like_the_cpu():
         with pytest.raises(Exception) as cpu_error:
             cg.decode(case, device="cpu")
         with pytest.raises(type(cpu_error.value), match="^" + str(cpu_error.value).replace("(", r"\(").replace(")", r"\)") + "$"):
-            gpu_codec.decode_device(_as_tensor(case))
+            lmcache_device.decode_device(_as_tensor(case))

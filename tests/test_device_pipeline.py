@@ -1,4 +1,4 @@
-"""The device-resident pipeline of format version 2 (cachegen_cli/device_pipeline.py and
+"""The device-resident pipeline of format version 2 (cachegen_cli/pipeline/transform_resident.py and
 kernels/cuda_pipeline.py) against the CPU codec: the same bytes, the same decoded values,
 the CPU reader's errors.
 
@@ -17,8 +17,10 @@ import pytest
 import torch
 
 import cachegen_cli as cg
-from cachegen_cli import codec, container, device_pipeline, kvio
-from cachegen_cli.config import TransformConfig, resolve_quantization
+from cachegen_cli.pipeline import codec, transform_resident
+from cachegen_cli.format import container
+from cachegen_cli.storage import kvio
+from cachegen_cli.methods.config import TransformConfig, resolve_quantization
 from cachegen_cli.errors import ChecksumError, SizeError
 
 from cachegen_cli.kernels import cuda_pipeline
@@ -33,17 +35,17 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 def _device_bytes(kv, quality=None, chunk_tokens=8, quantization=None, layout="auto") -> bytes:
     cache = kvio.from_tensors(kv, layout, None)
     cfg = quantization or resolve_quantization(cache.num_layers, quality=quality)
-    out, payload = device_pipeline.encode(cache, cfg, chunk_tokens)
+    out, payload = transform_resident.encode(cache, cfg, chunk_tokens)
     assert 0 <= payload < out.numel()
     return out.cpu().numpy().tobytes()
 
 
 def _device_decode(blob: bytes) -> torch.Tensor:
-    dev = device_pipeline.device()
+    dev = transform_resident.device()
     t = torch.from_numpy(np.frombuffer(blob, np.uint8).copy()).to(dev)
-    h, offsets, size = device_pipeline.read_header(t)
-    assert device_pipeline.decodable(h)
-    return device_pipeline.decode(t, h, offsets, size).cpu()
+    h, offsets, size = transform_resident.read_header(t)
+    assert transform_resident.decodable(h)
+    return transform_resident.decode(t, h, offsets, size).cpu()
 
 
 def _check(kv, quality=None, chunk_tokens=8, quantization=None):

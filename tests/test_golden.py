@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import cachegen_cli as cg
-from cachegen_cli import kvio
+from cachegen_cli.storage import kvio
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
 MANIFEST = json.loads((GOLDEN / "manifest.json").read_text())
@@ -141,7 +141,7 @@ def test_golden_file_covers_what_it_claims(name):
         assert p[key] == expect.get(key, 0), key
     assert h["cdf_coding"] == 2
     if h["flags"] & 1:  # rotated: the calibration hash is that of the committed calibration file
-        from cachegen_cli.calibration import load
+        from cachegen_cli.methods.calibration import load
 
         assert blob[64 + h["desc_size"] : 64 + h["desc_size"] + 32] == load(_calibration(case)).sha256
     if not case["config"]["token_delta"]:

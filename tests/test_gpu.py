@@ -112,7 +112,7 @@ def test_v2_sample_identical_bytes_and_values(sample_stacked, sample_per_layer, 
 
 
 def test_v2_rotated_identical_bytes_and_values(sample_stacked):
-    from cachegen_cli import calibration as calib
+    from cachegen_cli.methods import calibration as calib
 
     kv = load_file(str(sample_stacked))["kv"]
     cal = calib.fit([kv.reshape(30, 2, 520, 192)[:, :, 260:]])

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 import cachegen_cli as cg
-from cachegen_cli import container
+from cachegen_cli.format import container
 from cachegen_cli.cli import app
 from cachegen_cli.errors import FormatError, LayoutError, SizeError, TruncatedError
 
@@ -179,7 +179,7 @@ def test_booleans_in_the_descriptor_are_refused(blobs, kind):
 
 
 def test_validate_descriptor_is_strict_about_integers():
-    from cachegen_cli.kvio import validate_descriptor
+    from cachegen_cli.storage.kvio import validate_descriptor
 
     good = {"layout": "stacked", "num_kv_heads": 1, "head_dim": 8, "metadata": {},
             "tensors": [{"name": "kv", "shape": [2, 2, 12, 1, 8]}]}
@@ -209,7 +209,7 @@ def _claiming(blob: bytes, num_tokens: int, chunk_tokens: int, fill: int = 40, c
     """A file with ``blob``'s layers, channels, tables and descriptor that claims ``num_tokens``
     tokens: the header, then ``fill`` bytes per announced chunk (fake chunks), a valid Index
     and Trailer.  Nothing but the header's numbers says how large the cache is."""
-    from cachegen_cli import codec
+    from cachegen_cli.pipeline import codec
 
     f, _ = codec.open_input(blob)
     h, _ = container.read_file_header(f, len(blob))
@@ -243,7 +243,7 @@ def test_claimed_size_beyond_the_file_fails_before_allocating(blobs, kind, monke
     def no_allocation(*args, **kwargs):
         raise AssertionError("allocated the output of a file that cannot hold it")
 
-    from cachegen_cli import codec
+    from cachegen_cli.pipeline import codec
 
     monkeypatch.setattr(codec.torch, "empty", no_allocation)
     with pytest.raises(TruncatedError, match="at least"):
@@ -355,8 +355,8 @@ def _error_bound(blob: bytes, x: torch.Tensor) -> torch.Tensor:
     """What the method allows for each value [L, 2, T, C] (float64): half a quantization step
     (method 1: the token's scale / (2 maxq); method 2: the plane's step / 2) plus the rounding
     to the output dtype; 0 for lossless."""
-    from cachegen_cli import codec
-    from cachegen_cli.params import bf16_values
+    from cachegen_cli.pipeline import codec
+    from cachegen_cli.format.params import bf16_values
 
     f, _ = codec.open_input(blob)
     h, _, offsets, size = codec.read_header_and_index(f)
@@ -395,7 +395,7 @@ def test_extreme_finite_values_decode_finite_within_the_error(dtype, method, whe
 def test_fp16_top_values_do_not_change_normal_bytes():
     """The clamp only touches float16 values above 65280: a cache without them keeps its bytes."""
     x = _extreme_kv(torch.float16, 65280.0, "spots")
-    from cachegen_cli import codec
+    from cachegen_cli.pipeline import codec
 
     assert codec.fp16_headroom(x) is x
     y = _extreme_kv(torch.float16, 65504.0, "spots")
@@ -407,7 +407,7 @@ def test_fp16_top_values_do_not_change_normal_bytes():
 def test_files_from_before_the_clamp_decode_saturated(monkeypatch):
     """A float16 file whose scale rounded up to 65536 (what the encoder wrote before) decodes its
     top values to 65504, float16's largest, not to Inf."""
-    from cachegen_cli import codec
+    from cachegen_cli.pipeline import codec
 
     x = _extreme_kv(torch.float16, 65504.0, "spots")
     monkeypatch.setattr(codec, "fp16_headroom", lambda block: block)

@@ -7,7 +7,7 @@ import torch
 from safetensors.torch import save_file
 
 import cachegen_cli as cg
-from cachegen_cli import kvio
+from cachegen_cli.storage import kvio
 from cachegen_cli.errors import (
     ConfigError,
     DTypeError,

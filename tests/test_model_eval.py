@@ -21,7 +21,7 @@ import torch
 from typer.testing import CliRunner
 
 import cachegen_cli as cg
-from cachegen_cli import capture, evaluate
+from cachegen_cli.model import capture, evaluate
 from cachegen_cli.cli import app
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -126,7 +126,7 @@ def test_payload_within_one_percent_of_entropy_on_real_kv(sample_stacked):
     """Coded size vs. the ideal code length under the stored CDFs, on the real sample."""
     from safetensors.torch import load_file
 
-    from cachegen_cli.config import lmcache_rule
+    from cachegen_cli.methods.config import lmcache_rule
 
     kv = next(iter(load_file(str(sample_stacked)).values()))
     L, _, T, H, D = kv.shape

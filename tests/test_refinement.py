@@ -10,11 +10,12 @@ import pytest
 import torch
 
 import cachegen_cli as cg
-from cachegen_cli import codec, kvio
-from cachegen_cli.config import TransformConfig, load_config_file
-from cachegen_cli.container import FLAG_REFINED
+from cachegen_cli.pipeline import codec
+from cachegen_cli.storage import kvio
+from cachegen_cli.methods.config import TransformConfig, load_config_file
+from cachegen_cli.format.container import FLAG_REFINED
 from cachegen_cli.errors import ConfigError, SizeError
-from cachegen_cli.params import bf16_values, pack_refinement, unpack_refinement
+from cachegen_cli.format.params import bf16_values, pack_refinement, unpack_refinement
 
 from conftest import SAMPLE_STACKED, realistic_kv
 from test_transform import _decode, _fix_crc, _params_span

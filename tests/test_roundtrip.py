@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import cachegen_cli as cg
-from cachegen_cli.config import QuantizationConfig, QuantizationSpec
+from cachegen_cli.methods.config import QuantizationConfig, QuantizationSpec
 
 from conftest import per_layer, realistic_kv
 
@@ -82,7 +82,7 @@ def test_quality_improves_with_bins():
 def test_layer_table_is_applied():
     kv = realistic_kv(layers=12, tokens=30, heads=1, head_dim=8, dtype=torch.float32)
     blob = cg.encode(kv, preset="lmcache")
-    from cachegen_cli import container
+    from cachegen_cli.format import container
     import io
 
     h, _ = container.read_file_header(io.BytesIO(blob))

@@ -17,11 +17,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import cachegen_cli as cg
-from cachegen_cli import calibration as calib
-from cachegen_cli import codec, kvio, transform_codec
+from cachegen_cli.methods import calibration as calib
+from cachegen_cli.pipeline import codec
+from cachegen_cli.storage import kvio
+from cachegen_cli.methods import transform
 from cachegen_cli.errors import LayoutError, NonFiniteError, NotSafetensorsError
 from cachegen_cli.kernels import cpu_transform as k2
-from cachegen_cli.params import pack_refinement, unpack_refinement
+from cachegen_cli.format.params import pack_refinement, unpack_refinement
 
 from conftest import per_layer, realistic_kv
 
@@ -33,7 +35,7 @@ METHODS = [{"preset": "lmcache"}, {"quality": "lossless"}, {"quality": "balanced
 def small_slabs(monkeypatch):
     """Slabs of one chunk (format v1) and of two 8-token chunks (v2) for 3-layer, 16-channel caches."""
     monkeypatch.setattr(codec, "SLAB_BYTES", 1)
-    monkeypatch.setattr(transform_codec, "V2_SLAB_BYTES", 2 * 8 * 3 * 2 * 16 * 4)
+    monkeypatch.setattr(transform, "V2_SLAB_BYTES", 2 * 8 * 3 * 2 * 16 * 4)
 
 
 def _old_decoded_file(blob: bytes, path: Path, calibration=None) -> bytes:
@@ -132,7 +134,7 @@ def test_files_in_slabs_match_the_whole_cache_paths(tmp_path, monkeypatch, metho
     save_file(tensors, str(src), metadata={"model": "synthetic"})
     one_slab = _roundtrip_files(tmp_path, src, "one", **method)
     monkeypatch.setattr(codec, "SLAB_BYTES", 1)
-    monkeypatch.setattr(transform_codec, "V2_SLAB_BYTES", 2 * 8 * 3 * 2 * 16 * 4)
+    monkeypatch.setattr(transform, "V2_SLAB_BYTES", 2 * 8 * 3 * 2 * 16 * 4)
     slabs = _roundtrip_files(tmp_path, src, "slabs", **method)
     assert slabs == one_slab
     blob = cg.encode(tensors, device="cpu", chunk_tokens=8, metadata={"model": "synthetic"}, **method)
@@ -209,14 +211,14 @@ def test_stats_carried_across_slabs_equal_the_whole_cache_sums():
 def test_refinement_bits_kernels_match_params(bits):
     rng = np.random.default_rng(bits)
     v = rng.integers(0, 1 << bits, 1001).astype(np.uint8)
-    packed = transform_codec.pack_refinement_bits(v, bits)
+    packed = transform.pack_refinement_bits(v, bits)
     assert packed.tobytes() == pack_refinement(v, bits)
-    assert np.array_equal(transform_codec.unpack_refinement_bits(packed, v.size, bits), unpack_refinement(packed, v.size, bits))
+    assert np.array_equal(transform.unpack_refinement_bits(packed, v.size, bits), unpack_refinement(packed, v.size, bits))
     if (v.size * bits) % 8:
         bad = packed.copy()
         bad[-1] |= 0x80
         with pytest.raises(cg.CacheGenError, match="padding"):
-            transform_codec.unpack_refinement_bits(bad, v.size, bits)
+            transform.unpack_refinement_bits(bad, v.size, bits)
 
 
 # ---------------------------------------------------------------- memory
@@ -228,7 +230,8 @@ _PEAK = textwrap.dedent("""
     from safetensors.torch import save_file
     sys.path.insert(0, {tests!r})
     import cachegen_cli as cg
-    from cachegen_cli import codec, transform_codec
+    from cachegen_cli.pipeline import codec
+    from cachegen_cli.methods import transform
     from conftest import realistic_kv
     src, step, method = sys.argv[1], sys.argv[2], sys.argv[3]
     kw = {{"preset": "lmcache"}} if method == "lmcache" else {{"quality": method}}
@@ -237,7 +240,7 @@ _PEAK = textwrap.dedent("""
     save_file({{"kv": realistic_kv(layers=4, tokens=64, heads=8, head_dim=32)}}, small)
     cg.encode_file(small, small + ".cgen", device="cpu", force=True, **kw)
     cg.decode_file(small + ".cgen", small + ".back", device="cpu", force=True)
-    codec.SLAB_BYTES = transform_codec.V2_SLAB_BYTES = 4 << 20
+    codec.SLAB_BYTES = transform.V2_SLAB_BYTES = 4 << 20
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if step == "encode":
         cg.encode_file(src, src + ".cgen", device="cpu", force=True, **kw)

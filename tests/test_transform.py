@@ -13,10 +13,10 @@ import pytest
 import torch
 
 import cachegen_cli as cg
-from cachegen_cli import calibration as calib
-from cachegen_cli import kvio
-from cachegen_cli.calibration import CalibrationError
-from cachegen_cli.config import QUALITY_PRESETS, TransformConfig
+from cachegen_cli.methods import calibration as calib
+from cachegen_cli.storage import kvio
+from cachegen_cli.methods.calibration import CalibrationError
+from cachegen_cli.methods.config import QUALITY_PRESETS, TransformConfig
 from cachegen_cli.errors import ConfigError, FormatError, SizeError, TruncatedError, UnsupportedVersionError
 
 from conftest import SAMPLE_PER_LAYER, SAMPLE_STACKED, per_layer, realistic_kv
@@ -76,7 +76,7 @@ def test_transform_error_is_within_half_a_step():
     cfg = TransformConfig("transform", (0.5,), (0.25,), sink_tokens=1)
     blob = cg.encode(kv, quantization=cfg, chunk_tokens=16, device="cpu")
     out = cg.decode(blob, device="cpu")["kv"]
-    from cachegen_cli import codec
+    from cachegen_cli.pipeline import codec
 
     h, _, _, _ = codec.read_header_and_index(codec.open_input(blob)[0])
     steps = np.asarray(h.params.steps, np.uint32) << 16
@@ -131,7 +131,7 @@ def test_deterministic_and_shared_tables_used():
     a = cg.encode(data.reshape(30, 2, 128, 3, 64), device="cpu")
     b = cg.encode(data.reshape(30, 2, 128, 3, 64).clone(), device="cpu")
     assert a == b
-    from cachegen_cli import codec
+    from cachegen_cli.pipeline import codec
 
     h, _, _, _ = codec.read_header_and_index(codec.open_input(a)[0])
     assert h.params.shared.any() and not h.params.shared[:, :, 0].any()
@@ -282,7 +282,8 @@ def test_golden_v1_still_decodes_next_to_v2():
 
 def test_fast_coder_matches_reference_kernels():
     """The lock-step LUT coder (encode/decode_table_planes) gives the reference kernels' bytes."""
-    from cachegen_cli import codec, container
+    from cachegen_cli.pipeline import codec
+    from cachegen_cli.format import container
     from cachegen_cli.kernels import cpu as k1
     from cachegen_cli.kernels import cpu_transform as k2
     from cachegen_cli.kernels.coding_params import max_stream_bytes

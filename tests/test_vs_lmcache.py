@@ -34,7 +34,7 @@ def test_smaller_than_lmcache_on_the_sample(sample_stacked, tmp_path):
     # ...at the same quality: the quantization is the same, so the error matches to 1%.
     assert abs(_rel_mse(kv, ours) - lmc["rel_mse"]) <= 0.01 * lmc["rel_mse"]
     # The gain is the side information: ours is a fraction of LMCache's CDF tables alone.
-    from cachegen_cli.stats import file_stats
+    from cachegen_cli.model.stats import file_stats
 
     (tmp_path / "s.cgen").write_bytes(ours)
     side = file_stats(tmp_path / "s.cgen")["side_bytes"]

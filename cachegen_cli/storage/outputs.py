@@ -14,7 +14,7 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from .errors import OutputError, OutputExistsError, SameFileError
+from ..errors import OutputError, OutputExistsError, SameFileError
 
 
 def check_output(output: Path, inputs: Iterable[Path], force: bool) -> None:

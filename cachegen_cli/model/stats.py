@@ -11,8 +11,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import codec, kvio
-from .errors import InputError
+from ..pipeline import codec
+from ..storage import kvio
+from ..errors import InputError
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 
@@ -100,7 +101,7 @@ def _bf16(bits) -> float:
 
 def reconstruction_error(path: Path, reference: str | Path, device: str = "cpu", calibration=None) -> dict:
     """Per layer and K/V: relative MSE ||x - x'||^2 / ||x||^2 and max |x - x'|."""
-    from .api import _calibration
+    from ..api import _calibration
 
     ref = kvio.read_safetensors(reference)
     cal = _calibration(calibration)

@@ -14,24 +14,24 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .calibration import Calibration
-from .config import TransformConfig
-from .container import Chunk, FileHeader
-from .kernels import cpu_transform as k2
-from .kernels.coding_params import max_stream_bytes
-from .kernels.tables import SYMBOL_COST
-from .kvio import KVCache
-from .params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, Params, bf16_values
+from ..methods.calibration import Calibration
+from ..methods.config import TransformConfig
+from ..format.container import Chunk, FileHeader
+from ..kernels import cpu_transform as k2
+from ..kernels.coding_params import max_stream_bytes
+from ..kernels.tables import SYMBOL_COST
+from ..storage.kvio import KVCache
+from ..format.params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, Params, bf16_values
 
 
 def _k():
-    from .kernels import cuda_transform
+    from ..kernels import cuda_transform
 
     return cuda_transform
 
 
 def _real_gpu() -> bool:
-    from .gpu_codec import torch_cuda_ok
+    from .lmcache_device import torch_cuda_ok
 
     return torch_cuda_ok()
 
@@ -67,7 +67,7 @@ def _tables(dev: _Dev, q, h: FileHeader, modes, lo, alphabet):
     """Symbols and tables on the device, sharing decided on the host; returns
     (sym, cum, codes, shared, modes, lo, alphabet) with the host arrays expanded."""
     k = _k()
-    from .transform_codec import expand_shared
+    from ..methods.transform import expand_shared
 
     L, C, ct = h.num_layers, h.num_channels, h.chunk_tokens
     width = int(alphabet.max(initial=1))
@@ -89,7 +89,7 @@ def _tables(dev: _Dev, q, h: FileHeader, modes, lo, alphabet):
 
 def _code(dev: _Dev, h: FileHeader, sym, cum):
     """Range-code every stream on the device; returns (lengths, payload, offsets) on the host."""
-    from .kernels import cuda as cuda_kernels
+    from ..kernels import cuda as cuda_kernels
 
     k = _k()
     n = h.num_chunks * h.streams_per_chunk
@@ -106,7 +106,7 @@ def _code(dev: _Dev, h: FileHeader, sym, cum):
 
 def encode_v2_gpu(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
                   calibration: Calibration | None = None) -> "EncodedV2":
-    from .transform_codec import (EncodedV2, _chunks, encoder_rotation, make_header_v2, plane_sensitivity,
+    from ..methods.transform import (EncodedV2, _chunks, encoder_rotation, make_header_v2, plane_sensitivity,
                                   quantize_levels, sink_words, step_params, tables_from_stats)
 
     k = _k()
@@ -156,7 +156,7 @@ def encode_v2_gpu(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
 def decode_v2_gpu(h: FileHeader, chunks: list[Chunk], dtype: torch.dtype,
                   calibration: Calibration | None = None) -> torch.Tensor:
     """Decode on the device; returns a CUDA tensor on a real GPU (a CPU one under the simulator)."""
-    from .transform_codec import check_calibration, gather_raw, gather_refinement, gather_streams
+    from ..methods.transform import check_calibration, gather_raw, gather_refinement, gather_streams
 
     k = _k()
     dev = _Dev()

@@ -22,8 +22,8 @@ from typing import BinaryIO
 
 import numpy as np
 
-from .errors import BadMagicError, ChecksumError, SizeError, TruncatedError, UnsupportedVersionError
-from .kernels.coding_params import MAX_ALPHABET, MAX_STREAM_SYMBOLS, PROB_BITS, alphabet_size, max_stream_bytes
+from ..errors import BadMagicError, ChecksumError, SizeError, TruncatedError, UnsupportedVersionError
+from ..kernels.coding_params import MAX_ALPHABET, MAX_STREAM_SYMBOLS, PROB_BITS, alphabet_size, max_stream_bytes
 from .params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, Params, pack_params, parse_params, refinement_bytes
 
 MAGIC = b"\x89CGEN\r\n\x1a"
@@ -289,7 +289,7 @@ def _parse_descriptor(desc_raw: bytes, num_layers: int, num_tokens: int, num_cha
         descriptor = json.loads(desc_raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise SizeError("descriptor is not valid UTF-8 JSON") from None
-    from .kvio import validate_descriptor
+    from ..storage.kvio import validate_descriptor
 
     try:
         validate_descriptor(descriptor, num_layers, num_tokens, num_channels)

@@ -18,13 +18,13 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
-from . import container
-from .config import QuantizationConfig, TransformConfig, validate_chunk_tokens
-from .container import Chunk, FileHeader
-from .errors import ChecksumError, ConfigError, FormatError
-from .kernels import cpu as cpu_kernels
-from .kernels.coding_params import MAX_ALPHABET, max_stream_bytes
-from .kvio import DTYPE_BY_NAME, KVCache
+from ..format import container
+from ..methods.config import QuantizationConfig, TransformConfig, validate_chunk_tokens
+from ..format.container import Chunk, FileHeader
+from ..errors import ChecksumError, ConfigError, FormatError
+from ..kernels import cpu as cpu_kernels
+from ..kernels.coding_params import MAX_ALPHABET, max_stream_bytes
+from ..storage.kvio import DTYPE_BY_NAME, KVCache
 
 ProgressFn = Callable[[int, int], None]
 
@@ -61,7 +61,7 @@ def _map(fn, items: list) -> list:
 
 def resolve_device(device: str = "auto") -> str:
     """'cpu' or 'cuda'.  'auto' picks the GPU when a real one is present (never the simulator)."""
-    from .kernels import cuda as cuda_kernels
+    from ..kernels import cuda as cuda_kernels
 
     if device == "cpu":
         return "cpu"
@@ -151,7 +151,7 @@ def saturates(h: FileHeader) -> bool:
     decoder's output needs saturate_): a bound from its steps, offsets and rotation."""
     if h.version != container.FORMAT_VERSION_2 or h.method != 2:
         return False
-    from .params import bf16_values
+    from ..format.params import bf16_values
 
     p = h.params
     top = 128.0 * float(bf16_values(p.steps).max(initial=0.0)) + float(np.abs(bf16_values(p.offsets)).max(initial=0.0))
@@ -364,7 +364,7 @@ def encode_to_stream(
     fused = device == "cpu" and kernels is cpu_kernels
     words = _cpu_source_words(cache.data) if fused and source is None else None  # (bf16 / fp32 only)
     check = source.finite_check() if source is not None else None
-    from .kvio import SlabBuffers
+    from ..storage.kvio import SlabBuffers
 
     buffers = SlabBuffers()
     for number, slab in enumerate(slabs):
@@ -378,7 +378,7 @@ def encode_to_stream(
         block = fp16_headroom(block)
         block_words = _cpu_source_words(block) if fused and source is not None else None
         if device == "cuda":
-            from . import gpu_codec
+            from . import lmcache_device as gpu_codec
 
             chunks = gpu_codec.encode_slab(h, block, slab.first_chunk)
         elif words is not None:  # the fused CPU kernel reads the cache's own words
@@ -407,14 +407,14 @@ def v2_device(device: str) -> str:
 
 def _encode_v2_to_stream(cache: KVCache, out: BinaryIO, cfg: TransformConfig, chunk_tokens: int,
                          progress: ProgressFn | None, device: str, calibration) -> EncodeSummary:
-    from . import transform_codec
+    from ..methods import transform as transform_codec
 
     device = v2_device(device)
     chunk_tokens = validate_chunk_tokens(chunk_tokens)
     if cfg.method == "lossless" and calibration is not None:
         raise ConfigError("--calibration does not apply to --quality lossless")
     if device == "cuda" and calibration is None:
-        from . import device_pipeline, gpu_codec
+        from . import transform_resident as device_pipeline, lmcache_device as gpu_codec
 
         if gpu_codec.torch_cuda_ok():  # the whole file made on the GPU, written in one piece
             if not isinstance(cache, KVCache):
@@ -535,7 +535,7 @@ class SlabDecoder:
         self.saturate = saturates(h)
         self.v2 = None
         if h.version == container.FORMAT_VERSION_2:
-            from . import transform_codec
+            from ..methods import transform as transform_codec
 
             if self.device == "cpu":
                 self.v2 = transform_codec.V2SlabDecoder(h, calibration)
@@ -557,7 +557,8 @@ class SlabDecoder:
         straight into it yields block None."""
         h, f = self.header, self.f
         if h.version == container.FORMAT_VERSION_2 and self.v2 is None:  # the GPU: the whole file at once
-            from . import device_pipeline, gpu_codec, transform_codec
+            from . import transform_resident as device_pipeline, lmcache_device as gpu_codec
+            from ..methods import transform as transform_codec
 
             if gpu_codec.torch_cuda_ok() and not h.rotated and h.num_chunks:
                 f.seek(0)
@@ -603,7 +604,7 @@ class SlabDecoder:
         kernels = get_kernels(device)
         on_gpu = False
         if device == "cuda":
-            from . import gpu_codec
+            from . import lmcache_device as gpu_codec
 
             on_gpu = gpu_codec.torch_cuda_ok()
         blob = blob_d = upload = None
@@ -618,7 +619,7 @@ class SlabDecoder:
             upload = _pool().submit(gpu_codec.upload_blob, blob)
         fused = device == "cpu" and kernels is cpu_kernels and self.dtype in (torch.bfloat16, torch.float32)
         to_bf16 = self.dtype == torch.bfloat16
-        from .kvio import SlabBuffers
+        from ..storage.kvio import SlabBuffers
 
         buffers = SlabBuffers()
         for slab in self.slabs:
@@ -677,7 +678,7 @@ def decode_from_stream(f: BinaryIO, progress: ProgressFn | None = None, device: 
 
 def kvio_words(data: torch.Tensor) -> np.ndarray:
     """The words (uint16 / uint32) of a contiguous CPU tensor, writable, for V2SlabDecoder."""
-    from .kvio import _words
+    from ..storage.kvio import _words
 
     return _words(data)
 
@@ -685,7 +686,7 @@ def kvio_words(data: torch.Tensor) -> np.ndarray:
 def decode_to_file(dec: SlabDecoder, path, progress: ProgressFn | None = None) -> None:
     """Decode an opened stream into a safetensors file at ``path`` (a temporary path the caller
     renames), slab by slab: the process holds one slab, not the cache."""
-    from .kvio import SafetensorsWriter
+    from ..storage.kvio import SafetensorsWriter
 
     h = dec.header
     with SafetensorsWriter(path, h.descriptor, h.dtype) as writer:

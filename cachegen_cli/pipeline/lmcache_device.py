@@ -20,13 +20,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from . import container
-from .container import Chunk, FileHeader
-from .kernels.coding_params import max_stream_bytes
+from ..format import container
+from ..format.container import Chunk, FileHeader
+from ..kernels.coding_params import max_stream_bytes
 
 
 def _kernels():
-    from .kernels import cuda as cuda_kernels
+    from ..kernels import cuda as cuda_kernels
 
     return cuda_kernels
 
@@ -607,8 +607,8 @@ def decode_device(blob: torch.Tensor) -> tuple[FileHeader, torch.Tensor]:
 
 def _decode_device(blob: torch.Tensor) -> tuple[FileHeader, torch.Tensor]:
     from . import codec
-    from .errors import ChecksumError, UnsupportedVersionError
-    from .kvio import DTYPE_BY_NAME
+    from ..errors import ChecksumError, UnsupportedVersionError
+    from ..storage.kvio import DTYPE_BY_NAME
 
     k = _kernels()
     dev = blob.device

@@ -45,11 +45,11 @@ def tune_cmd(
 
     Examples: [bold]cachegen tune kv.safetensors --target-kl 0.02 -o tuned.toml[/]; [bold]cachegen encode kv.safetensors --config tuned.toml[/]
     """
-    from .cli import _errors
+    from .commands import _errors
 
     with _errors():
-        from .cli_model import _loader, _logger
-        from .tune import tune_file
+        from .model import _loader, _logger
+        from ..model.tune import tune_file
 
         log = _logger(not quiet and not as_json)
         load = None
@@ -68,7 +68,7 @@ def _print_summary(r: dict) -> None:
     from rich import box
     from rich.table import Table
 
-    from .cli import _escape, _human, out
+    from .commands import _escape, _human, out
 
     kl = r["kind"] == "kl"
     what = "mean KL" if kl else "attention RMS rel. error"

@@ -48,9 +48,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .calibration import Calibration
-from .config import MAX_STEP, MIN_STEP, TransformConfig
-from .errors import CacheGenError, ConfigError
+from ..methods.calibration import Calibration
+from ..methods.config import MAX_STEP, MIN_STEP, TransformConfig
+from ..errors import CacheGenError, ConfigError
 
 #: Relative step of the sensitivity probe (the middle of the useful range: KL ~1e-2 on SmolLM2).
 PROBE_STEP = 0.5
@@ -86,7 +86,7 @@ def roundtrip(data: torch.Tensor, num_kv_heads: int, head_dim: int, cfg: Transfo
     """Encode ``data`` [L, 2, T, C] with ``cfg`` through the public API and decode it back.
 
     Returns (decoded [L, 2, T, C] in ``data``'s dtype, size of the .cgen bytes)."""
-    from . import api
+    from .. import api
 
     L, _, T, C = data.shape
     threads = torch.get_num_threads()  # numba's parallel kernels may reset OpenMP's thread count: keep torch's
@@ -399,7 +399,7 @@ def min_steps(data: torch.Tensor, calibration: Calibration | None = None, sink_t
     +-TRANSFORM_QMAX without clipping (largest |coordinate - mean| / (QMAX x RMS), plus 1 % for the
     bf16 rounding of the stored step), at least MIN_STEP.  Below it the outliers clip and the damage
     grows again (measured: KL 2.1e-3 at a uniform step of 0.12 against 1.3e-4 at these floors)."""
-    from .kernels.transform import TRANSFORM_QMAX
+    from ..kernels.transform import TRANSFORM_QMAX
 
     L, _, T, C = data.shape
     out = np.full((L, 2), MIN_STEP, np.float64)
@@ -648,9 +648,9 @@ def tune_file(
     from pathlib import Path
 
     from . import evaluate
-    from .calibration import load as load_calibration
-    from .errors import InputError, InputNotFoundError
-    from .fileio import atomic_output, check_output
+    from ..methods.calibration import load as load_calibration
+    from ..errors import InputError, InputNotFoundError
+    from ..storage.outputs import atomic_output, check_output
 
     log = log or (lambda m: None)
     t_start = time.perf_counter()

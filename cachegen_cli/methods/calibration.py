@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import CacheGenError, ConfigError, InputNotFoundError
+from ..errors import CacheGenError, ConfigError, InputNotFoundError
 
 FORMAT_NAME = "cachegen-calibration"
 FORMAT_VERSION = "1"
@@ -109,7 +109,7 @@ def fit(samples: list[torch.Tensor], skip_tokens: int = 1) -> Calibration:
 def save(cal: Calibration, path: str | Path) -> None:
     from safetensors.torch import save
 
-    from .fileio import atomic_output
+    from ..storage.outputs import atomic_output
 
     tensors = {"rotation": torch.from_numpy(cal.rotation)}
     if cal.sensitivity is not None:
@@ -170,17 +170,17 @@ def calibrate_files(inputs: list, output, *, layout: str = "auto", sensitivity: 
     with ``sensitivity``, measure the per-plane sensitivities with the model the caches were
     captured with (their token ids come from ``cachegen capture``'s metadata); write the file
     atomically.  ``loaded``: an already loaded (model, tokenizer) or a function returning one."""
-    from . import kvio
-    from .fileio import check_output
+    from ..storage import kvio
+    from ..storage.outputs import check_output
 
     paths = [Path(p) for p in inputs]
     check_output(Path(output), paths, force)
     caches = [kvio.read_safetensors(p, layout) for p in paths]
     fitted = fit([c.data for c in caches])
     if sensitivity:
-        from . import evaluate
-        from .capture import ModelError, _resolve_loaded, model_id, resolve_model_path
-        from .tune import sensitivity_from_caches
+        from ..model import evaluate
+        from ..model.capture import ModelError, _resolve_loaded, model_id, resolve_model_path
+        from ..model.tune import sensitivity_from_caches
 
         samples = []
         for p, c in zip(paths, caches):

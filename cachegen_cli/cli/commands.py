@@ -22,8 +22,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from . import __version__
-from .errors import CacheGenError
+from .. import __version__
+from ..errors import CacheGenError
 
 app = typer.Typer(
     name="cachegen",
@@ -150,8 +150,8 @@ def encode(
     [bold]cachegen encode kv.safetensors --quality lossless[/],
     [bold]cachegen encode kv.safetensors --preset lmcache --device cuda[/]
     """
-    from .api import default_encoded_path, encode_file
-    from .config import DEFAULT_CHUNK_TOKENS, load_config_file
+    from ..api import default_encoded_path, encode_file
+    from ..methods.config import DEFAULT_CHUNK_TOKENS, load_config_file
 
     with _errors():
         quantization = None
@@ -186,7 +186,7 @@ def encode(
 
 
 def raise_config(message: str) -> None:
-    from .errors import ConfigError
+    from ..errors import ConfigError
 
     raise ConfigError(message)
 
@@ -205,7 +205,7 @@ def decode(
 
     Example: [bold]cachegen decode kv.cgen -o kv.safetensors[/]
     """
-    from .api import decode_file, default_decoded_path
+    from ..api import decode_file, default_decoded_path
 
     with _errors():
         dst = output or default_decoded_path(input)
@@ -228,7 +228,7 @@ def stats(
 
     Example: [bold]cachegen stats kv.cgen --reference kv.safetensors[/]
     """
-    from .stats import file_stats
+    from ..model.stats import file_stats
 
     with _errors():
         s = file_stats(input, reference, device.value, calibration)
@@ -306,14 +306,14 @@ def calibrate(
     Files encoded with it are smaller at the same quality; decoding needs the same file.
     Example: [bold]cachegen calibrate a.safetensors b.safetensors --sensitivity -o smollm2.cal.safetensors[/]
     """
-    from . import calibration as cal
-    from .errors import ConfigError
+    from ..methods import calibration as cal
+    from ..errors import ConfigError
 
     with _errors():
         log = None
         load = None
         if sensitivity:
-            from .cli_model import _loader, _logger
+            from .model import _loader, _logger
 
             log = _logger(not quiet)
             _, load = _loader(model, log)
@@ -332,7 +332,7 @@ def presets() -> None:
 
     Example: [bold]cachegen presets[/]
     """
-    from .config import PRESETS, QUALITY_PRESETS, preset
+    from ..methods.config import PRESETS, QUALITY_PRESETS, preset
 
     qt = Table(show_edge=False, header_style="bold", title="--quality (format v2; default balanced)")
     for col in ("quality", "method", "K step", "V step", "sink tokens", "recent tokens", "token delta"):
@@ -370,7 +370,7 @@ def _root(
     """Compress the KV caches of large language models."""
 
 
-from .cli_model import register as _register_model_commands; _register_model_commands(app)  # noqa: E402, E702
+from .model import register as _register_model_commands; _register_model_commands(app)  # noqa: E402, E702
 
 
 def main() -> None:

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 try:
-    from .errors import CacheGenError, InputError, InputNotFoundError
+    from ..errors import CacheGenError, InputError, InputNotFoundError
 except ImportError:  # loaded by file path (scripts/make_sample_data.py), outside the package
     class CacheGenError(Exception):  # type: ignore[no-redef]
         exit_code = 1
@@ -610,15 +610,15 @@ def capture_file(
     function returning one (called after the inputs and the output are checked).
     Returns a summary dict (output path, model, tokens, bytes).
     """
-    from .fileio import atomic_output, check_output
+    from ..storage.outputs import atomic_output, check_output
 
     text_path, output = pathlib.Path(text_path), pathlib.Path(output)
     if layout not in LAYOUTS:
-        from .errors import LayoutError
+        from ..errors import LayoutError
 
         raise LayoutError(f"unknown layout {layout!r}; choose stacked or per-layer")
     if num_tokens <= 0:
-        from .errors import ConfigError
+        from ..errors import ConfigError
 
         raise ConfigError(f"--tokens must be positive, got {num_tokens}")
     text = read_text(text_path)

@@ -27,7 +27,7 @@ class CaptureLayout(str, Enum):
 
 def _loader(model: Optional[Path], log: Callable[[str], None]) -> tuple[Path, Callable[[], tuple[Any, Any]]]:
     """Resolve the model path now (a clear error before any work) and return a memoised loader."""
-    from .capture import load_model, require_eval_extra, resolve_model_path
+    from ..model.capture import load_model, require_eval_extra, resolve_model_path
 
     require_eval_extra()  # the one-line install hint comes before anything else
     resolved = resolve_model_path(model)
@@ -43,7 +43,7 @@ def _loader(model: Optional[Path], log: Callable[[str], None]) -> tuple[Path, Ca
 
 
 def _logger(enabled: bool) -> Callable[[str], None]:
-    from .cli import _escape, err
+    from .commands import _escape, err
 
     def log(message: str) -> None:
         if enabled:
@@ -70,10 +70,10 @@ def capture_cmd(
 
     Example: [bold]cachegen capture --text notes.txt --tokens 1024 -o kv.safetensors[/]
     """
-    from .cli import _errors, _escape, _human, out
+    from .commands import _errors, _escape, _human, out
 
     with _errors():
-        from .capture import capture_file
+        from ..model.capture import capture_file
 
         log = _logger(not quiet)
         _, load = _loader(model, log)
@@ -104,10 +104,10 @@ def eval_cmd(
 
     Example: [bold]cachegen eval kv.cgen --text notes.txt[/]
     """
-    from .cli import _errors
+    from .commands import _errors
 
     with _errors():
-        from .evaluate import evaluate_file
+        from ..model.evaluate import evaluate_file
 
         log = _logger(not quiet and not as_json)
         _, load = _loader(model, log)
@@ -123,7 +123,7 @@ def _print_eval(r: dict) -> None:
     from rich import box
     from rich.table import Table
 
-    from .cli import _escape, _human, out
+    from .commands import _escape, _human, out
 
     for w in r["warnings"]:
         out.print(f"[yellow]warning:[/] {_escape(w)}")
@@ -163,6 +163,6 @@ def register(app: typer.Typer) -> None:
     """Add ``capture`` and ``eval`` to the cachegen app."""
     app.command("capture")(capture_cmd)
     app.command("eval")(eval_cmd)
-    from .cli_tune import register as register_tune  # `cachegen tune` (cachegen_cli/cli_tune.py)
+    from .tune import register as register_tune  # `cachegen tune` (cachegen_cli/cli_tune.py)
 
     register_tune(app)

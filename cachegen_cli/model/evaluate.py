@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from . import kvio
+from ..storage import kvio
 from .capture import (
     Log,
     ModelError,
@@ -55,7 +55,7 @@ from .capture import (
     text_sha256,
     tokenize,
 )
-from .errors import InputError, InputNotFoundError
+from ..errors import InputError, InputNotFoundError
 
 _ITEMSIZE = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4}
 
@@ -326,10 +326,11 @@ def read_kv_file(path: str | Path) -> KVFile:
     with open(path, "rb") as f:
         magic = f.read(8)
     size = path.stat().st_size
-    from . import codec, container
+    from ..pipeline import codec
+    from ..format import container
 
     if magic == container.MAGIC or path.suffix == ".cgen":
-        from .api import decode
+        from ..api import decode
 
         blob = path.read_bytes()
         header = codec.read_header_and_index(container.BufferReader(blob))[0]
@@ -381,11 +382,11 @@ def evaluate_file(
     """
     log = log or (lambda message: None)
     if continuation < 1:
-        from .errors import ConfigError
+        from ..errors import ConfigError
 
         raise ConfigError(f"--continuation must be at least 1, got {continuation}")
     if generate < 0:
-        from .errors import ConfigError
+        from ..errors import ConfigError
 
         raise ConfigError(f"--generate must be 0 or more, got {generate}")
     t_start = time.perf_counter()

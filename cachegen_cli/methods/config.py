@@ -15,8 +15,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ConfigError
-from .kernels.coding_params import MAX_ALPHABET, MAX_STREAM_SYMBOLS
+from ..errors import ConfigError
+from ..kernels.coding_params import MAX_ALPHABET, MAX_STREAM_SYMBOLS
 
 MIN_BINS = 3
 MAX_BINS = MAX_ALPHABET  # bins b give 2*((b-1)//2)+1 symbols, stored in a uint8

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import SizeError, TruncatedError, UnsupportedVersionError
-from .kernels.transform import MODE_DELTA, MODE_DIRECT, MODE_SAME, TRANSFORM_QMAX
+from ..errors import SizeError, TruncatedError, UnsupportedVersionError
+from ..kernels.transform import MODE_DELTA, MODE_DIRECT, MODE_SAME, TRANSFORM_QMAX
 
 METHOD_TRANSFORM = 2
 METHOD_LOSSLESS = 3
@@ -193,7 +193,7 @@ def parse_params(raw: bytes, method: int, num_layers: int, num_channels: int, si
     shared = shared.reshape(shape)
     arrays = [modes.reshape(shape), lo.reshape(shape), alphabet.reshape(shape), codes.reshape(shape + (codes.shape[-1],))]
     if shared.any():
-        from .transform_codec import expand_shared
+        from ..methods.transform import expand_shared
 
         arrays = expand_shared(shared, *arrays)
     return Params(method, *arrays, calibration, steps, offsets, sink, shared, refine_tokens, refine_bits)
@@ -202,7 +202,7 @@ def parse_params(raw: bytes, method: int, num_layers: int, num_channels: int, si
 def walk_table_entries(raw: bytes, start: int, count: int, per_plane: int) -> tuple[np.ndarray, np.ndarray]:
     """(starts, heads): where each of ``count`` table entries from ``start`` has its codes and
     its first byte, the entries checked to fit and to end exactly at the end of ``raw``."""
-    from .kernels.cpu_transform import walk_tables
+    from ..kernels.cpu_transform import walk_tables
 
     buf = np.frombuffer(raw, np.uint8)
     starts = np.empty(count, np.int64)

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .errors import (
+from ..errors import (
     DTypeError,
     InputNotFoundError,
     LayoutError,
@@ -218,7 +218,7 @@ def check_finite(data: torch.Tensor) -> None:
     if data.numel() == 0 or data.device.type == "meta":  # meta: a file's shapes only (SafetensorsSource)
         return
     if data.device.type == "cpu":
-        from .kernels.checks import first_nonfinite_row
+        from ..kernels.checks import first_nonfinite_row
 
         view, mask = {
             torch.bfloat16: (torch.int16, 0x7F80),
@@ -249,7 +249,7 @@ def _cuda_nonfinite_layers(data: torch.Tensor) -> np.ndarray:
     """uint8 [L]: 1 for each layer of a CUDA cache that holds a NaN or an Inf (exponent bits
     all ones), from one kernel over its raw words (torch.isfinite(...).all() takes five
     passes over the cache)."""
-    from .kernels.cuda_pipeline import nonfinite_layers
+    from ..kernels.cuda_pipeline import nonfinite_layers
 
     view, mask = _EXPONENT[data.dtype]
     L = data.shape[0]
@@ -282,7 +282,7 @@ class FiniteCheck:
         self.inf = np.zeros(num_layers, np.bool_)
 
     def add(self, block: torch.Tensor) -> None:
-        from .kernels.checks import first_nonfinite_row
+        from ..kernels.checks import first_nonfinite_row
 
         if block.numel() == 0:
             return
@@ -405,7 +405,7 @@ def write_safetensors_atomic(tensors: dict[str, torch.Tensor], metadata: dict[st
     """Write tensors to ``path`` through a temporary file in the same folder."""
     from safetensors.torch import save_file
 
-    from .fileio import atomic_output
+    from .outputs import atomic_output
 
     with atomic_output(path) as tmp:
         save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata or None)

@@ -33,15 +33,15 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from . import container
-from .config import TransformConfig
-from .container import FileHeader
-from .errors import FormatError
-from .kernels.coding_params import PROB_BITS, max_stream_bytes
-from .kernels.tables import SYMBOL_COST
-from .kernels.transform import STATS_BLOCK
-from .kvio import DTYPE_BY_NAME, KVCache
-from .params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, bf16_values
+from ..format import container
+from ..methods.config import TransformConfig
+from ..format.container import FileHeader
+from ..errors import FormatError
+from ..kernels.coding_params import PROB_BITS, max_stream_bytes
+from ..kernels.tables import SYMBOL_COST
+from ..kernels.transform import STATS_BLOCK
+from ..storage.kvio import DTYPE_BY_NAME, KVCache
+from ..format.params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, bf16_values
 
 _FMT = {"float32": 0, "bfloat16": 1, "float16": 2}
 _TORCH_WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a word of n bytes
@@ -63,13 +63,13 @@ def _mark(name: str) -> None:
 
 
 def _k():
-    from .kernels import cuda_pipeline
+    from ..kernels import cuda_pipeline
 
     return cuda_pipeline
 
 
 def _k1():
-    from .kernels import cuda as cuda_kernels
+    from ..kernels import cuda as cuda_kernels
 
     return cuda_kernels
 
@@ -159,7 +159,7 @@ def encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[tor
 
 
 def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[torch.Tensor, int]:
-    from . import transform_codec as tc
+    from ..methods import transform as tc
 
     k = _k()
     dev = device()
@@ -346,7 +346,7 @@ def read_header(blob: torch.Tensor) -> tuple[FileHeader, list[int], int]:
     """(header, chunk offsets, file size) of the .cgen file in a uint8 device tensor: only the
     header, descriptor, Params block and index are copied to the host, and a version-2 Params
     block's tables are only walked (the decoder reads them on the device)."""
-    from .gpu_codec import _DeviceReader
+    from .lmcache_device import _DeviceReader
 
     reader = _DeviceReader(blob)
     size = reader.size

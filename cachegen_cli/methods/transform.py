@@ -28,18 +28,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import container
+from ..format import container
 from .calibration import Calibration, CalibrationError
 from .config import ALLOCATION_MAX_STEP, ALLOCATION_STRENGTH, MIN_STEP, TransformConfig
-from .container import Chunk, FileHeader
-from .errors import ConfigError, SizeError
-from .kernels import cpu as cpu_kernels
-from .kernels import cpu_transform as k2
-from .kernels.coding_params import max_stream_bytes
-from .kernels.tables import SYMBOL_COST
-from .kernels.transform import MODE_DELTA, MODE_DIRECT, TRANSFORM_QMAX
-from .kvio import KVCache, SlabBuffers, TensorSource
-from .params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, Params, bf16_values
+from ..format.container import Chunk, FileHeader
+from ..errors import ConfigError, SizeError
+from ..kernels import cpu as cpu_kernels
+from ..kernels import cpu_transform as k2
+from ..kernels.coding_params import max_stream_bytes
+from ..kernels.tables import SYMBOL_COST
+from ..kernels.transform import MODE_DELTA, MODE_DIRECT, TRANSFORM_QMAX
+from ..storage.kvio import KVCache, SlabBuffers, TensorSource
+from ..format.params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, Params, bf16_values
 
 _WORDS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 BF16_MAX = float(torch.finfo(torch.bfloat16).max)
@@ -224,7 +224,7 @@ def encode_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
               calibration: Calibration | None = None, device: str = "cpu") -> EncodedV2:
     """Encode a whole cache with method 2 or 3; returns the header and the chunks."""
     if device == "cuda":
-        from .gpu_transform import encode_v2_gpu
+        from ..pipeline.transform_device import encode_v2_gpu
 
         return encode_v2_gpu(cache, cfg, chunk_tokens, calibration)
     h, slabs = encode_v2_slabs(TensorSource(cache), cfg, chunk_tokens, calibration)
@@ -623,7 +623,7 @@ def decode_v2(h: FileHeader, chunks: list[Chunk], dtype: torch.dtype,
               calibration: Calibration | None = None, device: str = "cpu") -> torch.Tensor:
     """Decode all chunks of a version-2 file into [L, 2, T, C] of ``dtype``."""
     if device == "cuda":
-        from .gpu_transform import decode_v2_gpu
+        from ..pipeline.transform_device import decode_v2_gpu
 
         return decode_v2_gpu(h, chunks, dtype, calibration)
     dec = V2SlabDecoder(h, calibration)
@@ -668,7 +668,7 @@ class V2SlabDecoder:
         return self.buf.get("out", shape, self.word) if reuse else np.empty(shape, self.word)
 
     def as_tensor(self, words: np.ndarray) -> torch.Tensor:
-        from .kvio import DTYPE_BY_NAME
+        from ..storage.kvio import DTYPE_BY_NAME
 
         signed = words.view(np.int16 if self.itemsize == 2 else np.int32)
         return torch.from_numpy(signed).view(DTYPE_BY_NAME[self.h.dtype])

@@ -1,0 +1,6 @@
+"""The ``cachegen`` command (Typer): the codec commands (``commands``), the model commands
+(``model``, ``tune``) and the helpers they share (``common``)."""
+
+from .commands import app, main
+
+__all__ = ["app", "main"]
