@@ -306,7 +306,7 @@ def calibrate(
     Files encoded with it are smaller at the same quality; decoding needs the same file.
     Example: [bold]cachegen calibrate a.safetensors b.safetensors --sensitivity -o smollm2.cal.safetensors[/]
     """
-    from ..methods import calibration as cal
+    from ..model import calibrate as cal
     from ..errors import ConfigError
 
     with _errors():

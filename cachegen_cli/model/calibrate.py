@@ -1,0 +1,48 @@
+"""``cachegen calibrate``: a calibration file (methods/calibration.py) from sample caches and,
+with ``--sensitivity``, the model they were captured with (its per-plane sensitivities,
+``tune.sensitivity_from_caches``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..methods.calibration import Calibration, fit, save
+
+
+def calibrate_files(inputs: list, output, *, layout: str = "auto", sensitivity: bool = False, model_path=None,
+                    loaded=None, force: bool = False, log=None) -> Calibration:
+    """``cachegen calibrate``: fit the rotation on the sample caches (KV .safetensors files) and,
+    with ``sensitivity``, measure the per-plane sensitivities with the model the caches were
+    captured with (their token ids come from ``cachegen capture``'s metadata); write the file
+    atomically.  ``loaded``: an already loaded (model, tokenizer) or a function returning one."""
+    from ..storage import kvio
+    from ..storage.outputs import check_output
+
+    paths = [Path(p) for p in inputs]
+    check_output(Path(output), paths, force)
+    caches = [kvio.read_safetensors(p, layout) for p in paths]
+    fitted = fit([c.data for c in caches])
+    if sensitivity:
+        from . import evaluate
+        from .capture import ModelError, _resolve_loaded, model_id, resolve_model_path
+        from .tune import sensitivity_from_caches
+
+        samples = []
+        for p, c in zip(paths, caches):
+            kv = evaluate.KVFile(p, "safetensors", c.data, c.num_kv_heads, c.head_dim, c.layout, dict(c.metadata), 0)
+            try:
+                ids = evaluate.context_of(kv)
+            except evaluate.NoTokenIdsError:
+                raise evaluate.NoTokenIdsError(
+                    f"{p} carries no token ids; --sensitivity needs caches made by `cachegen capture`") from None
+            samples.append((c.data, ids))
+        model, _ = _resolve_loaded(loaded, resolve_model_path(model_path), log)
+        shape = evaluate.model_shape(model)
+        for p, c in zip(paths, caches):
+            if (c.num_layers, c.num_kv_heads, c.head_dim) != shape:
+                raise ModelError(f"{p} has {c.num_layers} layers x {c.num_kv_heads} KV heads x {c.head_dim} dims, "
+                                 f"the model {model_id(model)} {shape[0]} x {shape[1]} x {shape[2]}")
+        s = sensitivity_from_caches(model, samples, caches[0].num_kv_heads, caches[0].head_dim, log=log)
+        fitted = fitted.with_sensitivity(s, f"model {model_id(model)}, {len(samples)} sample(s)")
+    save(fitted, output)
+    return fitted
