@@ -13,7 +13,9 @@ anything is allocated or read.
 from __future__ import annotations
 
 import functools
+import io
 import json
+import os
 import re
 import struct
 import zlib
@@ -22,7 +24,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from ..errors import BadMagicError, ChecksumError, SizeError, TruncatedError, UnsupportedVersionError
+from ..errors import BadMagicError, ChecksumError, FormatError, SizeError, TruncatedError, UnsupportedVersionError
 from ..kernels.coding_params import MAX_ALPHABET, MAX_STREAM_SYMBOLS, PROB_BITS, alphabet_size, max_stream_bytes
 from .params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, Params, pack_params, parse_params, refinement_bytes
 
@@ -641,3 +643,24 @@ def read_index(f: BinaryIO, h: FileHeader, header_end: int, file_size: int) -> l
         raise TruncatedError(f"the header announces {T} tokens in {K} chunks, which take at least {need} bytes; "
                              f"the file holds {index_offset - header_end} (truncated or corrupted)")
     return offsets
+
+
+def _stream_size(f: BinaryIO) -> int | None:
+    try:
+        here = f.tell()
+        end = f.seek(0, os.SEEK_END)
+        f.seek(here)
+        return end - here
+    except (OSError, io.UnsupportedOperation, AttributeError):
+        return None
+
+
+def read_header_and_index(f: BinaryIO) -> tuple[FileHeader, int, list[int], int]:
+    """Header, header size, chunk offsets and file size of a seekable .cgen stream at offset 0."""
+    size = _stream_size(f)
+    if size is None:
+        raise FormatError("the .cgen input must be seekable")
+    h, header_end = read_file_header(f, size)
+    offsets = read_index(f, h, header_end, size)
+    f.seek(header_end)
+    return h, header_end, offsets, size

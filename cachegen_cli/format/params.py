@@ -193,8 +193,6 @@ def parse_params(raw: bytes, method: int, num_layers: int, num_channels: int, si
     shared = shared.reshape(shape)
     arrays = [modes.reshape(shape), lo.reshape(shape), alphabet.reshape(shape), codes.reshape(shape + (codes.shape[-1],))]
     if shared.any():
-        from ..methods.transform import expand_shared
-
         arrays = expand_shared(shared, *arrays)
     return Params(method, *arrays, calibration, steps, offsets, sink, shared, refine_tokens, refine_bits)
 
@@ -259,3 +257,23 @@ def parse_tables(raw: bytes, start: int, count: int, method: int, per_plane: int
     if (codes[np.flatnonzero(odd), alphabet[odd]] != 0).any():
         raise SizeError("a padding nibble of a table is not zero")
     return modes, lo, alphabet, np.ascontiguousarray(codes[:, :width]), shared
+
+
+def expand_shared(shared, *arrays):
+    """Copy, along the channel axis of [L, 2, C, ...] arrays, each shared channel's entries
+    from the last channel before it in its (layer, K/V) that has its own table."""
+    from ..kernels import cpu_transform as k2
+
+    C = shared.shape[2]
+    idx = np.where(shared, 0, np.arange(C)[None, None, :])
+    np.maximum.accumulate(idx, axis=2, out=idx)
+    out = []
+    for a in arrays:
+        if a.ndim == 4:  # the codes and CDF tables: a parallel row copy (take_along_axis runs on one core)
+            dst = np.empty(a.shape, a.dtype)
+            k2.take_channels(np.ascontiguousarray(a), idx, dst)
+            out.append(dst)
+            continue
+        take = idx.reshape(idx.shape + (1,) * (a.ndim - 3))
+        out.append(np.ascontiguousarray(np.take_along_axis(a, np.broadcast_to(take, idx.shape + a.shape[3:]), axis=2)))
+    return out

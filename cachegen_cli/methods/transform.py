@@ -40,6 +40,7 @@ from ..kernels.tables import SYMBOL_COST
 from ..kernels.transform import MODE_DELTA, MODE_DIRECT, TRANSFORM_QMAX
 from ..storage.kvio import KVCache, SlabBuffers, TensorSource
 from ..format.params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, Params, bf16_values
+from ..format.params import expand_shared
 
 _WORDS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 BF16_MAX = float(torch.finfo(torch.bfloat16).max)
@@ -143,24 +144,6 @@ def _code(h: FileHeader, q: np.ndarray, modes, lo, alphabet):
     return codes, lengths, payload, offsets, shared, modes, lo, alphabet
 
 
-def expand_shared(shared, *arrays):
-    """Copy, along the channel axis of [L, 2, C, ...] arrays, each shared channel's entries
-    from the last channel before it in its (layer, K/V) that has its own table."""
-    C = shared.shape[2]
-    idx = np.where(shared, 0, np.arange(C)[None, None, :])
-    np.maximum.accumulate(idx, axis=2, out=idx)
-    out = []
-    for a in arrays:
-        if a.ndim == 4:  # the codes and CDF tables: a parallel row copy (take_along_axis runs on one core)
-            dst = np.empty(a.shape, a.dtype)
-            k2.take_channels(np.ascontiguousarray(a), idx, dst)
-            out.append(dst)
-            continue
-        take = idx.reshape(idx.shape + (1,) * (a.ndim - 3))
-        out.append(np.ascontiguousarray(np.take_along_axis(a, np.broadcast_to(take, idx.shape + a.shape[3:]), axis=2)))
-    return out
-
-
 def _chunks(h: FileHeader, lengths, payload, offsets, raw: np.ndarray | None, ref: np.ndarray | None = None) -> list[Chunk]:
     """Chunks from the streams; ``raw``: the lossless low bytes [L, 2, T, C, nraw];
     ``ref``: the refinement indices [L, 2, R, C] of the last R tokens."""
@@ -221,12 +204,9 @@ def step_params(sums: np.ndarray, sumsq: np.ndarray, n: int, rel: np.ndarray, se
 
 
 def encode_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
-              calibration: Calibration | None = None, device: str = "cpu") -> EncodedV2:
-    """Encode a whole cache with method 2 or 3; returns the header and the chunks."""
-    if device == "cuda":
-        from ..pipeline.transform_device import encode_v2_gpu
-
-        return encode_v2_gpu(cache, cfg, chunk_tokens, calibration)
+              calibration: Calibration | None = None) -> EncodedV2:
+    """Encode a whole cache with method 2 or 3 on the CPU; returns the header and the chunks
+    (pipeline.codec.encode_v2 picks this or the GPU's)."""
     h, slabs = encode_v2_slabs(TensorSource(cache), cfg, chunk_tokens, calibration)
     return EncodedV2(h, [chunk for slab in slabs for chunk in slab])
 
@@ -620,12 +600,9 @@ def check_calibration(h: FileHeader, calibration: Calibration | None) -> np.ndar
 
 
 def decode_v2(h: FileHeader, chunks: list[Chunk], dtype: torch.dtype,
-              calibration: Calibration | None = None, device: str = "cpu") -> torch.Tensor:
-    """Decode all chunks of a version-2 file into [L, 2, T, C] of ``dtype``."""
-    if device == "cuda":
-        from ..pipeline.transform_device import decode_v2_gpu
-
-        return decode_v2_gpu(h, chunks, dtype, calibration)
+              calibration: Calibration | None = None) -> torch.Tensor:
+    """Decode all chunks of a version-2 file into [L, 2, T, C] of ``dtype`` on the CPU
+    (pipeline.codec.decode_v2 picks this or the GPU's)."""
     dec = V2SlabDecoder(h, calibration)
     words = dec.empty(h.num_tokens)
     per = slab_chunks_count(h.num_layers, h.num_channels, h.chunk_tokens)

@@ -9,7 +9,6 @@ into slabs again and runs CDF-from-codes -> range-decode -> dequantize.
 
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -20,21 +19,15 @@ import torch
 
 from ..format import container
 from ..methods.config import QuantizationConfig, TransformConfig, validate_chunk_tokens
-from ..format.container import Chunk, FileHeader
-from ..errors import ChecksumError, ConfigError, FormatError
+from ..format.container import Chunk, FileHeader, read_header_and_index
+from ..errors import ChecksumError, ConfigError
 from ..kernels import cpu as cpu_kernels
 from ..kernels.coding_params import MAX_ALPHABET, max_stream_bytes
 from ..storage.kvio import DTYPE_BY_NAME, KVCache
+from . import transform_resident
+from .slabs import GPU_SLAB_BYTES, SLAB_BYTES, Slab, iter_slabs
 
 ProgressFn = Callable[[int, int], None]
-
-#: Target size of one slab's float32 copy: big enough to keep every core busy,
-#: small enough that a multi-GB cache never needs a full float32 copy.
-SLAB_BYTES = 256 << 20
-#: On a GPU a slab should fill the device with streams: 4 GiB of float32 is a
-#: 2 GiB bf16 cache (2M streams of 1024 symbols for Llama-sized layers).
-GPU_SLAB_BYTES = 4 << 30
-
 
 _POOL = None
 
@@ -79,24 +72,6 @@ def resolve_device(device: str = "auto") -> str:
 def get_kernels(device: str = "cpu"):
     """The CPU kernel module (the GPU path goes through gpu_codec)."""
     return cpu_kernels
-
-
-@dataclass
-class Slab:
-    first_chunk: int
-    num_chunks: int
-    t0: int
-    t1: int
-
-
-def iter_slabs(h: FileHeader, slab_bytes: int = SLAB_BYTES) -> Iterator[Slab]:
-    """Consecutive runs of whole chunks whose float32 copy is about ``slab_bytes``."""
-    per_chunk = h.chunk_tokens * h.num_layers * 2 * h.num_channels * 4
-    step = max(1, slab_bytes // max(per_chunk, 1))
-    for first in range(0, h.num_chunks, step):
-        n = min(step, h.num_chunks - first)
-        t0 = first * h.chunk_tokens
-        yield Slab(first, n, t0, min(h.num_tokens, (first + n) * h.chunk_tokens))
 
 
 def make_header(cache: KVCache, quant: QuantizationConfig, chunk_tokens: int) -> FileHeader:
@@ -405,6 +380,31 @@ def v2_device(device: str) -> str:
     return resolve_device(device)
 
 
+def encode_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration=None,
+              device: str = "cpu"):
+    """Encode a whole cache with method 2 or 3 on ``device``: the CPU (methods/transform.py) or
+    the GPU (pipeline/transform_device.py); returns the header and the chunks."""
+    if device == "cuda":
+        from .transform_device import encode_v2_gpu
+
+        return encode_v2_gpu(cache, cfg, chunk_tokens, calibration)
+    from ..methods import transform as transform_codec
+
+    return transform_codec.encode_v2(cache, cfg, chunk_tokens, calibration)
+
+
+def decode_v2(h: FileHeader, chunks: list[Chunk], dtype: torch.dtype, calibration=None,
+              device: str = "cpu") -> torch.Tensor:
+    """Decode all chunks of a version-2 file into [L, 2, T, C] of ``dtype`` on ``device``."""
+    if device == "cuda":
+        from .transform_device import decode_v2_gpu
+
+        return decode_v2_gpu(h, chunks, dtype, calibration)
+    from ..methods import transform as transform_codec
+
+    return transform_codec.decode_v2(h, chunks, dtype, calibration)
+
+
 def _encode_v2_to_stream(cache: KVCache, out: BinaryIO, cfg: TransformConfig, chunk_tokens: int,
                          progress: ProgressFn | None, device: str, calibration) -> EncodeSummary:
     from ..methods import transform as transform_codec
@@ -431,7 +431,7 @@ def _encode_v2_to_stream(cache: KVCache, out: BinaryIO, cfg: TransformConfig, ch
     if device == "cuda" or isinstance(cache, KVCache):
         if not isinstance(cache, KVCache):  # the GPU path takes the whole cache at once
             cache = cache.load()
-        enc = transform_codec.encode_v2(cache, cfg, chunk_tokens, calibration, device)
+        enc = encode_v2(cache, cfg, chunk_tokens, calibration, device)
         h, slabs = enc.header, [enc.chunks]
     else:  # a file: the statistics passes, then one slab coded and written at a time
         meta = cache.cache
@@ -450,27 +450,6 @@ def _encode_v2_to_stream(cache: KVCache, out: BinaryIO, cfg: TransformConfig, ch
     out.write(container.pack_trailer(pos))
     pos += len(index) + container.TRAILER.size
     return EncodeSummary(h, pos, payload_bytes, pos - payload_bytes)
-
-
-def _stream_size(f: BinaryIO) -> int | None:
-    try:
-        here = f.tell()
-        end = f.seek(0, os.SEEK_END)
-        f.seek(here)
-        return end - here
-    except (OSError, io.UnsupportedOperation, AttributeError):
-        return None
-
-
-def read_header_and_index(f: BinaryIO) -> tuple[FileHeader, int, list[int], int]:
-    """Header, header size, chunk offsets and file size of a seekable .cgen stream at offset 0."""
-    size = _stream_size(f)
-    if size is None:
-        raise FormatError("the .cgen input must be seekable")
-    h, header_end = container.read_file_header(f, size)
-    offsets = container.read_index(f, h, header_end, size)
-    f.seek(header_end)
-    return h, header_end, offsets, size
 
 
 #: Chunks whose CRC-32s are checked together, in parallel threads.
@@ -558,7 +537,6 @@ class SlabDecoder:
         h, f = self.header, self.f
         if h.version == container.FORMAT_VERSION_2 and self.v2 is None:  # the GPU: the whole file at once
             from . import transform_resident as device_pipeline, lmcache_device as gpu_codec
-            from ..methods import transform as transform_codec
 
             if gpu_codec.torch_cuda_ok() and not h.rotated and h.num_chunks:
                 f.seek(0)
@@ -567,7 +545,7 @@ class SlabDecoder:
                 data = device_pipeline.decode(blob, hh, offsets, size)
             else:
                 chunks = list(iter_chunks(f, h, self.offsets, self.size))
-                data = transform_codec.decode_v2(h, chunks, self.dtype, self.calibration, self.device)
+                data = decode_v2(h, chunks, self.dtype, self.calibration, self.device)
             if self.saturate:
                 saturate_(data)
             if progress:
@@ -674,6 +652,11 @@ def decode_from_stream(f: BinaryIO, progress: ProgressFn | None = None, device: 
     if data is None:
         data = torch.empty(shape, dtype=dec.dtype, device="cuda" if dec.device == "cuda" else "cpu")
     return h, data
+
+
+# The device-resident decoder reruns this reader on a file that failed a check there, to raise
+# the CPU's exact error.
+transform_resident.CPU_READER = decode_from_stream
 
 
 def kvio_words(data: torch.Tensor) -> np.ndarray:

@@ -489,13 +489,13 @@ def encode_file_device(h: FileHeader, data: torch.Tensor) -> torch.Tensor:
 
 
 def _encode_file_device(h: FileHeader, data: torch.Tensor) -> torch.Tensor:
-    from . import codec
+    from .slabs import GPU_SLAB_BYTES, iter_slabs
 
     dev = _device()
     data = data.to(dev)
     head = container.pack_file_header(h)
     tail_len = 12 + 8 * h.num_chunks + container.TRAILER.size
-    slabs = list(codec.iter_slabs(h, codec.GPU_SLAB_BYTES))
+    slabs = list(iter_slabs(h, GPU_SLAB_BYTES))
     single = len(slabs) == 1
     out = None
     parts: list[torch.Tensor] = []
@@ -606,7 +606,6 @@ def decode_device(blob: torch.Tensor) -> tuple[FileHeader, torch.Tensor]:
 
 
 def _decode_device(blob: torch.Tensor) -> tuple[FileHeader, torch.Tensor]:
-    from . import codec
     from ..errors import ChecksumError, UnsupportedVersionError
     from ..storage.kvio import DTYPE_BY_NAME
 
@@ -614,7 +613,7 @@ def _decode_device(blob: torch.Tensor) -> tuple[FileHeader, torch.Tensor]:
     dev = blob.device
     _mark("start")
     reader = _DeviceReader(blob)
-    h, header_end, offsets_l, size = codec.read_header_and_index(reader)
+    h, header_end, offsets_l, size = container.read_header_and_index(reader)
     L, C, T, K = h.num_layers, h.num_channels, h.num_tokens, h.num_chunks
     dtype = DTYPE_BY_NAME[h.dtype]
     if K == 0:

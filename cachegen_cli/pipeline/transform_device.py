@@ -67,7 +67,7 @@ def _tables(dev: _Dev, q, h: FileHeader, modes, lo, alphabet):
     """Symbols and tables on the device, sharing decided on the host; returns
     (sym, cum, codes, shared, modes, lo, alphabet) with the host arrays expanded."""
     k = _k()
-    from ..methods.transform import expand_shared
+    from ..format.params import expand_shared
 
     L, C, ct = h.num_layers, h.num_channels, h.chunk_tokens
     width = int(alphabet.max(initial=1))

@@ -372,12 +372,15 @@ def decode(blob: torch.Tensor, h: FileHeader, offsets: list[int], size: int) -> 
     return out
 
 
+#: The CPU reader, ``(stream, device="cpu")``, that _raise_cpu_error reruns: pipeline.codec's
+#: decode_from_stream, set by pipeline.codec (which dispatches to this module, so this module
+#: does not import it).
+CPU_READER = None
+
+
 def _raise_cpu_error(blob: torch.Tensor) -> None:
     """Rerun the CPU reader on the file to raise its exact error for the first bad chunk."""
-    from . import codec
-
-    reader, _ = codec.open_input(blob.cpu().numpy().tobytes())
-    codec.decode_from_stream(reader, device="cpu")
+    CPU_READER(container.BufferReader(blob.cpu().numpy().tobytes()), device="cpu")
     raise FormatError("the file is corrupted (a chunk failed a check on the GPU)")
 
 
