@@ -116,9 +116,9 @@ def smol():
     torch.set_num_threads(1)
     try:
         model, tokenizer = capture.load_model(None)
-        from cachegen_cli.cli import model as cli_model
+        from cachegen_cli.cli import common as cli_common
 
-        cli_model._LOADED[str(capture.find_default_model().resolve())] = (model, tokenizer)
+        cli_common._LOADED[str(capture.find_default_model().resolve())] = (model, tokenizer)
         yield model, tokenizer
     finally:
         torch.set_num_threads(threads)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 from collections.abc import Iterator
 from enum import Enum
@@ -18,12 +17,11 @@ from typing import Optional
 
 import typer
 from rich import box
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from .. import __version__
-from ..errors import CacheGenError
+from .common import _errors, _escape, _human, err, out
 
 app = typer.Typer(
     name="cachegen",
@@ -33,9 +31,6 @@ app = typer.Typer(
     rich_markup_mode="rich",
     pretty_exceptions_enable=False,
 )
-# Wider than Rich's 80-column default when piped, so the per-layer table stays whole.
-out = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
-err = Console(stderr=True, highlight=False)
 
 #: Files of at least this many chunks get a progress bar.
 PROGRESS_MIN_CHUNKS = 8
@@ -58,39 +53,6 @@ class Device(str, Enum):
     auto = "auto"
     cpu = "cpu"
     cuda = "cuda"
-
-
-def _fail(message: str, code: int = 1) -> None:
-    err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
-
-
-@contextlib.contextmanager
-def _errors() -> Iterator[None]:
-    """Turn every error into one line on stderr and an exit code."""
-    try:
-        yield
-    except typer.Exit:
-        raise
-    except CacheGenError as exc:
-        _fail(_escape(str(exc)), exc.exit_code)
-    except KeyboardInterrupt:
-        _fail("interrupted", 130)
-    except MemoryError:
-        _fail("out of memory", 1)
-    except OSError as exc:
-        where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
-        _fail(_escape(f"{exc.strerror or exc}{where}"), 1)
-    except Exception as exc:  # noqa: BLE001 - the CLI promises no tracebacks
-        if os.environ.get("CACHEGEN_DEBUG"):
-            raise
-        _fail(_escape(f"internal error ({type(exc).__name__}: {exc}); rerun with CACHEGEN_DEBUG=1 for details"), 70)
-
-
-def _escape(text: str) -> str:
-    from rich.markup import escape
-
-    return escape(" ".join(str(text).split()))
 
 
 @contextlib.contextmanager
@@ -118,14 +80,6 @@ def _progress(label: str, enabled: bool) -> Iterator:
         yield update
     finally:
         bar.stop()
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 @app.command()
@@ -313,7 +267,7 @@ def calibrate(
         log = None
         load = None
         if sensitivity:
-            from .model import _loader, _logger
+            from .common import _loader, _logger
 
             log = _logger(not quiet)
             _, load = _loader(model, log)

@@ -3,7 +3,7 @@
 They need the optional ``eval`` extra (transformers, gguf, accelerate); this
 module imports none of it (nor torch) at import time, so ``cachegen --help``
 and the codec commands stay fast and work without it.  ``register(app)`` adds
-the two commands to the main Typer app (cachegen_cli/cli.py calls it).
+the two commands to the main Typer app (cli/commands.py calls it).
 """
 
 from __future__ import annotations
@@ -12,44 +12,16 @@ import json
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import typer
 
-#: Models loaded in this process, by resolved path (the CLI tests call several commands in one process).
-_LOADED: dict[str, tuple[Any, Any]] = {}
+from .common import _loader, _logger
 
 
 class CaptureLayout(str, Enum):
     stacked = "stacked"
     per_layer = "per-layer"
-
-
-def _loader(model: Optional[Path], log: Callable[[str], None]) -> tuple[Path, Callable[[], tuple[Any, Any]]]:
-    """Resolve the model path now (a clear error before any work) and return a memoised loader."""
-    from ..model.capture import load_model, require_eval_extra, resolve_model_path
-
-    require_eval_extra()  # the one-line install hint comes before anything else
-    resolved = resolve_model_path(model)
-
-    def load() -> tuple[Any, Any]:
-        key = str(resolved.resolve())
-        if key not in _LOADED:
-            log(f"loading the model {resolved.name}")
-            _LOADED[key] = load_model(resolved, log=log)
-        return _LOADED[key]
-
-    return resolved, load
-
-
-def _logger(enabled: bool) -> Callable[[str], None]:
-    from .commands import _escape, err
-
-    def log(message: str) -> None:
-        if enabled:
-            err.print(f"[dim]{_escape(message)}[/]", highlight=False, soft_wrap=True)
-
-    return log
 
 
 def capture_cmd(
@@ -70,7 +42,7 @@ def capture_cmd(
 
     Example: [bold]cachegen capture --text notes.txt --tokens 1024 -o kv.safetensors[/]
     """
-    from .commands import _errors, _escape, _human, out
+    from .common import _errors, _escape, _human, out
 
     with _errors():
         from ..model.capture import capture_file
@@ -104,7 +76,7 @@ def eval_cmd(
 
     Example: [bold]cachegen eval kv.cgen --text notes.txt[/]
     """
-    from .commands import _errors
+    from .common import _errors
 
     with _errors():
         from ..model.evaluate import evaluate_file
@@ -123,7 +95,7 @@ def _print_eval(r: dict) -> None:
     from rich import box
     from rich.table import Table
 
-    from .commands import _escape, _human, out
+    from .common import _escape, _human, out
 
     for w in r["warnings"]:
         out.print(f"[yellow]warning:[/] {_escape(w)}")
@@ -163,6 +135,6 @@ def register(app: typer.Typer) -> None:
     """Add ``capture`` and ``eval`` to the cachegen app."""
     app.command("capture")(capture_cmd)
     app.command("eval")(eval_cmd)
-    from .tune import register as register_tune  # `cachegen tune` (cachegen_cli/cli_tune.py)
+    from .tune import register as register_tune  # `cachegen tune` (cachegen_cli/cli/tune.py)
 
     register_tune(app)

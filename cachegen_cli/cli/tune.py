@@ -1,6 +1,6 @@
-"""``cachegen tune``: per-layer quantization steps that meet a quality target (cachegen_cli/tune.py).
+"""``cachegen tune``: per-layer quantization steps that meet a quality target (cachegen_cli/model/tune.py).
 
-Like cli_model, this module imports neither torch nor transformers at import
+Like cli/model.py, this module imports neither torch nor transformers at import
 time; ``register(app)`` adds the command to the main Typer app.
 """
 
@@ -45,10 +45,10 @@ def tune_cmd(
 
     Examples: [bold]cachegen tune kv.safetensors --target-kl 0.02 -o tuned.toml[/]; [bold]cachegen encode kv.safetensors --config tuned.toml[/]
     """
-    from .commands import _errors
+    from .common import _errors
 
     with _errors():
-        from .model import _loader, _logger
+        from .common import _loader, _logger
         from ..model.tune import tune_file
 
         log = _logger(not quiet and not as_json)
@@ -68,7 +68,7 @@ def _print_summary(r: dict) -> None:
     from rich import box
     from rich.table import Table
 
-    from .commands import _escape, _human, out
+    from .common import _escape, _human, out
 
     kl = r["kind"] == "kl"
     what = "mean KL" if kl else "attention RMS rel. error"
