@@ -115,6 +115,24 @@ def _top_level_names(path: Path) -> set[str]:
     return names
 
 
+#: The package's stages, lowest first: a module imports only from its own stage or lower ones
+#: ("package" is cachegen_cli/__init__.py, the public API, which model/ and cli/ import).
+STAGES = ("errors", "kernels", "storage", "format", "methods", "pipeline", "api", "package", "model", "cli")
+
+
+def _stage(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "package"
+
+
+def test_imports_go_down_the_stages():
+    mods = _modules()
+    assert {_stage(m) for m in mods} == set(STAGES)
+    up = sorted(f"{a} -> {b}" for a, p in mods.items() for b in _imports(a, p, mods)
+                if STAGES.index(_stage(b)) > STAGES.index(_stage(a)))
+    assert not up, "imports of a higher stage:\n" + "\n".join(up)
+
+
 def test_every_import_of_the_package_resolves():
     """Each ``from X import y`` of the package's own modules, deferred ones included (some run
     only on a GPU), names a module that exists and a submodule or top-level name of it."""
