@@ -11,7 +11,7 @@ Calibrated with the model (``cachegen calibrate --sensitivity``), the file also
 says how much each (layer, K/V) plane matters to the model: the mean Fisher
 information per value, measured on the samples' own held-out tokens
 (``tune.sensitivity_from_caches``).  ``encode`` then gives each plane its own step
-(``transform_codec.step_params``): planes whose errors cost the model little get
+(``methods.transform.step_params``): planes whose errors cost the model little get
 coarser steps, at the same mean log step, so about the same size for a lower KL.
 The sensitivities only steer the encoder (the steps it chose are in the .cgen
 file), so they are not part of the file's identity.

@@ -178,7 +178,7 @@ class TransformConfig:
     recent_tokens: int = 64
     recent_bits: int = 2
     #: "sensitivity": with a calibration that holds per-plane sensitivities, each (layer, K/V)
-    #: step is scaled by its allocation factor (transform_codec.step_params); "none": the steps
+    #: step is scaled by its allocation factor (methods/transform.py step_params); "none": the steps
     #: as given (what `cachegen tune` writes: its steps are already allocated).
     allocation: str = "sensitivity"
     name: str = field(default="custom", compare=False)

@@ -1,4 +1,4 @@
-"""Format version 2 on a CUDA GPU: transform_codec's encode and decode through
+"""Format version 2 on a CUDA GPU: methods/transform.py's encode and decode through
 ``kernels/cuda_transform.py``, with the same bytes as the CPU.
 
 The bulk work (rotation, quantization, level statistics, symbols, tables, range
