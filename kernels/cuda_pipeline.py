@@ -685,7 +685,7 @@ def _coder_table_kernel(cum, ref, lo, alphabet, tab, lo_eff, alphabet_eff, lut):
 def coder_tables(cum, ref, lo, alphabet, tab, lo_eff, alphabet_eff, lut, stream=0):
     """Each channel's coding table, its own or the one it shares (ref): tab [L, 2, C, 257] int32
     holding the 32 bits cum[s] | freq[s] << 16 for its A symbols, then PROB_TOTAL at A (where
-    the decoder's scan stops; later entries are not written), the lo and alphabet it codes with (transform_codec.expand_shared's) and,
+    the decoder's scan stops; later entries are not written), the lo and alphabet it codes with (params.expand_shared's) and,
     when lut is [L, 2, C, LUT_SIZE] (uint8), the decoder's lookup table: for each b the symbol
     s with cum[s] <= b << LUT_SHIFT < cum[s + 1] (cpu.build_lut), its first guess."""
     L, _, C, W = tab.shape
@@ -1339,7 +1339,7 @@ def dequantize(sym, modes, lo_eff, chunk_tokens, method2, sink, offsets, steps, 
     or float32 bits (out_bytes 4), tokens below sink left for the caller; or the lossless words
     (the top byte joined with the nraw raw low bytes).  sym: words [L, 2, T, C / V] of V
     symbols; out: words [L, 2, T, C / V] of V values of out_bytes each.  Same values as
-    transform_codec.decode_v2 on the CPU."""
+    methods/transform.decode_v2 on the CPU."""
     L, _, T, CW = sym.shape
     K = (T + chunk_tokens - 1) // chunk_tokens
     n = L * 2 * K * CW

@@ -1,6 +1,6 @@
 """Format version 2 resident on the GPU: a cache tensor on the device -> the whole .cgen
 file in a uint8 device tensor, and back, through kernels/cuda_pipeline.py.  The bytes are
-the CPU's (transform_codec.encode_v2); decoding gives the CPU's values and makes every
+the CPU's (methods/transform.encode_v2); decoding gives the CPU's values and makes every
 check of docs/format.md's reader rules.
 
 Encoding runs the stages of the CPU path as device kernels
@@ -8,7 +8,9 @@ Encoding runs the stages of the CPU path as device kernels
   [statistics -> steps]  ->  levels + per-chunk level statistics  ->  table choice  ->
   histogram  ->  codes and CDFs  ->  table sharing  ->  range coding  ->  the file's sections
 
-with two host synchronisations whatever the cache's size: the per-coordinate sums come back
+with two host synchronisations whatever the cache's size (three with the finiteness check
+that builds the cache, storage/kvio.check_finite: one kernel, one flag per layer back): the
+per-coordinate sums come back
 for the steps (the same numpy code as the CPU path computes them, so both devices pick the
 same bfloat16 steps and offsets), and the chunks' payload sizes and the tables' size come
 back to place the records.  Decoding parses the header, descriptor, Params block and index
@@ -17,7 +19,7 @@ dequantizes on the device, and copies back one small table of check results; whe
 fails, the CPU reader reruns on the file so that the error is exactly the CPU's.
 
 Covered: methods 2 (transform, refinement, sink tokens, token deltas) and 3 (lossless)
-without a rotation; a rotated file goes through gpu_transform.py.  Under numba's CUDA
+without a rotation; a rotated file goes through pipeline/transform_device.py.  Under numba's CUDA
 simulator the same code runs on CPU tensors (the kernels get numpy views): that is how
 ``make test`` checks that both devices write the same bytes.
 """
@@ -53,7 +55,7 @@ _HEAD_DTYPE = np.dtype([("magic", "S4"), ("index", "<u4"), ("first_token", "<u4"
 
 
 #: Set by benchmarks to a callable taking a stage name: called after each stage's launches,
-#: so CUDA events can time the stages (gpu_codec.STAGE_HOOK's convention).
+#: so CUDA events can time the stages (pipeline/lmcache_device.STAGE_HOOK's convention).
 STAGE_HOOK = None
 
 
