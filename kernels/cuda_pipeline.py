@@ -1112,27 +1112,15 @@ def _chunk_of(i, first):
 
 
 @cuda.jit
-def _raw_kernel(out, raw_at, raw_first, chunk_tokens, refine_start, bits, ref, words, nraw):
+def _raw_kernel(out, raw_at, raw_first, chunk_tokens, refine_start, bits, ref, L, T, C):
     i = cuda.grid(1)
     K = raw_first.shape[0] - 1
     if i >= raw_first[K]:
         return
     k = _chunk_of(i, raw_first)
     j = i - raw_first[k]
-    L, _, T, C = words.shape
     t0 = k * chunk_tokens
     t1 = min(T, t0 + chunk_tokens)
-    if nraw > 0:  # lossless: the low bytes of each word, [L][2][Tk][C][nraw]
-        v = j // nraw
-        b = j % nraw
-        c = v % C
-        r = v // C
-        tk = t1 - t0
-        tl = r % tk
-        p = r // tk
-        w = np.int64(words[p // 2, p % 2, t0 + tl, c])
-        out[raw_at[k] + j] = (w >> (8 * b)) & 0xFF
-        return
     # refinement indices of the chunk's refined tokens, [L][2][n][C], bits each, LSB first
     r0 = max(t0, refine_start)
     nk = t1 - r0
@@ -1150,38 +1138,47 @@ def _raw_kernel(out, raw_at, raw_first, chunk_tokens, refine_start, bits, ref, w
     out[raw_at[k] + j] = byte
 
 
-@cuda.jit
-def _low_bytes_kernel(out, raw_at, wf, L, T, C, chunk_tokens, nraw):
-    i = cuda.grid(1)
-    if i >= L * 2 * T * C:
-        return
-    c = i % C
-    r = i // C
-    t = r % T
-    p = r // T
-    k = t // chunk_tokens
-    tk = min(chunk_tokens, T - k * chunk_tokens)
-    o = raw_at[k] + ((p * tk + (t - k * chunk_tokens)) * C + c) * nraw
-    w = np.int64(wf[i])
-    for b in range(nraw):
-        out[o + b] = (w >> (8 * b)) & 0xFF
+def _make_low_bytes(V, B):
+    vmask = (1 << B) - 1
+
+    @cuda.jit
+    def kernel(out, raw_at, wf, T, CW, chunk_tokens, nraw):
+        # a block per (layer, K/V, token) row: its index arithmetic once, V values per thread
+        row = cuda.blockIdx.x
+        p = row // T
+        t = row - p * T
+        k = t // chunk_tokens
+        t0 = k * chunk_tokens
+        tk = min(chunk_tokens, T - t0)
+        base = raw_at[k] + (p * tk + (t - t0)) * (CW * V) * nraw
+        for cw in range(cuda.threadIdx.x, CW, cuda.blockDim.x):
+            w = np.int64(wf[row * CW + cw])
+            o = base + cw * V * nraw
+            for j in range(V):
+                x = (w >> (B * j)) & vmask
+                for b in range(nraw):
+                    out[o + j * nraw + b] = (x >> (8 * b)) & 0xFF
+
+    return kernel
 
 
-def write_raw(out, raw_at, raw_first, chunk_tokens, refine_start, bits, ref, words, nraw, total, stream=0):
+def write_raw(out, raw_at, raw_first, chunk_tokens, refine_start, bits, ref, words, itemsize, nraw, total, stream=0):
     """The chunks' raw sections: lossless low bytes (nraw > 0, from the cache's words) or the
     refinement indices (params.pack_refinement of ref [L, 2, R, C], tokens refine_start..);
-    chunk k's at out[raw_at[k]:], raw_first its prefix sums (K + 1), total = raw_first[K]."""
+    chunk k's at out[raw_at[k]:], raw_first its prefix sums (K + 1), total = raw_first[K].
+    words: the cache's raw words [L, 2, T, C / V], V values of ``itemsize`` bytes each."""
     if total == 0:
         return
-    if nraw > 0:  # one thread per value, in the cache's order: coalesced both ways
-        L, _, T, C = words.shape
-        _low_bytes_kernel[(*_cfg(L * 2 * T * C), stream)](as_device(out), as_device(raw_at),
-                                                          as_device(words.reshape(-1)), np.int64(L), np.int64(T),
-                                                          np.int64(C), np.int64(chunk_tokens), np.int64(nraw))
+    L, _, T, CW = words.shape
+    V = words.dtype.itemsize // itemsize
+    if nraw > 0:
+        _made(_make_low_bytes, V, 8 * itemsize)[L * 2 * T, min(BLOCK, max(32, -(-CW // 32) * 32)), stream](
+            as_device(out), as_device(raw_at), as_device(words.reshape(-1)), np.int64(T), np.int64(CW),
+            np.int64(chunk_tokens), np.int64(nraw))
         return
     _raw_kernel[(*_cfg(total), stream)](as_device(out), as_device(raw_at), as_device(raw_first),
                                         np.int64(chunk_tokens), np.int64(refine_start), np.int64(max(bits, 1)),
-                                        as_device(ref), as_device(words), np.int64(nraw))
+                                        as_device(ref), np.int64(L), np.int64(T), np.int64(CW * V))
 
 
 @cuda.jit

@@ -306,7 +306,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[to
     k.write_tables(out_nb, tables_at, _nb(texcl), _nb(shared), _nb(modes), _nb(lo), _nb(alphabet), _nb(codes))
     excl = incl - lengths
     k.write_streams(out_nb, _nb(payload_at_d), _nb(lengths_at_d), _nb(lengths), _nb(excl), per, _nb(slots))
-    k.write_raw(out_nb, _nb(raw_at_d), _nb(raw_first_d), ct, T - R, bits, _nb(ref), _nb(words), nraw,
+    k.write_raw(out_nb, _nb(raw_at_d), _nb(raw_first_d), ct, T - R, bits, _nb(ref), _nb(wv), itemsize, nraw,
                 int(raw_first[-1]))
     _mark("sections")
     k1 = _k1()
