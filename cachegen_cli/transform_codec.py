@@ -78,14 +78,6 @@ def make_header_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, para
         sink_tokens=sink, params=params)
 
 
-def _choose_tables(q: np.ndarray, chunk_tokens: int, allow_delta: bool, method: int):
-    """Per table: mode, lo and alphabet from the levels' direct and delta ranges."""
-    L, _, T, C = q.shape
-    stats = np.empty((L, 2, C, 6), np.int64)
-    k2.level_stats(q, chunk_tokens, stats)
-    return tables_from_stats(stats, allow_delta, T)
-
-
 def tables_from_stats(stats: np.ndarray, allow_delta: bool, T: int):
     """(modes, lo, alphabet) [L, 2, C] from level_stats' output."""
     L, _, C, _ = stats.shape
@@ -104,44 +96,6 @@ def tables_from_stats(stats: np.ndarray, allow_delta: bool, T: int):
         lo[:] = 0
         alphabet[:] = 1
     return modes, lo.astype(np.int64), alphabet.astype(np.int64)
-
-
-def _code(h: FileHeader, q: np.ndarray, modes, lo, alphabet):
-    """Symbols, tables and range-coded streams of the levels q; returns (codes, lengths, payload, offsets)."""
-    L, _, T, C = q.shape
-    ct, G = h.chunk_tokens, h.group
-    width = int(alphabet.max(initial=1))
-    sym = np.empty(q.shape, np.uint8)
-    counts = np.empty((L, 2, C, width), np.int64)
-    k2.levels_to_symbols(q, modes, lo, ct, sym, counts)
-    codes = np.empty((L, 2, C, width), np.uint8)
-    cum = np.empty((L, 2, C, width + 1), np.int32)
-    k2.build_tables(counts, alphabet, codes, cum)
-    # Neighbouring channels often have near-identical statistics (after a rotation they are
-    # ordered by variance): a channel that codes about as well with the previous table
-    # sends a one-byte reference instead of its own table.
-    shared = np.zeros((L, 2, C), np.bool_)
-    k2.share_tables(counts, lo, alphabet, modes, cum, SYMBOL_COST, shared, np.empty((L, 2, C), np.int64))
-    if shared.any():
-        modes, lo, alphabet, codes, cum = expand_shared(shared, modes, lo, alphabet, codes, cum)
-        k2.levels_to_symbols(q, modes, lo, ct, sym, np.empty((L, 2, C, width), np.int64))
-    K = h.num_chunks
-    tab = np.empty((L, 2, C, width), np.uint32)
-    lut = np.empty((L, 2, C, cpu_kernels.LUT_SIZE), np.uint8)
-    k2.coder_tables(cum, alphabet, tab, lut)
-    lengths = np.empty((K, L, 2, h.groups), np.int32)
-    plane_bytes = np.empty(K * L * 2, np.int64)
-    # One row per plane, big enough for its worst case; only the bytes written are touched.
-    planes = np.empty((K * L * 2, h.groups * max_stream_bytes(ct * G)), np.uint8)
-    k2.encode_table_planes(sym, tab.reshape(L, 2, C * width), ct, G, lengths, plane_bytes, planes)
-    plane_offsets = np.zeros(K * L * 2 + 1, np.int64)
-    np.cumsum(plane_bytes, out=plane_offsets[1:])
-    payload = np.empty(int(plane_offsets[-1]), np.uint8)
-    cpu_kernels.pack_streams(planes, plane_bytes, plane_offsets, payload)
-    lengths = lengths.reshape(-1)
-    offsets = np.zeros(lengths.size + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return codes, lengths, payload, offsets, shared, modes, lo, alphabet
 
 
 def expand_shared(shared, *arrays):
@@ -397,7 +351,7 @@ class _SlabEncoder:
         s1, s2, b1, b2 = (np.zeros((L, 2, C), np.float64) for _ in range(4))
         for t0, t1 in self.bounds:
             src, shift, rot = self._values(t0, t1, check)
-            k2.slab_stats(src, shift, rot, sink, t0, T, s1, s2, b1, b2)
+            k2.transform_stats_carry(src, rot, sink, t0, T, s1, s2, b1, b2, shift)
         if check is not None:
             check.raise_if_bad()
         offsets_bits, m, steps_bits, self.steps = step_params(s1, s2, T - sink, cfg.steps_table(L),
@@ -428,7 +382,7 @@ class _SlabEncoder:
             if self.lossless:
                 k2.lossless_counts(self._words(t0, t1), self.nraw, lo, counts)
             else:
-                k2.count_levels(self._levels(t0, t1)[0], modes, lo, ct, counts)
+                k2.count_symbols(self._levels(t0, t1)[0], modes, lo, ct, counts)
         codes = np.empty((L, 2, C, width), np.uint8)
         cum = np.empty((L, 2, C, width + 1), np.int32)
         k2.build_tables(counts, alphabet, codes, cum)
@@ -456,10 +410,7 @@ class _SlabEncoder:
         for t0, t1 in self.bounds:
             if self.lossless:
                 words = self._words(t0, t1)
-                sym = self._empty("sym", words.shape, np.uint8)
                 extra = np.empty(words.size * self.nraw, np.uint8)  # the low bytes, in chunk order
-                k2.lossless_symbols(words, self.nraw, ct, p.lo, sym, extra)
-                del words
             else:
                 q, extra = self._levels(t0, t1)
             self.kept = None  # a single slab's arrays go with its chunks
@@ -469,8 +420,8 @@ class _SlabEncoder:
             # One row per plane, big enough for its worst case; only the bytes written are touched.
             planes = self._empty("planes", (K * L * 2, h.groups * max_stream_bytes(ct * G)), np.uint8)
             if self.lossless:
-                k2.encode_table_planes(sym, tab, ct, G, lengths, plane_bytes, planes)
-                del sym
+                k2.encode_word_planes(words, self.nraw, p.lo, tab, ct, G, extra, lengths, plane_bytes, planes)
+                del words
             else:
                 k2.encode_level_planes(q, p.modes, p.lo, tab, ct, G, lengths, plane_bytes, planes)
                 del q
@@ -498,7 +449,7 @@ def _sink_bytes(block: torch.Tensor, sink: int) -> np.ndarray:
 def _slab_chunks(h: FileHeader, t0: int, t1: int, lengths, payload, offsets, raw: np.ndarray | None = None,
                  ref: np.ndarray | None = None) -> list[Chunk]:
     """The chunks of the slab of tokens [t0, t1) (whole chunks from chunk t0 / chunk_tokens) from
-    its streams; ``raw``: the lossless low bytes in chunk order (kernels' lossless_symbols);
+    its streams; ``raw``: the lossless low bytes in chunk order (kernels' encode_word_planes);
     ``ref``: the refinement indices [L, 2, n, C] of the slab's refined tokens (its last n)."""
     L, C, ct = h.num_layers, h.num_channels, h.chunk_tokens
     per = h.streams_per_chunk

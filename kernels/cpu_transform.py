@@ -327,41 +327,6 @@ def coder_tables(cum, alphabet, tab, lut):
         build_lut(row, alphabet[l, kv, c], lut[l, kv, c])
 
 
-@njit(parallel=True, **_FAST)
-def encode_table_planes(sym, tab, chunk_tokens, group, lengths, plane_bytes, planes):
-    """Range-code every stream: one job per plane (chunk, layer, K/V), its streams back to
-    back in planes[job]; lengths [K, L, 2, groups]; tab uint32 [L, 2, C * W]."""
-    L, _, T, C = sym.shape
-    K = lengths.shape[0]
-    W = tab.shape[2] // C
-    for job in prange(K * L * 2):
-        k, l, kv = _plane_index(job, L)
-        t0 = k * chunk_tokens
-        t1 = min(T, t0 + chunk_tokens)
-        cap = 2 * (t1 - t0) * group + 8
-        buf = np.empty(INTERLEAVE * cap, np.uint8)
-        plane_bytes[job] = _encode_plane_streams(sym[l, kv, t0:t1], tab[l, kv], W, group, buf, cap, planes[job],
-                                                 lengths[k, l, kv])
-
-
-@njit(parallel=True, **_FAST)
-def decode_table_planes(payload, offsets, lengths, cum, lut, chunk_tokens, group, sym):
-    """Inverse of encode_table_planes: stream s is payload[offsets[s]:offsets[s] + lengths[s]];
-    cum int32 [L, 2, C * W1], lut uint8 [L, 2, C * LUT_SIZE]."""
-    L, _, T, C = sym.shape
-    K = (T + chunk_tokens - 1) // chunk_tokens
-    W1 = cum.shape[2] // C
-    groups = (C + group - 1) // group
-    for job in prange(K * L * 2):
-        k, l, kv = _plane_index(job, L)
-        t0 = k * chunk_tokens
-        t1 = min(T, t0 + chunk_tokens)
-        cap = 2 * (t1 - t0) * group + 8
-        buf = np.empty(INTERLEAVE * cap, np.uint8)
-        _decode_plane_streams(payload, offsets, lengths, job * groups, cum[l, kv], W1, lut[l, kv], group, buf, cap,
-                              sym[l, kv, t0:t1])
-
-
 @njit(**_JIT)
 def walk_tables(buf, start, count, per_plane, starts, heads):
     """Walk the table entries of a Params block: starts[i] = where entry i's codes begin,
@@ -397,65 +362,6 @@ def walk_tables(buf, start, count, per_plane, starts, heads):
 
 
 @njit(parallel=True, **_JIT)
-def transform_stats_carry(x, rot, sink, t_first, num_tokens, s1, s2, b1, b2):
-    """transform_stats over x = tokens t_first .. of a cache of num_tokens tokens, carrying
-    the sums between calls: s1 / s2 [L, 2, C] the closed blocks' sums, b1 / b2 the open
-    block's (all zero before the first slab).  The same additions in the same order as
-    transform_stats, so after the last slab s1 and s2 are bit for bit its sums and sumsq."""
-    L, _, Tx, C = x.shape
-    rotated = rot.shape[0] > 0
-    for p in prange(L * 2):
-        l = p // 2
-        kv = p % 2
-        y = np.empty(C, np.float64)
-        a1 = s1[l, kv]
-        a2 = s2[l, kv]
-        o1 = b1[l, kv]
-        o2 = b2[l, kv]
-        for i in range(Tx):
-            t = t_first + i
-            if t < sink:
-                continue
-            if rotated:
-                rotate_row(x[l, kv, i], rot[l, kv], y)
-            else:
-                for c in range(C):
-                    y[c] = np.float64(x[l, kv, i, c])
-            for c in range(C):
-                v = np.float64(np.float32(y[c]))
-                o1[c] += v
-                o2[c] += v * v
-            if (t + 1) % STATS_BLOCK == 0 or t == num_tokens - 1:
-                for c in range(C):
-                    a1[c] += o1[c]
-                    a2[c] += o2[c]
-                    o1[c] = 0.0
-                    o2[c] = 0.0
-
-
-@njit(parallel=True, **_JIT)
-def count_symbols(q, modes, lo, chunk_tokens, counts):
-    """counts[..., s] += occurrences of symbol s as levels_to_symbols codes q (whose first
-    token starts a chunk), without writing the symbols: a slab's share of a file's counts."""
-    L, _, T, C = q.shape
-    for p in prange(L * 2):
-        l = p // 2
-        kv = p % 2
-        cnt = counts[l, kv]
-        plane = q[l, kv]
-        md = modes[l, kv]
-        base = lo[l, kv]
-        for t in range(T):
-            first = t % chunk_tokens == 0
-            row = plane[t]
-            for c in range(C):
-                v = np.int64(row[c])
-                if md[c] == 1 and not first:
-                    v -= np.int64(plane[t - 1, c])
-                cnt[c, v - base[c]] += 1
-
-
-@njit(parallel=True, **_JIT)
 def merge_level_stats(total, part):
     """total = the level_stats of two runs of tokens together (min, max, sums of |value|)."""
     L, _, C, _ = total.shape
@@ -473,146 +379,57 @@ def merge_level_stats(total, part):
             a[5] += b[5]
 
 
-@njit(parallel=True, **_JIT)
+@njit(parallel=True, **_FAST)
 def lossless_stats(words, nraw, stats):
     """level_stats' direct fields (min, max, sum of |value|) of the lossless symbols of words
     (split_words' q), computed from the words; the token-delta fields get the same values
-    (lossless tables are always direct, transform_codec.tables_from_stats ignores them)."""
+    (lossless tables are always direct, transform_codec.tables_from_stats ignores them).
+    int32 minima and maxima so that the channel loop vectorizes."""
     L, _, T, C = words.shape
     shift = 8 * nraw
     for p in prange(L * 2):
         l = p // 2
         kv = p % 2
-        mn = np.full(C, 1 << 40, np.int64)
-        mx = np.full(C, -(1 << 40), np.int64)
+        mn = np.full(C, 255, np.int32)
+        mx = np.zeros(C, np.int32)
         ab = np.zeros(C, np.int64)
         plane = words[l, kv]
         for t in range(T):
             row = plane[t]
             for c in range(C):
-                v = top_byte_symbol(np.int64(row[c]) >> shift)
+                v = np.int32(top_byte_symbol(np.int64(row[c]) >> shift))
                 mn[c] = min(mn[c], v)
                 mx[c] = max(mx[c], v)
                 ab[c] += v
         st = stats[l, kv]
         for c in range(C):
-            st[c, 0] = st[c, 3] = mn[c]
-            st[c, 1] = st[c, 4] = mx[c]
+            st[c, 0] = st[c, 3] = mn[c] if T > 0 else STAT_EMPTY
+            st[c, 1] = st[c, 4] = mx[c] if T > 0 else -STAT_EMPTY
             st[c, 2] = st[c, 5] = ab[c]
 
 
-@njit(parallel=True, **_JIT)
+@njit(parallel=True, **_FAST)
 def lossless_counts(words, nraw, lo, counts):
     """counts[..., s] += occurrences of symbol s = split_words' q - lo (direct tables), from the words."""
     L, _, T, C = words.shape
+    W = counts.shape[3]
     shift = 8 * nraw
     for p in prange(L * 2):
         l = p // 2
         kv = p % 2
-        cnt = counts[l, kv]
-        base = lo[l, kv]
+        base = lo[l, kv].astype(np.int32)
         plane = words[l, kv]
+        s = np.empty(C, np.int32)
+        cnt = np.zeros(C * W, np.int32)
         for t in range(T):
             row = plane[t]
             for c in range(C):
-                cnt[c, top_byte_symbol(np.int64(row[c]) >> shift) - base[c]] += 1
-
-
-@njit(parallel=True, **_JIT)
-def lossless_symbols(words, nraw, chunk_tokens, lo, sym, raw):
-    """split_words then levels_to_symbols (direct tables) in one pass: sym = q - lo, and the
-    low bytes in chunk order: raw (flat uint8) holds chunk k's [L, 2, Tk, C, nraw] block (the
-    chunk's Raw section, docs/format.md) from k x L x 2 x chunk_tokens x C x nraw on, so each
-    chunk's section is a slice of it, not a copy."""
-    L, _, T, C = words.shape
-    shift = 8 * nraw
-    for row in prange(L * 2 * T):
-        l = row // (2 * T)
-        kv = (row // T) % 2
-        t = row % T
-        k = t // chunk_tokens
-        tk = min(chunk_tokens, T - k * chunk_tokens)
-        o = (k * L * 2 * chunk_tokens + (l * 2 + kv) * tk + t - k * chunk_tokens) * C * nraw
-        src = words[l, kv, t]
-        out = sym[l, kv, t]
-        base = lo[l, kv]
-        dst = raw[o : o + C * nraw]
-        if nraw == 1:
-            for c in range(C):
-                w = np.int64(src[c])
-                out[c] = top_byte_symbol(w >> shift) - base[c]
-                dst[c] = w & 0xFF
-        else:
-            for c in range(C):
-                w = np.int64(src[c])
-                out[c] = top_byte_symbol(w >> shift) - base[c]
-                for b in range(nraw):
-                    dst[c * nraw + b] = (w >> (8 * b)) & 0xFF
-
-
-@njit(parallel=True, **_JIT)
-def join_words_chunked(q, raw, nraw, chunk_tokens, words, t_out):
-    """Inverse of lossless_symbols' split (q: the symbols plus lo), into words[:, :, t_out + t]
-    (uint16 or uint32); raw: the low bytes in chunk order (the chunks' Raw sections back to back)."""
-    L, _, T, C = q.shape
-    shift = 8 * nraw
-    for row in prange(L * 2 * T):
-        l = row // (2 * T)
-        kv = (row // T) % 2
-        t = row % T
-        k = t // chunk_tokens
-        tk = min(chunk_tokens, T - k * chunk_tokens)
-        o = (k * L * 2 * chunk_tokens + (l * 2 + kv) * tk + t - k * chunk_tokens) * C * nraw
-        dst = words[l, kv, t_out + t]
-        src = q[l, kv, t]
-        low = raw[o : o + C * nraw]
-        if nraw == 1:
-            for c in range(C):
-                dst[c] = (symbol_top_byte(src[c]) << shift) | np.int64(low[c])
-        else:
-            for c in range(C):
-                w = symbol_top_byte(src[c]) << shift
-                for b in range(nraw):
-                    w |= np.int64(low[c * nraw + b]) << (8 * b)
-                dst[c] = w
-
-
-@njit(parallel=True, **_JIT)
-def transform_dequantize_words(q, rot, sink, offsets, steps, t0, bits, ref, out, t_out, to_bf16):
-    """transform_dequantize into out[:, :, t_out + t]: float32, or (to_bf16) uint16 bfloat16
-    words rounded to nearest even, as torch converts float32 (the values are finite).  Tokens
-    below ``sink`` are left alone."""
-    L, _, T, C = q.shape
-    rotated = rot.shape[0] > 0
-    for row in prange(L * 2 * T):
-        l = row // (2 * T)
-        kv = (row // T) % 2
-        t = row % T
-        if t < sink:
-            continue
-        step = steps[l, kv]
-        refined = t >= t0 and bits > 0
-        r = t - t0 if refined else 0
-        zf = np.empty(C, np.float32)
-        if rotated:
-            z = np.empty(C, np.float64)
-            for d in range(C):
-                j = ref[l, kv, r, d] if refined else 0
-                z[d] = np.float64(token_value(q[l, kv, t, d], j, refined, bits, offsets[l, kv, d], step))
-            unrotate_row(z, rot[l, kv], zf)
-        else:
-            for c in range(C):
-                j = ref[l, kv, r, c] if refined else 0
-                zf[c] = token_value(q[l, kv, t, c], j, refined, bits, offsets[l, kv, c], step)
-        dst = out[l, kv, t_out + t]
-        if to_bf16:
-            zu = zf.view(np.uint32)
-            for c in range(C):
-                u = zu[c]
-                dst[c] = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-        else:
-            for c in range(C):
-                dst[c] = zf[c]
+                s[c] = np.int32(top_byte_symbol(np.int64(row[c]) >> shift)) - base[c]
+            _count_row(s, W, cnt)
+        out = counts[l, kv]
+        for c in range(C):
+            for j in range(W):
+                out[c, j] += cnt[c * W + j]
 
 
 @njit(parallel=True, **_JIT)
@@ -678,8 +495,11 @@ def take_channels(a, idx, out):
 #   accumulation order of every output (c = 0 .. C-1) unchanged.
 # =====================================================================================
 
-#: Rows rotated together (each read of a row of R serves this many tokens).
-ROT_ROWS = 8
+#: Rows rotated together (each read of a row of R serves this many tokens; measured best of
+#: 4 .. 64 on a Zen 3 core with C = 1024).
+ROT_ROWS = 16
+#: Output coordinates a rotation block accumulates at a time (ROT_ROWS x ROT_TILE float64 in L1).
+ROT_TILE = 1024
 
 
 def _as_value(v, shift):
@@ -709,17 +529,24 @@ def _fill_rows(src, shift, rot_plane, i0, n, y, r64):
         return
     for b in range(n):
         y[b, :] = 0.0
-    for c in range(C):
-        rrow = rot_plane[c]
-        for d in range(C):
-            r64[d] = np.float64(rrow[d])
-        for b in range(n):
-            # float64(float32(x)): exact, as rotate_row; a zero adds nothing (y is never -0.0).
-            xc = np.float64(np.float32(_as_value(src[i0 + b, c], shift)))
-            if xc != 0.0:
-                out = y[b]
-                for d in range(C):
-                    out[d] += xc * r64[d]
+    # Output coordinates in tiles of ROT_TILE, so that the block's accumulators stay in L1 while
+    # every row of R passes (each output still sums over c in order).
+    # (Loops from 0 over slices: a loop from d0 keeps numba's negative-index checks, which stop
+    # LLVM from vectorizing it.)
+    for d0 in range(0, C, ROT_TILE):
+        w = min(C, d0 + ROT_TILE) - d0
+        rt = r64[:w]
+        for c in range(C):
+            rrow = rot_plane[c, d0 : d0 + w]
+            for d in range(w):
+                rt[d] = np.float64(rrow[d])
+            for b in range(n):
+                # float64(float32(x)): exact, as rotate_row; a zero adds nothing (y is never -0.0).
+                xc = np.float64(np.float32(_as_value(src[i0 + b, c], shift)))
+                if xc != 0.0:
+                    out = y[b, d0 : d0 + w]
+                    for d in range(w):
+                        out[d] += xc * rt[d]
 
 
 @njit(parallel=True, **_FAST)
@@ -738,9 +565,13 @@ def rotate_rows(src, shift, rot, y):
 
 
 @njit(parallel=True, **_FAST)
-def slab_stats(src, shift, rot, sink, t_first, num_tokens, s1, s2, b1, b2):
-    """transform_stats_carry of the slab src (source bits with ``shift``, or rotated float64
-    rows with an empty rot): the same additions in the same order, so the same sums."""
+def transform_stats_carry(src, rot, sink, t_first, num_tokens, s1, s2, b1, b2, shift=0):
+    """transform_stats over src = tokens t_first .. of a cache of num_tokens tokens, carrying
+    the sums between calls: s1 / s2 [L, 2, C] the closed blocks' sums, b1 / b2 the open
+    block's (all zero before the first slab).  The same additions in the same order as
+    transform_stats, so after the last slab s1 and s2 are bit for bit its sums and sumsq.
+    src: float32 values, their bits (``shift`` as for _fill_rows), or rotated float64 rows
+    with an empty rot."""
     L, _, Tx, C = src.shape
     for p in prange(L * 2):
         l = p // 2
@@ -809,7 +640,7 @@ def quantize_stats(src, shift, rot, sink, offsets, steps, qmax, threshold, t_ref
     token starts a chunk): q [L, 2, T, C] int16, ref [L, 2, T - t_ref, C] (tokens t_ref .. ,
     when bits > 0), and stats [P, L, 2, C, 6] the level statistics of P parts of each plane
     (runs of whole chunks; the caller reduces them: min, max, sums).  src / shift / rot as for
-    slab_stats; offsets float32 [L, 2, C]."""
+    transform_stats_carry; offsets float32 [L, 2, C]."""
     L, _, T, C = q.shape
     P = stats.shape[0]
     K = (T + chunk_tokens - 1) // chunk_tokens
@@ -884,8 +715,8 @@ def _symbol_row(row, prev, delta, base, out):
 
 
 @njit(parallel=True, **_FAST)
-def count_levels(q, modes, lo, chunk_tokens, counts):
-    """count_symbols: counts[..., s] += occurrences of symbol s as levels_to_symbols codes q
+def count_symbols(q, modes, lo, chunk_tokens, counts):
+    """counts[..., s] += occurrences of symbol s as levels_to_symbols codes q
     (whose first token starts a chunk), without storing the symbols."""
     L, _, T, C = q.shape
     W = counts.shape[3]
@@ -991,10 +822,10 @@ def _store_row(zf, dst, to_bf16):
 @njit(parallel=True, **_FAST)
 def decode_transform_planes(payload, offsets, lengths, cum, lut, chunk_tokens, group, num_tokens, modes, lo, rot_t,
                             sink, voffsets, steps, t_ref, bits, ref, out, t_out, to_bf16):
-    """decode_table_planes + symbols_to_levels + transform_dequantize_words, one job per plane
+    """decode_table_streams + symbols_to_levels + transform_dequantize, one job per plane
     (chunk, layer, K/V) of a slab of num_tokens tokens, the plane's symbols and levels kept in
-    scratch: out[:, :, t_out + t] (float32, or bfloat16 words with to_bf16) for the tokens
-    t >= sink.  cum / lut: [L, 2, C * ...] as coder_tables makes them; rot_t: the rotation
+    scratch: out[:, :, t_out + t] (float32, or bfloat16 words with to_bf16, rounded to nearest
+    even as torch converts float32) for the tokens t >= sink.  cum / lut: [L, 2, C * ...] as coder_tables makes them; rot_t: the rotation
     transposed ([L, 2, C, C]: rot_t[d, c] = R[c, d]) or empty, so that the inverse rotation
     runs as _fill_rows (out[c] = sum over d in order of z[d] R[c, d]); t_ref, bits, ref: as for
     transform_dequantize."""
@@ -1052,8 +883,8 @@ def decode_transform_planes(payload, offsets, lengths, cum, lut, chunk_tokens, g
 @njit(parallel=True, **_FAST)
 def decode_lossless_planes(payload, offsets, lengths, cum, lut, chunk_tokens, group, num_tokens, modes, lo, raw, nraw,
                            words, t_out):
-    """decode_table_planes + symbols_to_levels + join_words_chunked, one job per plane (chunk,
-    layer, K/V): words[:, :, t_out + t] from the symbols and the low bytes in chunk order
+    """decode_table_streams + symbols_to_levels + join_words, one job per plane (chunk, layer,
+    K/V): words[:, :, t_out + t] from the symbols and the low bytes in chunk order
     (raw: the chunks' Raw sections back to back)."""
     L, _, _, C = words.shape
     K = (num_tokens + chunk_tokens - 1) // chunk_tokens
@@ -1087,12 +918,52 @@ def decode_lossless_planes(payload, offsets, lengths, cum, lut, chunk_tokens, gr
 
 @njit(parallel=True, **_FAST)
 def transpose_planes(rot, rot_t):
-    """rot_t[l, kv] = rot[l, kv] transposed (decode_transform_planes' inverse rotation)."""
+    """rot_t[l, kv] = rot[l, kv] transposed (decode_transform_planes' inverse rotation), in
+    64 x 64 tiles so that both sides are read and written by whole cache lines."""
     L, _, C, _ = rot.shape
-    for p in prange(L * 2 * C):
-        l = p // (2 * C)
-        kv = (p // C) % 2
-        d = p % C
-        dst = rot_t[l, kv, d]
-        for c in range(C):
-            dst[c] = rot[l, kv, c, d]
+    nt = (C + 63) // 64
+    for p in prange(L * 2 * nt):
+        l = p // (2 * nt)
+        kv = (p // nt) % 2
+        d0 = (p % nt) * 64
+        d1 = min(C, d0 + 64)
+        src = rot[l, kv]
+        dst = rot_t[l, kv]
+        for c0 in range(0, C, 64):
+            for c in range(c0, min(C, c0 + 64)):
+                row = src[c]
+                for d in range(d0, d1):
+                    dst[d, c] = row[d]
+
+
+@njit(parallel=True, **_FAST)
+def encode_word_planes(words, nraw, lo, tab, chunk_tokens, group, raw, lengths, plane_bytes, planes):
+    """split_words + levels_to_symbols (direct tables) + encode_table_streams for the lossless
+    method, one job per plane (chunk, layer, K/V): the chunk's symbols q - lo made in a scratch
+    plane and range-coded into planes[job] (as encode_level_planes), and the low bytes written
+    in chunk order: raw (flat uint8) holds chunk k's [L, 2, Tk, C, nraw] block (its Raw
+    section, docs/format.md) from k x L x 2 x chunk_tokens x C x nraw on."""
+    L, _, T, C = words.shape
+    K = lengths.shape[0]
+    W = tab.shape[2] // C
+    shift = 8 * nraw
+    for job in prange(K * L * 2):
+        k, l, kv = _plane_index(job, L)
+        t0 = k * chunk_tokens
+        t1 = min(T, t0 + chunk_tokens)
+        tk = t1 - t0
+        base = lo[l, kv]
+        sym = np.empty((tk, C), np.uint8)
+        for t in range(t0, t1):
+            src = words[l, kv, t]
+            out = sym[t - t0]
+            o = (k * L * 2 * chunk_tokens + (l * 2 + kv) * tk + t - t0) * C * nraw
+            dst = raw[o : o + C * nraw]
+            for c in range(C):
+                w = np.int64(src[c])
+                out[c] = top_byte_symbol(w >> shift) - base[c]
+                for b in range(nraw):
+                    dst[c * nraw + b] = (w >> (8 * b)) & 0xFF
+        cap = 2 * tk * group + 8
+        buf = np.empty(INTERLEAVE * cap, np.uint8)
+        plane_bytes[job] = _encode_plane_streams(sym, tab[l, kv], W, group, buf, cap, planes[job], lengths[k, l, kv])
