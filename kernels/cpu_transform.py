@@ -23,13 +23,14 @@ so every chunk still decodes on its own.
 from . import jit_cache  # noqa: F401  (sets the cache folder before any @njit)
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from .cdf import codes_to_cum, counts_to_codes
 from .coding_params import PROB_BITS
 from .cpu import _FAST, INTERLEAVE, _decode_plane_streams, _encode_plane_streams, _plane_index, build_lut
 from .range_coder import decode_stream, encode_stream, stream_coords
-from .tables import share_plane
+from .tables import STAT_EMPTY, share_plane
 from .transform import (STATS_BLOCK, refine_index, rotate_row, symbol_top_byte, token_level, token_value, top_byte_symbol,
                         unrotate_row)
 
@@ -326,41 +327,6 @@ def coder_tables(cum, alphabet, tab, lut):
         build_lut(row, alphabet[l, kv, c], lut[l, kv, c])
 
 
-@njit(parallel=True, **_FAST)
-def encode_table_planes(sym, tab, chunk_tokens, group, lengths, plane_bytes, planes):
-    """Range-code every stream: one job per plane (chunk, layer, K/V), its streams back to
-    back in planes[job]; lengths [K, L, 2, groups]; tab uint32 [L, 2, C * W]."""
-    L, _, T, C = sym.shape
-    K = lengths.shape[0]
-    W = tab.shape[2] // C
-    for job in prange(K * L * 2):
-        k, l, kv = _plane_index(job, L)
-        t0 = k * chunk_tokens
-        t1 = min(T, t0 + chunk_tokens)
-        cap = 2 * (t1 - t0) * group + 8
-        buf = np.empty(INTERLEAVE * cap, np.uint8)
-        plane_bytes[job] = _encode_plane_streams(sym[l, kv, t0:t1], tab[l, kv], W, group, buf, cap, planes[job],
-                                                 lengths[k, l, kv])
-
-
-@njit(parallel=True, **_FAST)
-def decode_table_planes(payload, offsets, lengths, cum, lut, chunk_tokens, group, sym):
-    """Inverse of encode_table_planes: stream s is payload[offsets[s]:offsets[s] + lengths[s]];
-    cum int32 [L, 2, C * W1], lut uint8 [L, 2, C * LUT_SIZE]."""
-    L, _, T, C = sym.shape
-    K = (T + chunk_tokens - 1) // chunk_tokens
-    W1 = cum.shape[2] // C
-    groups = (C + group - 1) // group
-    for job in prange(K * L * 2):
-        k, l, kv = _plane_index(job, L)
-        t0 = k * chunk_tokens
-        t1 = min(T, t0 + chunk_tokens)
-        cap = 2 * (t1 - t0) * group + 8
-        buf = np.empty(INTERLEAVE * cap, np.uint8)
-        _decode_plane_streams(payload, offsets, lengths, job * groups, cum[l, kv], W1, lut[l, kv], group, buf, cap,
-                              sym[l, kv, t0:t1])
-
-
 @njit(**_JIT)
 def walk_tables(buf, start, count, per_plane, starts, heads):
     """Walk the table entries of a Params block: starts[i] = where entry i's codes begin,
@@ -396,65 +362,6 @@ def walk_tables(buf, start, count, per_plane, starts, heads):
 
 
 @njit(parallel=True, **_JIT)
-def transform_stats_carry(x, rot, sink, t_first, num_tokens, s1, s2, b1, b2):
-    """transform_stats over x = tokens t_first .. of a cache of num_tokens tokens, carrying
-    the sums between calls: s1 / s2 [L, 2, C] the closed blocks' sums, b1 / b2 the open
-    block's (all zero before the first slab).  The same additions in the same order as
-    transform_stats, so after the last slab s1 and s2 are bit for bit its sums and sumsq."""
-    L, _, Tx, C = x.shape
-    rotated = rot.shape[0] > 0
-    for p in prange(L * 2):
-        l = p // 2
-        kv = p % 2
-        y = np.empty(C, np.float64)
-        a1 = s1[l, kv]
-        a2 = s2[l, kv]
-        o1 = b1[l, kv]
-        o2 = b2[l, kv]
-        for i in range(Tx):
-            t = t_first + i
-            if t < sink:
-                continue
-            if rotated:
-                rotate_row(x[l, kv, i], rot[l, kv], y)
-            else:
-                for c in range(C):
-                    y[c] = np.float64(x[l, kv, i, c])
-            for c in range(C):
-                v = np.float64(np.float32(y[c]))
-                o1[c] += v
-                o2[c] += v * v
-            if (t + 1) % STATS_BLOCK == 0 or t == num_tokens - 1:
-                for c in range(C):
-                    a1[c] += o1[c]
-                    a2[c] += o2[c]
-                    o1[c] = 0.0
-                    o2[c] = 0.0
-
-
-@njit(parallel=True, **_JIT)
-def count_symbols(q, modes, lo, chunk_tokens, counts):
-    """counts[..., s] += occurrences of symbol s as levels_to_symbols codes q (whose first
-    token starts a chunk), without writing the symbols: a slab's share of a file's counts."""
-    L, _, T, C = q.shape
-    for p in prange(L * 2):
-        l = p // 2
-        kv = p % 2
-        cnt = counts[l, kv]
-        plane = q[l, kv]
-        md = modes[l, kv]
-        base = lo[l, kv]
-        for t in range(T):
-            first = t % chunk_tokens == 0
-            row = plane[t]
-            for c in range(C):
-                v = np.int64(row[c])
-                if md[c] == 1 and not first:
-                    v -= np.int64(plane[t - 1, c])
-                cnt[c, v - base[c]] += 1
-
-
-@njit(parallel=True, **_JIT)
 def merge_level_stats(total, part):
     """total = the level_stats of two runs of tokens together (min, max, sums of |value|)."""
     L, _, C, _ = total.shape
@@ -472,146 +379,57 @@ def merge_level_stats(total, part):
             a[5] += b[5]
 
 
-@njit(parallel=True, **_JIT)
+@njit(parallel=True, **_FAST)
 def lossless_stats(words, nraw, stats):
     """level_stats' direct fields (min, max, sum of |value|) of the lossless symbols of words
     (split_words' q), computed from the words; the token-delta fields get the same values
-    (lossless tables are always direct, transform_codec.tables_from_stats ignores them)."""
+    (lossless tables are always direct, transform_codec.tables_from_stats ignores them).
+    int32 minima and maxima so that the channel loop vectorizes."""
     L, _, T, C = words.shape
     shift = 8 * nraw
     for p in prange(L * 2):
         l = p // 2
         kv = p % 2
-        mn = np.full(C, 1 << 40, np.int64)
-        mx = np.full(C, -(1 << 40), np.int64)
+        mn = np.full(C, 255, np.int32)
+        mx = np.zeros(C, np.int32)
         ab = np.zeros(C, np.int64)
         plane = words[l, kv]
         for t in range(T):
             row = plane[t]
             for c in range(C):
-                v = top_byte_symbol(np.int64(row[c]) >> shift)
+                v = np.int32(top_byte_symbol(np.int64(row[c]) >> shift))
                 mn[c] = min(mn[c], v)
                 mx[c] = max(mx[c], v)
                 ab[c] += v
         st = stats[l, kv]
         for c in range(C):
-            st[c, 0] = st[c, 3] = mn[c]
-            st[c, 1] = st[c, 4] = mx[c]
+            st[c, 0] = st[c, 3] = mn[c] if T > 0 else STAT_EMPTY
+            st[c, 1] = st[c, 4] = mx[c] if T > 0 else -STAT_EMPTY
             st[c, 2] = st[c, 5] = ab[c]
 
 
-@njit(parallel=True, **_JIT)
+@njit(parallel=True, **_FAST)
 def lossless_counts(words, nraw, lo, counts):
     """counts[..., s] += occurrences of symbol s = split_words' q - lo (direct tables), from the words."""
     L, _, T, C = words.shape
+    W = counts.shape[3]
     shift = 8 * nraw
     for p in prange(L * 2):
         l = p // 2
         kv = p % 2
-        cnt = counts[l, kv]
-        base = lo[l, kv]
+        base = lo[l, kv].astype(np.int32)
         plane = words[l, kv]
+        s = np.empty(C, np.int32)
+        cnt = np.zeros(C * W, np.int32)
         for t in range(T):
             row = plane[t]
             for c in range(C):
-                cnt[c, top_byte_symbol(np.int64(row[c]) >> shift) - base[c]] += 1
-
-
-@njit(parallel=True, **_JIT)
-def lossless_symbols(words, nraw, chunk_tokens, lo, sym, raw):
-    """split_words then levels_to_symbols (direct tables) in one pass: sym = q - lo, and the
-    low bytes in chunk order: raw (flat uint8) holds chunk k's [L, 2, Tk, C, nraw] block (the
-    chunk's Raw section, docs/format.md) from k x L x 2 x chunk_tokens x C x nraw on, so each
-    chunk's section is a slice of it, not a copy."""
-    L, _, T, C = words.shape
-    shift = 8 * nraw
-    for row in prange(L * 2 * T):
-        l = row // (2 * T)
-        kv = (row // T) % 2
-        t = row % T
-        k = t // chunk_tokens
-        tk = min(chunk_tokens, T - k * chunk_tokens)
-        o = (k * L * 2 * chunk_tokens + (l * 2 + kv) * tk + t - k * chunk_tokens) * C * nraw
-        src = words[l, kv, t]
-        out = sym[l, kv, t]
-        base = lo[l, kv]
-        dst = raw[o : o + C * nraw]
-        if nraw == 1:
-            for c in range(C):
-                w = np.int64(src[c])
-                out[c] = top_byte_symbol(w >> shift) - base[c]
-                dst[c] = w & 0xFF
-        else:
-            for c in range(C):
-                w = np.int64(src[c])
-                out[c] = top_byte_symbol(w >> shift) - base[c]
-                for b in range(nraw):
-                    dst[c * nraw + b] = (w >> (8 * b)) & 0xFF
-
-
-@njit(parallel=True, **_JIT)
-def join_words_chunked(q, raw, nraw, chunk_tokens, words, t_out):
-    """Inverse of lossless_symbols' split (q: the symbols plus lo), into words[:, :, t_out + t]
-    (uint16 or uint32); raw: the low bytes in chunk order (the chunks' Raw sections back to back)."""
-    L, _, T, C = q.shape
-    shift = 8 * nraw
-    for row in prange(L * 2 * T):
-        l = row // (2 * T)
-        kv = (row // T) % 2
-        t = row % T
-        k = t // chunk_tokens
-        tk = min(chunk_tokens, T - k * chunk_tokens)
-        o = (k * L * 2 * chunk_tokens + (l * 2 + kv) * tk + t - k * chunk_tokens) * C * nraw
-        dst = words[l, kv, t_out + t]
-        src = q[l, kv, t]
-        low = raw[o : o + C * nraw]
-        if nraw == 1:
-            for c in range(C):
-                dst[c] = (symbol_top_byte(src[c]) << shift) | np.int64(low[c])
-        else:
-            for c in range(C):
-                w = symbol_top_byte(src[c]) << shift
-                for b in range(nraw):
-                    w |= np.int64(low[c * nraw + b]) << (8 * b)
-                dst[c] = w
-
-
-@njit(parallel=True, **_JIT)
-def transform_dequantize_words(q, rot, sink, offsets, steps, t0, bits, ref, out, t_out, to_bf16):
-    """transform_dequantize into out[:, :, t_out + t]: float32, or (to_bf16) uint16 bfloat16
-    words rounded to nearest even, as torch converts float32 (the values are finite).  Tokens
-    below ``sink`` are left alone."""
-    L, _, T, C = q.shape
-    rotated = rot.shape[0] > 0
-    for row in prange(L * 2 * T):
-        l = row // (2 * T)
-        kv = (row // T) % 2
-        t = row % T
-        if t < sink:
-            continue
-        step = steps[l, kv]
-        refined = t >= t0 and bits > 0
-        r = t - t0 if refined else 0
-        zf = np.empty(C, np.float32)
-        if rotated:
-            z = np.empty(C, np.float64)
-            for d in range(C):
-                j = ref[l, kv, r, d] if refined else 0
-                z[d] = np.float64(token_value(q[l, kv, t, d], j, refined, bits, offsets[l, kv, d], step))
-            unrotate_row(z, rot[l, kv], zf)
-        else:
-            for c in range(C):
-                j = ref[l, kv, r, c] if refined else 0
-                zf[c] = token_value(q[l, kv, t, c], j, refined, bits, offsets[l, kv, c], step)
-        dst = out[l, kv, t_out + t]
-        if to_bf16:
-            zu = zf.view(np.uint32)
-            for c in range(C):
-                u = zu[c]
-                dst[c] = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-        else:
-            for c in range(C):
-                dst[c] = zf[c]
+                s[c] = np.int32(top_byte_symbol(np.int64(row[c]) >> shift)) - base[c]
+            _count_row(s, W, cnt)
+        out = counts[l, kv]
+        for c in range(C):
+            for j in range(W):
+                out[c, j] += cnt[c * W + j]
 
 
 @njit(parallel=True, **_JIT)
@@ -652,3 +470,500 @@ def take_channels(a, idx, out):
         dst = out[l, kv, c]
         for w in range(W):
             dst[w] = src[w]
+
+
+# =====================================================================================
+# CPU-only fast paths of the codec (transform_codec's _SlabEncoder and V2SlabDecoder).
+#
+# The kernels above run the shared device functions stage by stage over the whole cache,
+# as the CUDA kernels do; the ones below give the same levels, refinement indices, level
+# statistics, counts, stream bytes and values (tests/test_cpu_fastpaths.py checks them
+# against the kernels above) but are written for a CPU core:
+#
+# * one pass per statistic the format needs, each doing all it can while a row is in L1:
+#   quantize + refinement + level statistics in one pass; symbols are never stored (the
+#   count pass and each coding job derive a chunk's symbols from the levels again, which
+#   costs less than writing and re-reading them, and a channel that shares a table just
+#   codes with the shared table's lo);
+# * the source is read as its bits (bfloat16 or float32), no float32 copy;
+# * the per-value arithmetic is branch-free so that the channel loops vectorize: the
+#   quotient (y - m) / step is still one correctly rounded float64 division (vectorized
+#   division is cheap), clamped to +-256 before the integer conversion, which changes no
+#   level (everything past +-128 clamps to +-qmax) and lets it run on 32-bit lanes;
+# * a rotation is applied ROT_ROWS rows at a time, so that each row of R is read once per
+#   block instead of once per token, vectorized over the output coordinate d with the
+#   accumulation order of every output (c = 0 .. C-1) unchanged.
+# =====================================================================================
+
+#: Rows rotated together (each read of a row of R serves this many tokens; measured best of
+#: 4 .. 64 on a Zen 3 core with C = 1024).
+ROT_ROWS = 16
+#: Output coordinates a rotation block accumulates at a time (ROT_ROWS x ROT_TILE float64 in L1).
+ROT_TILE = 1024
+
+
+def _as_value(v, shift):
+    """A source element as float64: a float as is; float32 bits (shift 0) or bfloat16 bits (shift 16)."""
+
+
+@overload(_as_value, jit_options=dict(nogil=True))
+def _as_value_impl(v, shift):
+    if isinstance(v, types.Float):
+        return lambda v, shift: np.float64(v)
+    return lambda v, shift: np.float64(np.uint32(np.uint32(v) << np.uint32(shift)).view(np.float32))
+
+
+@njit(**_FAST)
+def _fill_rows(src, shift, rot_plane, i0, n, y, r64):
+    """y[:n] = rows i0 .. i0 + n of one (layer, K/V) plane as float64 values, rotated by
+    rot_plane when it is not empty (transform.rotate_row, ROT_ROWS rows per read of R).
+    src: the plane's source bits (or floats, or already rotated float64 rows);
+    r64: float64 scratch of C (one row of R widened once for the whole block)."""
+    C = y.shape[1]
+    if rot_plane.shape[0] == 0:
+        for b in range(n):
+            row = src[i0 + b]
+            out = y[b]
+            for c in range(C):
+                out[c] = _as_value(row[c], shift)
+        return
+    for b in range(n):
+        y[b, :] = 0.0
+    # Output coordinates in tiles of ROT_TILE, so that the block's accumulators stay in L1 while
+    # every row of R passes (each output still sums over c in order).
+    # (Loops from 0 over slices: a loop from d0 keeps numba's negative-index checks, which stop
+    # LLVM from vectorizing it.)
+    for d0 in range(0, C, ROT_TILE):
+        w = min(C, d0 + ROT_TILE) - d0
+        rt = r64[:w]
+        for c in range(C):
+            rrow = rot_plane[c, d0 : d0 + w]
+            for d in range(w):
+                rt[d] = np.float64(rrow[d])
+            for b in range(n):
+                # float64(float32(x)): exact, as rotate_row; a zero adds nothing (y is never -0.0).
+                xc = np.float64(np.float32(_as_value(src[i0 + b, c], shift)))
+                if xc != 0.0:
+                    out = y[b, d0 : d0 + w]
+                    for d in range(w):
+                        out[d] += xc * rt[d]
+
+
+@njit(parallel=True, **_FAST)
+def rotate_rows(src, shift, rot, y):
+    """y [L, 2, T, C] float64 = the rotated rows of src (transform.rotate_row), for the passes
+    that would each rotate them again."""
+    L, _, T, C = y.shape
+    nb = (T + ROT_ROWS - 1) // ROT_ROWS
+    for job in prange(L * 2 * nb):
+        p = job // nb
+        l = p // 2
+        kv = p % 2
+        t = (job % nb) * ROT_ROWS
+        n = min(ROT_ROWS, T - t)
+        _fill_rows(src[l, kv], shift, rot[l, kv], t, n, y[l, kv, t : t + n], np.empty(C, np.float64))
+
+
+@njit(parallel=True, **_FAST)
+def transform_stats_carry(src, rot, sink, t_first, num_tokens, s1, s2, b1, b2, shift=0):
+    """transform_stats over src = tokens t_first .. of a cache of num_tokens tokens, carrying
+    the sums between calls: s1 / s2 [L, 2, C] the closed blocks' sums, b1 / b2 the open
+    block's (all zero before the first slab).  The same additions in the same order as
+    transform_stats, so after the last slab s1 and s2 are bit for bit its sums and sumsq.
+    src: float32 values, their bits (``shift`` as for _fill_rows), or rotated float64 rows
+    with an empty rot."""
+    L, _, Tx, C = src.shape
+    for p in prange(L * 2):
+        l = p // 2
+        kv = p % 2
+        y = np.empty((ROT_ROWS, C), np.float64)
+        r64 = np.empty(C, np.float64)
+        a1 = s1[l, kv]
+        a2 = s2[l, kv]
+        o1 = b1[l, kv]
+        o2 = b2[l, kv]
+        i0 = min(max(sink - t_first, 0), Tx)  # tokens below the sink are not counted
+        while i0 < Tx:
+            n = min(ROT_ROWS, Tx - i0)
+            _fill_rows(src[l, kv], shift, rot[l, kv], i0, n, y, r64)
+            for b in range(n):
+                t = t_first + i0 + b
+                yb = y[b]
+                for c in range(C):
+                    v = np.float64(np.float32(yb[c]))
+                    o1[c] += v
+                    o2[c] += v * v
+                if (t + 1) % STATS_BLOCK == 0 or t == num_tokens - 1:
+                    for c in range(C):
+                        a1[c] += o1[c]
+                        a2[c] += o2[c]
+                        o1[c] = 0.0
+                        o2[c] = 0.0
+            i0 += n
+
+
+@njit(**_FAST)
+def _level_row(y, offsets, step, qmax, threshold, q):
+    """q[c] = transform.step_level(y[c], ...), branch-free: |v| is clamped to 256 first (any
+    |v| >= 128 gives +-qmax either way), so the truncation runs on int32."""
+    for c in range(y.shape[0]):
+        v = min(max((y[c] - np.float64(offsets[c])) / step, -256.0), 256.0)
+        i = np.int32(v)
+        f = v - np.float64(i)  # exact
+        i += np.int32(f >= threshold) - np.int32(f <= -threshold)
+        q[c] = min(max(i, -qmax), qmax)
+
+
+@njit(**_FAST)
+def _refined_row(y, offsets, step, qmax, bits, q, ref):
+    """q[c] = transform.refined_level and ref[c] = transform.refine_index of y[c], branch-free
+    (both floors taken on clamped values whose result does not change)."""
+    n = np.int32(1) << bits
+    nf = np.float64(n)
+    half = 0.5 - 0.5 / nf
+    for c in range(y.shape[0]):
+        v = (y[c] - np.float64(offsets[c])) / step
+        w = min(max(v, -256.0), 256.0) + half
+        i = np.int32(w)
+        i -= np.int32(np.float64(i) > w)  # floor
+        i = min(max(i, -qmax), qmax)
+        q[c] = i
+        r = min(max((v - np.float64(i)) * nf + 0.5, -2.0 * nf), 2.0 * nf)
+        k = np.int32(r)
+        k -= np.int32(np.float64(k) > r)
+        ref[c] = min(max(k + (n >> 1) - 1, 0), n - 1)
+
+
+@njit(parallel=True, **_FAST)
+def quantize_stats(src, shift, rot, sink, offsets, steps, qmax, threshold, t_ref, bits, chunk_tokens, q, ref, stats):
+    """transform_quantize + transform_refine + level_stats in one pass over a slab (whose first
+    token starts a chunk): q [L, 2, T, C] int16, ref [L, 2, T - t_ref, C] (tokens t_ref .. ,
+    when bits > 0), and stats [P, L, 2, C, 6] the level statistics of P parts of each plane
+    (runs of whole chunks; the caller reduces them: min, max, sums).  src / shift / rot as for
+    transform_stats_carry; offsets float32 [L, 2, C]."""
+    L, _, T, C = q.shape
+    P = stats.shape[0]
+    K = (T + chunk_tokens - 1) // chunk_tokens
+    qm = np.int32(qmax)
+    for job in prange(L * 2 * P):
+        part = job % P
+        l = (job // P) // 2
+        kv = (job // P) % 2
+        ta = min(T, (part * K // P) * chunk_tokens)
+        tb = min(T, ((part + 1) * K // P) * chunk_tokens)
+        y = np.empty((ROT_ROWS, C), np.float64)
+        r64 = np.empty(C, np.float64)
+        zero = np.zeros(C, np.int16)
+        mn = np.full(C, qm, np.int32)
+        mx = np.full(C, -qm, np.int32)
+        dmn = np.full(C, 2 * qm, np.int32)
+        dmx = np.full(C, -2 * qm, np.int32)
+        ab = np.zeros(C, np.int32)
+        dab = np.zeros(C, np.int32)
+        st = stats[part, l, kv]
+        for c in range(C):
+            st[c, 0] = st[c, 3] = STAT_EMPTY
+            st[c, 1] = st[c, 4] = -STAT_EMPTY
+            st[c, 2] = st[c, 5] = 0
+        off = offsets[l, kv]
+        step = steps[l, kv]
+        plane = q[l, kv]
+        i0 = ta
+        while i0 < tb:
+            n = min(ROT_ROWS, tb - i0)
+            if i0 + n > sink:
+                _fill_rows(src[l, kv], shift, rot[l, kv], i0, n, y, r64)
+            for b in range(n):
+                t = i0 + b
+                qrow = plane[t]
+                if t < sink:
+                    qrow[:] = 0
+                elif bits > 0 and t >= t_ref:
+                    _refined_row(y[b], off, step, qm, bits, qrow, ref[l, kv, t - t_ref])
+                else:
+                    _level_row(y[b], off, step, qm, threshold, qrow)
+                prev = zero if t % chunk_tokens == 0 else plane[t - 1]
+                for c in range(C):
+                    v = np.int32(qrow[c])
+                    d = v - np.int32(prev[c])
+                    mn[c] = min(mn[c], v)
+                    mx[c] = max(mx[c], v)
+                    ab[c] += abs(v)
+                    dmn[c] = min(dmn[c], d)
+                    dmx[c] = max(dmx[c], d)
+                    dab[c] += abs(d)
+                if (t + 1) % chunk_tokens == 0 or t == tb - 1:
+                    # int32 sums stay far from overflow within a chunk; the totals are int64.
+                    for c in range(C):
+                        st[c, 0] = mn[c]
+                        st[c, 1] = mx[c]
+                        st[c, 2] += ab[c]
+                        st[c, 3] = dmn[c]
+                        st[c, 4] = dmx[c]
+                        st[c, 5] += dab[c]
+                        ab[c] = 0
+                        dab[c] = 0
+            i0 += n
+
+
+@njit(**_FAST)
+def _symbol_row(row, prev, delta, base, out):
+    """out[c] = a level row's coded symbols (levels_to_symbols): row - prev for delta channels
+    (delta[c] = 1; prev = zeros at a chunk's first token), minus the table's lo."""
+    for c in range(row.shape[0]):
+        out[c] = np.int32(row[c]) - delta[c] * np.int32(prev[c]) - base[c]
+
+
+@njit(parallel=True, **_FAST)
+def count_symbols(q, modes, lo, chunk_tokens, counts):
+    """counts[..., s] += occurrences of symbol s as levels_to_symbols codes q
+    (whose first token starts a chunk), without storing the symbols."""
+    L, _, T, C = q.shape
+    W = counts.shape[3]
+    for p in prange(L * 2):
+        l = p // 2
+        kv = p % 2
+        plane = q[l, kv]
+        delta = (modes[l, kv] == 1).astype(np.int32)
+        base = lo[l, kv].astype(np.int32)
+        zero = np.zeros(C, np.int16)
+        s = np.empty(C, np.int32)
+        cnt = np.zeros(C * W, np.int32)
+        for t in range(T):
+            _symbol_row(plane[t], zero if t % chunk_tokens == 0 else plane[t - 1], delta, base, s)
+            _count_row(s, W, cnt)
+        out = counts[l, kv]
+        for c in range(C):
+            for j in range(W):
+                out[c, j] += cnt[c * W + j]
+
+
+@njit(**_FAST)
+def _count_row(s, W, cnt):
+    """cnt[c * W + s[c]] += 1, four independent updates at a time (no store waits on the last)."""
+    C = s.shape[0]
+    c = 0
+    while c + 4 <= C:
+        i0 = np.uint64(c * W + s[c])
+        i1 = np.uint64((c + 1) * W + s[c + 1])
+        i2 = np.uint64((c + 2) * W + s[c + 2])
+        i3 = np.uint64((c + 3) * W + s[c + 3])
+        cnt[i0] += 1
+        cnt[i1] += 1
+        cnt[i2] += 1
+        cnt[i3] += 1
+        c += 4
+    while c < C:
+        cnt[np.uint64(c * W + s[c])] += 1
+        c += 1
+
+
+@njit(parallel=True, **_FAST)
+def encode_level_planes(q, modes, lo, tab, chunk_tokens, group, lengths, plane_bytes, planes):
+    """levels_to_symbols + encode_table_streams, one job per plane (chunk, layer, K/V): the
+    chunk's symbols made in a scratch plane, then range-coded (cpu's lock-step coder) back to
+    back into planes[job]; lengths [K, L, 2, groups]; tab uint32 [L, 2, C * W]
+    (coder_tables' entries of the tables the channels code with)."""
+    L, _, T, C = q.shape
+    K = lengths.shape[0]
+    W = tab.shape[2] // C
+    for job in prange(K * L * 2):
+        k, l, kv = _plane_index(job, L)
+        t0 = k * chunk_tokens
+        t1 = min(T, t0 + chunk_tokens)
+        delta = (modes[l, kv] == 1).astype(np.int32)
+        base = lo[l, kv].astype(np.int32)
+        zero = np.zeros(C, np.int16)
+        s = np.empty(C, np.int32)
+        sym = np.empty((t1 - t0, C), np.uint8)
+        plane = q[l, kv]
+        for t in range(t0, t1):
+            _symbol_row(plane[t], zero if t == t0 else plane[t - 1], delta, base, s)
+            out = sym[t - t0]
+            for c in range(C):
+                out[c] = s[c]
+        cap = 2 * (t1 - t0) * group + 8
+        buf = np.empty(INTERLEAVE * cap, np.uint8)
+        plane_bytes[job] = _encode_plane_streams(sym, tab[l, kv], W, group, buf, cap, planes[job], lengths[k, l, kv])
+
+
+@njit(**_FAST)
+def _row_levels(sym_row, prev, delta, base, lv):
+    """lv[c] = symbols_to_levels of one row: symbol + lo, plus the previous row's level for delta
+    channels (prev = zeros at a chunk's first token).  lv may be prev itself."""
+    for c in range(sym_row.shape[0]):
+        lv[c] = np.int32(sym_row[c]) + base[c] + delta[c] * prev[c]
+
+
+@njit(**_FAST)
+def _decode_plane_symbols(payload, offsets, lengths, job, cum, lut, group, Tk, C):
+    """The symbols [Tk, C] of plane ``job`` (chunk, layer, K/V) of a slab, cpu's lock-step decoder."""
+    groups = (C + group - 1) // group
+    cap = 2 * Tk * group + 8
+    buf = np.empty(INTERLEAVE * cap, np.uint8)
+    sym = np.empty((Tk, C), np.uint8)
+    _decode_plane_streams(payload, offsets, lengths, job * groups, cum, cum.shape[0] // C, lut, group, buf, cap, sym)
+    return sym
+
+
+@njit(**_FAST)
+def _store_row(zf, dst, to_bf16):
+    """dst = zf as float32, or (to_bf16) as bfloat16 words rounded to nearest even (torch's conversion)."""
+    if to_bf16:
+        zu = zf.view(np.uint32)
+        for c in range(zf.shape[0]):
+            u = zu[c]
+            dst[c] = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    else:
+        for c in range(zf.shape[0]):
+            dst[c] = zf[c]
+
+
+@njit(parallel=True, **_FAST)
+def decode_transform_planes(payload, offsets, lengths, cum, lut, chunk_tokens, group, num_tokens, modes, lo, rot_t,
+                            sink, voffsets, steps, t_ref, bits, ref, out, t_out, to_bf16):
+    """decode_table_streams + symbols_to_levels + transform_dequantize, one job per plane
+    (chunk, layer, K/V) of a slab of num_tokens tokens, the plane's symbols and levels kept in
+    scratch: out[:, :, t_out + t] (float32, or bfloat16 words with to_bf16, rounded to nearest
+    even as torch converts float32) for the tokens t >= sink.  cum / lut: [L, 2, C * ...] as coder_tables makes them; rot_t: the rotation
+    transposed ([L, 2, C, C]: rot_t[d, c] = R[c, d]) or empty, so that the inverse rotation
+    runs as _fill_rows (out[c] = sum over d in order of z[d] R[c, d]); t_ref, bits, ref: as for
+    transform_dequantize."""
+    L, _, _, C = out.shape
+    K = (num_tokens + chunk_tokens - 1) // chunk_tokens
+    rotated = rot_t.shape[0] > 0
+    n = np.int32(1) << bits
+    for job in prange(K * L * 2):
+        k, l, kv = _plane_index(job, L)
+        t0 = k * chunk_tokens
+        t1 = min(num_tokens, t0 + chunk_tokens)
+        sym = _decode_plane_symbols(payload, offsets, lengths, job, cum[l, kv], lut[l, kv], group, t1 - t0, C)
+        delta = (modes[l, kv] == 1).astype(np.int32)
+        base = lo[l, kv].astype(np.int32)
+        off = voffsets[l, kv]
+        step = steps[l, kv]
+        lv = np.zeros(C, np.int32)
+        z = np.empty((ROT_ROWS, C), np.float64)
+        zf = np.empty(C, np.float32)
+        acc = np.empty((ROT_ROWS, C), np.float64) if rotated else z
+        r64 = np.empty(C, np.float64)
+        nb = 0
+        for t in range(t0, t1):
+            if t == t0:
+                lv[:] = 0
+            _row_levels(sym[t - t0], lv, delta, base, lv)
+            if t < sink:
+                continue
+            if bits > 0 and t >= t_ref:
+                j = ref[l, kv, t - t_ref]
+                for c in range(C):
+                    # transform.refined_value: the multiplier is a short dyadic number.
+                    m = np.float64(lv[c]) + np.float64(np.int32(j[c]) - (n >> 1) + 1) / np.float64(n)
+                    zf[c] = np.float32(m * step + np.float64(off[c]))
+            else:
+                for c in range(C):
+                    zf[c] = np.float32(np.float64(lv[c]) * step + np.float64(off[c]))  # transform.level_value
+            if not rotated:
+                _store_row(zf, out[l, kv, t_out + t], to_bf16)
+                continue
+            zb = z[nb]
+            for c in range(C):
+                zb[c] = zf[c]
+            nb += 1
+            if nb == ROT_ROWS or t == t1 - 1:
+                _fill_rows(z, 0, rot_t[l, kv], 0, nb, acc, r64)
+                for b in range(nb):
+                    ab = acc[b]
+                    for c in range(C):
+                        zf[c] = np.float32(ab[c])
+                    _store_row(zf, out[l, kv, t_out + t - nb + 1 + b], to_bf16)
+                nb = 0
+
+
+@njit(parallel=True, **_FAST)
+def decode_lossless_planes(payload, offsets, lengths, cum, lut, chunk_tokens, group, num_tokens, modes, lo, raw, nraw,
+                           words, t_out):
+    """decode_table_streams + symbols_to_levels + join_words, one job per plane (chunk, layer,
+    K/V): words[:, :, t_out + t] from the symbols and the low bytes in chunk order
+    (raw: the chunks' Raw sections back to back)."""
+    L, _, _, C = words.shape
+    K = (num_tokens + chunk_tokens - 1) // chunk_tokens
+    shift = 8 * nraw
+    for job in prange(K * L * 2):
+        k, l, kv = _plane_index(job, L)
+        t0 = k * chunk_tokens
+        t1 = min(num_tokens, t0 + chunk_tokens)
+        tk = t1 - t0
+        sym = _decode_plane_symbols(payload, offsets, lengths, job, cum[l, kv], lut[l, kv], group, tk, C)
+        delta = (modes[l, kv] == 1).astype(np.int32)
+        base = lo[l, kv].astype(np.int32)
+        lv = np.zeros(C, np.int32)
+        for t in range(t0, t1):
+            if t == t0:
+                lv[:] = 0
+            _row_levels(sym[t - t0], lv, delta, base, lv)
+            o = (k * L * 2 * chunk_tokens + (l * 2 + kv) * tk + t - t0) * C * nraw
+            low = raw[o : o + C * nraw]
+            dst = words[l, kv, t_out + t]
+            if nraw == 1:
+                for c in range(C):
+                    dst[c] = (symbol_top_byte(lv[c]) << shift) | np.int64(low[c])
+            else:
+                for c in range(C):
+                    w = symbol_top_byte(lv[c]) << shift
+                    for b in range(nraw):
+                        w |= np.int64(low[c * nraw + b]) << (8 * b)
+                    dst[c] = w
+
+
+@njit(parallel=True, **_FAST)
+def transpose_planes(rot, rot_t):
+    """rot_t[l, kv] = rot[l, kv] transposed (decode_transform_planes' inverse rotation), in
+    64 x 64 tiles so that both sides are read and written by whole cache lines."""
+    L, _, C, _ = rot.shape
+    nt = (C + 63) // 64
+    for p in prange(L * 2 * nt):
+        l = p // (2 * nt)
+        kv = (p // nt) % 2
+        d0 = (p % nt) * 64
+        d1 = min(C, d0 + 64)
+        src = rot[l, kv]
+        dst = rot_t[l, kv]
+        for c0 in range(0, C, 64):
+            for c in range(c0, min(C, c0 + 64)):
+                row = src[c]
+                for d in range(d0, d1):
+                    dst[d, c] = row[d]
+
+
+@njit(parallel=True, **_FAST)
+def encode_word_planes(words, nraw, lo, tab, chunk_tokens, group, raw, lengths, plane_bytes, planes):
+    """split_words + levels_to_symbols (direct tables) + encode_table_streams for the lossless
+    method, one job per plane (chunk, layer, K/V): the chunk's symbols q - lo made in a scratch
+    plane and range-coded into planes[job] (as encode_level_planes), and the low bytes written
+    in chunk order: raw (flat uint8) holds chunk k's [L, 2, Tk, C, nraw] block (its Raw
+    section, docs/format.md) from k x L x 2 x chunk_tokens x C x nraw on."""
+    L, _, T, C = words.shape
+    K = lengths.shape[0]
+    W = tab.shape[2] // C
+    shift = 8 * nraw
+    for job in prange(K * L * 2):
+        k, l, kv = _plane_index(job, L)
+        t0 = k * chunk_tokens
+        t1 = min(T, t0 + chunk_tokens)
+        tk = t1 - t0
+        base = lo[l, kv]
+        sym = np.empty((tk, C), np.uint8)
+        for t in range(t0, t1):
+            src = words[l, kv, t]
+            out = sym[t - t0]
+            o = (k * L * 2 * chunk_tokens + (l * 2 + kv) * tk + t - t0) * C * nraw
+            dst = raw[o : o + C * nraw]
+            for c in range(C):
+                w = np.int64(src[c])
+                out[c] = top_byte_symbol(w >> shift) - base[c]
+                for b in range(nraw):
+                    dst[c * nraw + b] = (w >> (8 * b)) & 0xFF
+        cap = 2 * tk * group + 8
+        buf = np.empty(INTERLEAVE * cap, np.uint8)
+        plane_bytes[job] = _encode_plane_streams(sym, tab[l, kv], W, group, buf, cap, planes[job], lengths[k, l, kv])

@@ -297,3 +297,90 @@ def test_codec_fast_path_matches_generic_path(dtype, chunk_tokens):
         for name in ("scales", "codes", "lengths", "payload"):
             np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
     np.testing.assert_array_equal(codec.decode_slab(h, fast), codec.decode_slab(h, generic, _reference_kernels()))
+
+
+# ---------------------------------------------------------------- format version 2
+
+
+@pytest.mark.parametrize("rotated", [False, True])
+@pytest.mark.parametrize("threshold", [0.5, 0.7])
+def test_v2_quantize_stats_matches_reference(rotated, threshold):
+    """cpu_transform.quantize_stats (bits in, branch-free levels, fused refinement and level
+    statistics, in parts) against transform_quantize + transform_refine + level_stats, with
+    values far past the clamp, exact zeros and ties."""
+    from cachegen_cli.kernels import cpu_transform as k2
+
+    rng = np.random.default_rng(7)
+    L, T, C, ct, sink, bits = 2, 45, 24, 8, 3, 2
+    x = (rng.standard_normal((L, 2, T, C)) * rng.choice([0.01, 1.0, 500.0], (L, 2, T, C))).astype(np.float32)
+    x[0, 0, 5] = 0.0
+    x[1, 1, 7, :4] = [0.25, -0.25, 0.75, -1e30]
+    x = torch.from_numpy(x).to(torch.bfloat16)
+    xf = x.float().numpy()
+    src = x.view(torch.int16).numpy().view(np.uint16)
+    rot = np.zeros((0, 0, 0, 0), np.float32)
+    if rotated:
+        rot = np.stack([np.linalg.qr(rng.standard_normal((C, C)))[0] for _ in range(2 * L)]).astype(np.float32)
+        rot = rot.reshape(L, 2, C, C)
+    offsets = (rng.standard_normal((L, 2, C)) * 0.1).astype(np.float32)
+    steps = np.array([[0.5, 0.125], [0.01, 2.0]])
+    t_ref = 30
+    q = np.empty((L, 2, T, C), np.int16)
+    ref = np.empty((L, 2, T - t_ref, C), np.uint8)
+    k2.transform_quantize(xf, rot, sink, offsets, steps, 127, threshold, t_ref, bits, q)
+    k2.transform_refine(xf, rot, t_ref, offsets, steps, q, bits, ref)
+    stats = np.empty((L, 2, C, 6), np.int64)
+    k2.level_stats(q, ct, stats)
+    for parts in (1, 3):
+        q2 = np.empty_like(q)
+        ref2 = np.empty_like(ref)
+        part = np.empty((parts, L, 2, C, 6), np.int64)
+        k2.quantize_stats(src, 16, rot, sink, offsets, steps, 127, threshold, t_ref, bits, ct, q2, ref2, part)
+        assert np.array_equal(q2, q) and np.array_equal(ref2, ref)
+        for i, f in enumerate((np.min, np.max, np.sum, np.min, np.max, np.sum)):
+            assert np.array_equal(f(part[..., i], axis=0), stats[..., i])
+    if rotated:  # the rows rotated once and kept give the same levels
+        y = np.empty((L, 2, T, C))
+        k2.rotate_rows(src, 16, rot, y)
+        q3 = np.empty_like(q)
+        k2.quantize_stats(y, 0, np.zeros((0, 0, 0, 0), np.float32), sink, offsets, steps, 127, threshold, t_ref,
+                          bits, ct, q3, np.empty_like(ref), np.empty((1, L, 2, C, 6), np.int64))
+        assert np.array_equal(q3, q)
+
+
+def test_v2_decode_planes_match_reference():
+    """decode_transform_planes (streams -> levels -> values in one job, the inverse rotation
+    through the transposed matrix) against decode_table_streams + symbols_to_levels +
+    transform_dequantize, rotated and refined."""
+    import cachegen_cli as cg
+    from cachegen_cli import transform_codec
+    from cachegen_cli.calibration import fit
+    from cachegen_cli.kernels import cpu_transform as k2
+
+    kv = realistic_kv(layers=2, tokens=70)
+    cal = fit([kv.reshape(2, 2, 70, -1)])
+    blob = cg.encode(kv, quality="high", calibration=cal, chunk_tokens=16, device="cpu")
+    f, _ = codec.open_input(blob)
+    h, _, offsets, size = codec.read_header_and_index(f)
+    chunks = list(codec.iter_chunks(f, h, offsets, size))
+    p = h.params
+    L, C, T = h.num_layers, h.num_channels, h.num_tokens
+    cum = np.empty((L, 2, C, p.width + 1), np.int32)
+    k2.cum_from_table_codes(p.codes, p.alphabet, cum)
+    lengths, offs, payload = transform_codec.gather_streams(chunks)
+    sym = np.empty((L, 2, T, C), np.uint8)
+    k2.decode_table_streams(payload, offs, lengths, cum, p.width, h.chunk_tokens, h.group, sym)
+    q = np.empty((L, 2, T, C), np.int16)
+    k2.symbols_to_levels(sym, p.modes, p.lo, h.chunk_tokens, q)
+    out = np.zeros((L, 2, T, C), np.float32)
+    ref = transform_codec.gather_refinement(h, chunks)
+    from cachegen_cli.params import bf16_values
+    k2.transform_dequantize(q, cal.rotation, h.sink_tokens, bf16_values(p.offsets).astype(np.float32),
+                            bf16_values(p.steps), h.refine_start, p.refine_bits, ref, out)
+    dec = transform_codec.V2SlabDecoder(h, cal)
+    f32 = np.zeros((L, 2, T, C), np.float32)
+    k2.decode_transform_planes(payload, offs, lengths, dec.cum, dec.lut, h.chunk_tokens, h.group, T, p.modes, p.lo,
+                               dec.rot_t, h.sink_tokens, dec.offsets, dec.steps, h.refine_start, p.refine_bits, ref,
+                               f32, 0, False)
+    S = h.sink_tokens
+    assert np.array_equal(f32[:, :, S:].view(np.uint32), out[:, :, S:].view(np.uint32))

@@ -59,7 +59,8 @@ class Calibration:
     @property
     def sha256(self) -> bytes:
         """Identity of the rotation: SHA-256 of its little-endian float32 bytes."""
-        return hashlib.sha256(np.ascontiguousarray(self.rotation, "<f4").tobytes()).digest()
+        # Hashed through a buffer view: a tobytes() copy of a Llama-sized rotation costs more than the hash.
+        return hashlib.sha256(memoryview(np.ascontiguousarray(self.rotation, "<f4")).cast("B")).digest()
 
     def with_sensitivity(self, sensitivity: np.ndarray, note: str = "") -> "Calibration":
         """This calibration with per-plane sensitivities [L, 2] (normalized here to a geometric mean of 1)."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 import torch
 
@@ -78,14 +79,6 @@ def make_header_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, para
         sink_tokens=sink, params=params)
 
 
-def _choose_tables(q: np.ndarray, chunk_tokens: int, allow_delta: bool, method: int):
-    """Per table: mode, lo and alphabet from the levels' direct and delta ranges."""
-    L, _, T, C = q.shape
-    stats = np.empty((L, 2, C, 6), np.int64)
-    k2.level_stats(q, chunk_tokens, stats)
-    return tables_from_stats(stats, allow_delta, T)
-
-
 def tables_from_stats(stats: np.ndarray, allow_delta: bool, T: int):
     """(modes, lo, alphabet) [L, 2, C] from level_stats' output."""
     L, _, C, _ = stats.shape
@@ -104,44 +97,6 @@ def tables_from_stats(stats: np.ndarray, allow_delta: bool, T: int):
         lo[:] = 0
         alphabet[:] = 1
     return modes, lo.astype(np.int64), alphabet.astype(np.int64)
-
-
-def _code(h: FileHeader, q: np.ndarray, modes, lo, alphabet):
-    """Symbols, tables and range-coded streams of the levels q; returns (codes, lengths, payload, offsets)."""
-    L, _, T, C = q.shape
-    ct, G = h.chunk_tokens, h.group
-    width = int(alphabet.max(initial=1))
-    sym = np.empty(q.shape, np.uint8)
-    counts = np.empty((L, 2, C, width), np.int64)
-    k2.levels_to_symbols(q, modes, lo, ct, sym, counts)
-    codes = np.empty((L, 2, C, width), np.uint8)
-    cum = np.empty((L, 2, C, width + 1), np.int32)
-    k2.build_tables(counts, alphabet, codes, cum)
-    # Neighbouring channels often have near-identical statistics (after a rotation they are
-    # ordered by variance): a channel that codes about as well with the previous table
-    # sends a one-byte reference instead of its own table.
-    shared = np.zeros((L, 2, C), np.bool_)
-    k2.share_tables(counts, lo, alphabet, modes, cum, SYMBOL_COST, shared, np.empty((L, 2, C), np.int64))
-    if shared.any():
-        modes, lo, alphabet, codes, cum = expand_shared(shared, modes, lo, alphabet, codes, cum)
-        k2.levels_to_symbols(q, modes, lo, ct, sym, np.empty((L, 2, C, width), np.int64))
-    K = h.num_chunks
-    tab = np.empty((L, 2, C, width), np.uint32)
-    lut = np.empty((L, 2, C, cpu_kernels.LUT_SIZE), np.uint8)
-    k2.coder_tables(cum, alphabet, tab, lut)
-    lengths = np.empty((K, L, 2, h.groups), np.int32)
-    plane_bytes = np.empty(K * L * 2, np.int64)
-    # One row per plane, big enough for its worst case; only the bytes written are touched.
-    planes = np.empty((K * L * 2, h.groups * max_stream_bytes(ct * G)), np.uint8)
-    k2.encode_table_planes(sym, tab.reshape(L, 2, C * width), ct, G, lengths, plane_bytes, planes)
-    plane_offsets = np.zeros(K * L * 2 + 1, np.int64)
-    np.cumsum(plane_bytes, out=plane_offsets[1:])
-    payload = np.empty(int(plane_offsets[-1]), np.uint8)
-    cpu_kernels.pack_streams(planes, plane_bytes, plane_offsets, payload)
-    lengths = lengths.reshape(-1)
-    offsets = np.zeros(lengths.size + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return codes, lengths, payload, offsets, shared, modes, lo, alphabet
 
 
 def _chunks(h: FileHeader, lengths, payload, offsets, raw: np.ndarray | None, ref: np.ndarray | None = None) -> list[Chunk]:
@@ -217,6 +172,12 @@ def encode_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
 V2_SLAB_BYTES = 128 << 20
 
 
+#: A rotated single-slab cache keeps its rotated rows (float64) between the statistics and
+#: quantization passes up to this size; past it each pass rotates them again.
+ROTATED_CACHE_BYTES = 1 << 30
+_NO_ROTATION = np.zeros((0, 0, 0, 0), np.float32)
+
+
 def slab_chunks_count(num_layers: int, num_channels: int, chunk_tokens: int, slab_bytes: int | None = None) -> int:
     """Whole chunks per slab: about ``slab_bytes`` (default V2_SLAB_BYTES) of float32, at least one chunk."""
     slab_bytes = V2_SLAB_BYTES if slab_bytes is None else slab_bytes
@@ -259,6 +220,7 @@ class _SlabEncoder:
         self.L, self.T, self.C = cache.num_layers, cache.num_tokens, cache.num_channels
         self.single = len(bounds) == 1
         self.kept = None  # the single slab's (levels, refinement) (transform) or words (lossless)
+        self.kept_values = None  # transform: the single slab's _values while the passes before the header run
         self.lossless = cfg.method == "lossless"
         # With several slabs, every pass reuses the same slab-sized buffers (never a single
         # slab's: its arrays are kept from pass to pass).
@@ -292,34 +254,61 @@ class _SlabEncoder:
             self.kept = words
         return words
 
-    def _float32(self, block: torch.Tensor) -> np.ndarray:
-        if block.dtype == torch.float32:
-            return block.contiguous().numpy()
-        x = self._empty("x", tuple(block.shape), np.float32)
-        torch.from_numpy(x).copy_(block)  # torch's conversion, on every core
-        return x
+    def _values(self, t0: int, t1: int, check=None):
+        """Transform: (src, shift, rot) of a slab for the kernels' _fill_rows: its bits (bfloat16:
+        shift 16; float32: shift 0; float16 through torch's float32 conversion) with the
+        rotation, or, when the single slab is rotated and its float64 rows fit in
+        ROTATED_CACHE_BYTES, those rows, rotated once for both passes over them."""
+        if self.kept_values is not None:
+            return self.kept_values
+        block = self._block(t0, t1, check)
+        if block.dtype == torch.bfloat16:
+            src, shift = block.contiguous().view(torch.int16).numpy().view(np.uint16), 16
+        elif block.dtype == torch.float32:
+            src, shift = block.contiguous().view(torch.int32).numpy().view(np.uint32), 0
+        else:
+            x = self._empty("x", tuple(block.shape), np.float32)
+            torch.from_numpy(x).copy_(block)  # torch's conversion, on every core
+            src, shift = x.view(np.uint32), 0
+        rot = self.rot
+        if self.single and rot.size and src.size * 8 <= ROTATED_CACHE_BYTES:
+            y = np.empty(src.shape, np.float64)
+            k2.rotate_rows(src, shift, rot, y)
+            src, shift, rot = y, 0, _NO_ROTATION
+        if self.single:
+            self.kept_values = (src, shift, rot)
+        return src, shift, rot
 
-    def _quantize(self, t0: int, t1: int, x: np.ndarray):
-        """Transform: (levels, refinement indices of the slab's refined tokens or None)."""
+    def _quantize(self, t0: int, t1: int):
+        """Transform: (levels, refinement indices of the slab's refined tokens or None, level
+        statistics of the slab)."""
         L, C, T = self.L, self.C, self.T
         Ts = t1 - t0
+        src, shift, rot = self._values(t0, t1)
         q = self._empty("q", (L, 2, Ts, C), np.int16)
         r0 = T - self.R
-        sink = min(max(self.sink - t0, 0), Ts)
-        k2.transform_quantize(x, self.rot, sink, self.m32, self.steps, TRANSFORM_QMAX, float(self.cfg.rounding),
-                              r0 - t0, self.bits, q)
-        ref = None
-        if self.R and t1 > r0:
-            first = max(r0 - t0, 0)
-            ref = np.empty((L, 2, Ts - first, C), np.uint8)
-            k2.transform_refine(x, self.rot, first, self.m32, self.steps, q, self.bits, ref)
-        return q, ref
+        first = max(r0 - t0, 0)
+        refined = self.R and t1 > r0
+        ref = np.empty((L, 2, Ts - first if refined else 0, C), np.uint8)
+        K = -(-Ts // self.ct)
+        # Parts of a plane coded by separate jobs: enough jobs for every thread.
+        parts = min(K, max(1, -(-numba.get_num_threads() // (2 * L))))
+        part = np.empty((parts, L, 2, C, 6), np.int64)
+        k2.quantize_stats(src, shift, rot, min(max(self.sink - t0, 0), Ts), self.m32, self.steps, TRANSFORM_QMAX,
+                          float(self.cfg.rounding), first, self.bits, self.ct, q, ref, part)
+        stats = part[0]
+        if parts > 1:
+            stats = stats.copy()
+            stats[..., [0, 3]] = part[..., [0, 3]].min(axis=0)
+            stats[..., [1, 4]] = part[..., [1, 4]].max(axis=0)
+            stats[..., [2, 5]] = part[..., [2, 5]].sum(axis=0)
+        return q, ref if refined else None, stats
 
     def _levels(self, t0: int, t1: int):
         """Transform: (levels, refinement indices or None) of a slab."""
         if self.kept is not None:
             return self.kept
-        return self._quantize(t0, t1, self._float32(self._block(t0, t1)))
+        return self._quantize(t0, t1)[:2]
 
     # ---- the passes before the header
 
@@ -340,12 +329,9 @@ class _SlabEncoder:
         self.sink = sink = min(cfg.sink_tokens, T)
         self.rot, digest = encoder_rotation(calibration, L, C)
         s1, s2, b1, b2 = (np.zeros((L, 2, C), np.float64) for _ in range(4))
-        x_kept = None
         for t0, t1 in self.bounds:
-            x = self._float32(self._block(t0, t1, check))
-            k2.transform_stats_carry(x, self.rot, sink, t0, T, s1, s2, b1, b2)
-            if self.single:
-                x_kept = x
+            src, shift, rot = self._values(t0, t1, check)
+            k2.transform_stats_carry(src, rot, sink, t0, T, s1, s2, b1, b2, shift)
         if check is not None:
             check.raise_if_bad()
         offsets_bits, m, steps_bits, self.steps = step_params(s1, s2, T - sink, cfg.steps_table(L),
@@ -353,16 +339,12 @@ class _SlabEncoder:
         self.m32 = m.astype(np.float32)
         self.R, self.bits = refine_plan(cfg, T, sink)
         stats = _empty_level_stats(L, C)
-        part = np.empty_like(stats)
         for t0, t1 in self.bounds:
-            x = x_kept if x_kept is not None else self._float32(self._block(t0, t1))
-            q, ref = self._quantize(t0, t1, x)
-            del x
-            k2.level_stats(q, self.ct, part)
+            q, ref, part = self._quantize(t0, t1)
             k2.merge_level_stats(stats, part)
             if self.single:
                 self.kept = (q, ref)
-        x_kept = None
+        self.kept_values = None
         modes, lo, alphabet = tables_from_stats(stats, cfg.token_delta, T)
         sink_bytes = (sink_words(self.source.cache, sink) if isinstance(self.source, TensorSource)
                       else _sink_bytes(self.source.read(0, sink), sink))
@@ -375,20 +357,11 @@ class _SlabEncoder:
         L, C, ct = self.L, self.C, self.ct
         modes, lo, alphabet = params.modes, params.lo, params.alphabet
         width = int(alphabet.max(initial=1))
-        self.sym = None
-        self.scratch = None if self.lossless else np.empty((L, 2, C, width), np.int64)
-        if self.lossless:
-            counts = np.zeros((L, 2, C, width), np.int64)
-            for t0, t1 in self.bounds:
+        counts = np.zeros((L, 2, C, width), np.int64)
+        for t0, t1 in self.bounds:
+            if self.lossless:
                 k2.lossless_counts(self._words(t0, t1), self.nraw, lo, counts)
-        elif self.single:  # the symbols of the single slab are kept for coding
-            q = self.kept[0]
-            self.sym = np.empty(q.shape, np.uint8)
-            counts = np.empty((L, 2, C, width), np.int64)
-            k2.levels_to_symbols(q, modes, lo, ct, self.sym, counts)
-        else:
-            counts = np.zeros((L, 2, C, width), np.int64)
-            for t0, t1 in self.bounds:
+            else:
                 k2.count_symbols(self._levels(t0, t1)[0], modes, lo, ct, counts)
         codes = np.empty((L, 2, C, width), np.uint8)
         cum = np.empty((L, 2, C, width + 1), np.int32)
@@ -399,8 +372,8 @@ class _SlabEncoder:
         shared = np.zeros((L, 2, C), np.bool_)
         k2.share_tables(counts, lo, alphabet, modes, cum, SYMBOL_COST, shared, np.empty((L, 2, C), np.int64))
         if shared.any():
+            # A sharing channel codes its levels with the shared table's mode (the same) and lo.
             modes, lo, alphabet, codes, cum = expand_shared(shared, modes, lo, alphabet, codes, cum)
-            self.sym = None  # coded with the shared tables' ranges: recomputed
         self.tab = np.empty((L, 2, C, width), np.uint32)
         lut = np.empty((L, 2, C, cpu_kernels.LUT_SIZE), np.uint8)
         k2.coder_tables(cum, alphabet, self.tab, lut)
@@ -417,25 +390,21 @@ class _SlabEncoder:
         for t0, t1 in self.bounds:
             if self.lossless:
                 words = self._words(t0, t1)
-                sym = self._empty("sym", words.shape, np.uint8)
                 extra = np.empty(words.size * self.nraw, np.uint8)  # the low bytes, in chunk order
-                k2.lossless_symbols(words, self.nraw, ct, p.lo, sym, extra)
-                del words
             else:
                 q, extra = self._levels(t0, t1)
-                sym = self.sym
-                if sym is None:
-                    sym = self._empty("sym", q.shape, np.uint8)
-                    k2.levels_to_symbols(q, p.modes, p.lo, ct, sym, self.scratch)
-                del q
-            self.kept = self.sym = None  # a single slab's arrays go with its chunks
+            self.kept = None  # a single slab's arrays go with its chunks
             K = -(-(t1 - t0) // ct)
             lengths = np.empty((K, L, 2, h.groups), np.int32)
             plane_bytes = np.empty(K * L * 2, np.int64)
             # One row per plane, big enough for its worst case; only the bytes written are touched.
             planes = self._empty("planes", (K * L * 2, h.groups * max_stream_bytes(ct * G)), np.uint8)
-            k2.encode_table_planes(sym, tab, ct, G, lengths, plane_bytes, planes)
-            del sym
+            if self.lossless:
+                k2.encode_word_planes(words, self.nraw, p.lo, tab, ct, G, extra, lengths, plane_bytes, planes)
+                del words
+            else:
+                k2.encode_level_planes(q, p.modes, p.lo, tab, ct, G, lengths, plane_bytes, planes)
+                del q
             plane_offsets = np.zeros(K * L * 2 + 1, np.int64)
             np.cumsum(plane_bytes, out=plane_offsets[1:])
             payload = np.empty(int(plane_offsets[-1]), np.uint8)
@@ -460,7 +429,7 @@ def _sink_bytes(block: torch.Tensor, sink: int) -> np.ndarray:
 def _slab_chunks(h: FileHeader, t0: int, t1: int, lengths, payload, offsets, raw: np.ndarray | None = None,
                  ref: np.ndarray | None = None) -> list[Chunk]:
     """The chunks of the slab of tokens [t0, t1) (whole chunks from chunk t0 / chunk_tokens) from
-    its streams; ``raw``: the lossless low bytes in chunk order (kernels' lossless_symbols);
+    its streams; ``raw``: the lossless low bytes in chunk order (kernels' encode_word_planes);
     ``ref``: the refinement indices [L, 2, n, C] of the slab's refined tokens (its last n)."""
     L, C, ct = h.num_layers, h.num_channels, h.chunk_tokens
     per = h.streams_per_chunk
@@ -622,7 +591,12 @@ class V2SlabDecoder:
         p = h.params
         L, C = h.num_layers, h.num_channels
         self.h = h
-        self.rot = check_calibration(h, calibration)
+        rot = check_calibration(h, calibration)
+        # The inverse rotation reads R by columns: transposed once, it runs like the encoder's.
+        self.rot_t = rot
+        if rot.size:
+            self.rot_t = np.empty_like(rot)
+            k2.transpose_planes(rot, self.rot_t)
         cum = np.empty((L, 2, C, p.width + 1), np.int32)
         k2.cum_from_table_codes(p.codes, p.alphabet, cum)
         tab = np.empty((L, 2, C, p.width), np.uint32)
@@ -660,28 +634,25 @@ class V2SlabDecoder:
         T0 = chunks[0].first_token
         Ts = sum(c.token_count for c in chunks)
         lengths, offsets, payload = gather_streams(chunks)
-        sym = self.buf.get("sym", (L, 2, Ts, C), np.uint8)
-        k2.decode_table_planes(payload, offsets, lengths, self.cum, self.lut, ct, h.group, sym)
-        q = self.buf.get("q", (L, 2, Ts, C), np.int16)
-        k2.symbols_to_levels(sym, p.modes, p.lo, ct, q)
-        del sym
+        args = (payload, offsets, lengths, self.cum, self.lut, ct, h.group, Ts, p.modes, p.lo)
         if h.method == METHOD_LOSSLESS:
             # The chunks' raw sections back to back are the low bytes in chunk order.
             raw = (chunks[0].scales.reshape(-1) if len(chunks) == 1
                    else np.concatenate([c.scales.reshape(-1) for c in chunks]))
-            k2.join_words_chunked(q, raw, h.raw_bytes_per_value, ct, out, t_out)
+            k2.decode_lossless_planes(*args, raw, h.raw_bytes_per_value, out, t_out)
             return
         ref = gather_refinement(h, chunks)
         sink = min(max(h.sink_tokens - T0, 0), Ts)
         first_refined = max(h.refine_start - T0, 0)
-        args = (q, self.rot, sink, self.offsets, self.steps, first_refined, p.refine_bits, ref)
+        args += (self.rot_t, sink, self.offsets, self.steps, first_refined, p.refine_bits,
+                 ref)
         if h.dtype == "bfloat16":
-            k2.transform_dequantize_words(*args, out, t_out, True)
+            k2.decode_transform_planes(*args, out, t_out, True)
         elif h.dtype == "float32":
-            k2.transform_dequantize_words(*args, out.view(np.float32), t_out, False)
+            k2.decode_transform_planes(*args, out.view(np.float32), t_out, False)
         else:  # float16: torch's float32 -> float16 rounding
             tmp = self.buf.get("f32", (L, 2, Ts, C), np.float32)
-            k2.transform_dequantize_words(*args, tmp, 0, False)
+            k2.decode_transform_planes(*args, tmp, 0, False)
             dst = torch.from_numpy(out.view(np.int16)[:, :, t_out : t_out + Ts]).view(torch.float16)
             dst.copy_(torch.from_numpy(tmp))
         if sink:
