@@ -353,8 +353,8 @@ def test_v2_decode_planes_match_reference():
     through the transposed matrix) against decode_table_streams + symbols_to_levels +
     transform_dequantize, rotated and refined."""
     import cachegen_cli as cg
-    from cachegen_cli import transform_codec
-    from cachegen_cli.calibration import fit
+    from cachegen_cli.methods import transform as transform_codec
+    from cachegen_cli.methods.calibration import fit
     from cachegen_cli.kernels import cpu_transform as k2
 
     kv = realistic_kv(layers=2, tokens=70)
@@ -374,7 +374,7 @@ def test_v2_decode_planes_match_reference():
     k2.symbols_to_levels(sym, p.modes, p.lo, h.chunk_tokens, q)
     out = np.zeros((L, 2, T, C), np.float32)
     ref = transform_codec.gather_refinement(h, chunks)
-    from cachegen_cli.params import bf16_values
+    from cachegen_cli.format.params import bf16_values
     k2.transform_dequantize(q, cal.rotation, h.sink_tokens, bf16_values(p.offsets).astype(np.float32),
                             bf16_values(p.steps), h.refine_start, p.refine_bits, ref, out)
     dec = transform_codec.V2SlabDecoder(h, cal)
