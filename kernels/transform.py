@@ -66,9 +66,9 @@ def step_level(y, offset, step, qmax, threshold):
     is a dead-zone quantizer: values just past a midpoint go to the level nearer zero, which
     costs a little error and saves more rate (the decoder does not need to know)."""
     v = (np.float64(y) - np.float64(offset)) / np.float64(step)
-    q = np.int64(v)  # toward zero; |v| may be huge only when clamped below
-    if v >= 9.0e15 or v <= -9.0e15:
+    if v >= 9.0e15 or v <= -9.0e15:  # clamped; and past int64's range a cast is undefined
         return qmax if v > 0 else -qmax
+    q = np.int64(v)  # toward zero
     frac = v - np.float64(q)  # exact
     if frac >= threshold:
         q += 1
