@@ -21,8 +21,8 @@ from .storage import kvio
 from .methods.calibration import Calibration
 from .methods.calibration import load as load_calibration
 from .methods.config import DEFAULT_CHUNK_TOKENS, QuantizationConfig, TransformConfig, resolve_quantization
-from .errors import InputNotFoundError
-from .storage.outputs import atomic_output, check_output
+from .errors import FormatError
+from .storage.outputs import atomic_output, check_input, check_output
 
 __all__ = ["encode", "encode_to_device", "decode", "encode_file", "decode_file", "default_encoded_path", "default_decoded_path",
            "using_threads"]
@@ -273,12 +273,11 @@ def encode_file(
     and torch threads for the call (None or 0: all cores)."""
     src = Path(src)
     dst = Path(dst) if dst is not None else default_encoded_path(src)
-    if not src.is_file():
-        raise InputNotFoundError(f"no such file: {src}")
-    check_output(dst, [src], force)
+    check_input(src)
     with using_threads(threads):
-        cal = _calibration(calibration)
-        with kvio.SafetensorsSource(src, layout) as source:
+        with kvio.SafetensorsSource(src, layout) as source:  # the input is checked before the output
+            check_output(dst, [src], force)
+            cal = _calibration(calibration)
             quant = resolve_quantization(source.cache.num_layers, quantization=quantization, preset_name=preset,
                                          bins=bins, quality=quality)
             with atomic_output(dst) as tmp, open(tmp, "wb") as out:
@@ -303,17 +302,20 @@ def decode_file(
     and torch threads for the call (None or 0: all cores)."""
     src = Path(src)
     dst = Path(dst) if dst is not None else default_decoded_path(src)
-    if not src.is_file():
-        raise InputNotFoundError(f"no such file: {src}")
-    check_output(dst, [src], force)
+    check_input(src)
     with using_threads(threads):
-        cal = _calibration(calibration)
         # Plain reads, not a mapping: the decoder holds one slab of the input at a time.
         reader, closer = codec.open_input(src, mapped=False)
         try:
-            dec = codec.SlabDecoder(reader, device, cal)  # header, index and calibration checked first
+            cal = _calibration(calibration)
+            dec = codec.SlabDecoder(reader, device, cal)  # header, index and calibration checked first,
+            check_output(dst, [src], force)  # then the output
             with atomic_output(dst) as tmp:
                 codec.decode_to_file(dec, tmp, progress)
+        except FormatError as exc:  # the message names the file
+            if str(src) in str(exc):
+                raise
+            raise type(exc)(f"{src}: {exc}") from None
         finally:
             del reader
             _close_quietly(closer)
