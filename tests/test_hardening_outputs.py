@@ -265,3 +265,34 @@ def test_the_input_is_checked_before_the_output(kv_file, tmp_path):
     err = one_error(run("encode", tmp_path / "junk.safetensors", "-o", tmp_path / "kv.decoded.safetensors"),
                     "junk.safetensors")
     assert "exists" not in err
+
+
+# ---------------------------------------------------------------- 12. the README's first code block
+
+
+def readme_first_block() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    block = re.search(r"^```[^\n]*\n(.*?)^```", text, re.S | re.M).group(1)
+    return [line.split("#", 1)[0].strip() for line in block.splitlines() if line.split("#", 1)[0].strip()]
+
+
+def test_readme_first_code_block_runs_as_pasted(tmp_path):
+    lines = readme_first_block()
+    assert any(line.startswith("cachegen decode") for line in lines)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    shim = bindir / "cachegen"
+    shim.write_text(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} -c 'from cachegen_cli.cli import main; main()' \"$@\"\n")
+    shim.chmod(0o755)
+    work = tmp_path / "clone"
+    (work / "sample_data").mkdir(parents=True)
+    for f in (ROOT / "sample_data").glob("*.safetensors"):
+        (work / "sample_data" / f.name).symlink_to(f)
+    env = dict(os.environ, PATH=f"{bindir}{os.pathsep}{os.environ['PATH']}",
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for line in lines:
+        r = subprocess.run(line, shell=True, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (line, r.stdout, r.stderr)
+    assert load_file(work / "kv.decoded.safetensors")["kv"].shape == load_file(work / "kv.safetensors")["kv"].shape
+    assert torch.equal(cg.decode((work / "kv.lossless.cgen").read_bytes(), device="cpu")["kv"],
+                       load_file(work / "kv.safetensors")["kv"])
