@@ -110,3 +110,7 @@ class Terminated(KeyboardInterrupt):
         super().__init__(name)
         self.signo = signo
         self.name = name
+
+
+class OutputTooLargeError(SizeError):
+    """The decoded cache the header announces is larger than the caller's max_output_size."""

@@ -433,3 +433,55 @@ def test_cli_fp16_top_values_round_trip_finite(tmp_path):
                                 "--device", "cpu"])
         assert r.exit_code == 0, r.output
         assert bool(torch.isfinite(load_file(str(tmp_path / "out.safetensors"))["kv"]).all())
+
+
+# ---------------------------------------------------------------- 7. decompression bombs
+
+
+def test_max_output_size_refuses_before_allocating(blobs, monkeypatch, tmp_path):
+    from cachegen_cli.errors import OutputTooLargeError
+    from cachegen_cli.pipeline import codec
+
+    blob = blobs["v2"]
+    n = container.decoded_size(blob)
+    assert n == 2 * 2 * 12 * 8 * 2
+    assert cg.decode(blob, device="cpu", max_output_size=n)["kv"].shape == (2, 2, 12, 1, 8)
+
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("allocated the output of a file over the limit")
+
+    monkeypatch.setattr(codec.torch, "empty", no_allocation)
+    for kind in ("v1", "v2", "v1_per_layer", "v2_per_layer"):
+        with pytest.raises(OutputTooLargeError, match="limit"):
+            cg.decode(blobs[kind], device="cpu", max_output_size=n - 1)
+        src = tmp_path / f"{kind}.cgen"
+        src.write_bytes(blobs[kind])
+        with pytest.raises(OutputTooLargeError, match=str(src)):
+            cg.decode_file(src, tmp_path / "out.safetensors", device="cpu", max_output_size=n - 1)
+        assert not (tmp_path / "out.safetensors").exists()
+    with pytest.raises(Exception, match="max_output_size"):
+        cg.decode(blob, device="cpu", max_output_size=-1)
+
+
+def test_cli_max_output_size_default_refuses_a_bomb(blobs, tmp_path):
+    # a valid all-zero file of 2 layers x 2 x 2^20 tokens x 65536 channels of bf16 = 512 GiB
+    # that is a few kilobytes long would pass the format's own checks; the header alone says no
+    h, _ = container.read_file_header(container.BufferReader(blobs["v2"]), len(blobs["v2"]))
+    bomb = bytearray(blobs["v2"][:64])
+    struct.pack_into("<QII", bomb, 16, 1 << 20, 2, 1 << 16)
+    assert container.decoded_size(bytes(bomb)) == 2 * 2 * (1 << 20) * (1 << 16) * 2
+    err = cli_error(tmp_path, "decode", bytes(bomb) + blobs["v2"][64:], "--max-output-size")
+    assert "bad.cgen" in err and "64 GiB" not in err
+
+
+def test_cli_max_output_size_option(blobs, tmp_path):
+    src = tmp_path / "ok.cgen"
+    src.write_bytes(blobs["v1"])
+    out = tmp_path / "out.safetensors"
+    r = runner.invoke(app, ["decode", str(src), "-o", str(out), "--device", "cpu", "--max-output-size", "100"])
+    assert r.exit_code == 1 and r.stderr.strip().startswith("error:") and "100" in r.stderr and not out.exists()
+    for ok in ("1K", "1KiB", "none"):
+        r = runner.invoke(app, ["decode", str(src), "-o", str(out), "--device", "cpu", "--max-output-size", ok, "-f"])
+        assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["decode", str(src), "-o", str(out), "--device", "cpu", "--max-output-size", "lots", "-f"])
+    assert r.exit_code == 2 and r.stderr.strip().startswith("error:") and "--max-output-size" in r.stderr
