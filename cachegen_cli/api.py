@@ -326,10 +326,12 @@ def decode_file(
         # Plain reads, not a mapping: the decoder holds one slab of the input at a time.
         reader, closer = codec.open_input(src, mapped=False)
         try:
-            check_decoded_size(reader.read(64), max_output_size, str(src))
-            reader.seek(0)
             cal = _calibration(calibration)
             dec = codec.SlabDecoder(reader, device, cal)  # header, index and calibration checked first,
+            at = reader.tell()
+            reader.seek(0)
+            check_decoded_size(reader.read(64), max_output_size, str(src))  # then the size, before allocating,
+            reader.seek(at)
             check_output(dst, [src], force)  # then the output
             with atomic_output(dst) as tmp:
                 codec.decode_to_file(dec, tmp, progress)

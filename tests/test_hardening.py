@@ -463,15 +463,13 @@ def test_max_output_size_refuses_before_allocating(blobs, monkeypatch, tmp_path)
         cg.decode(blob, device="cpu", max_output_size=-1)
 
 
-def test_cli_max_output_size_default_refuses_a_bomb(blobs, tmp_path):
-    # a valid all-zero file of 2 layers x 2 x 2^20 tokens x 65536 channels of bf16 = 512 GiB
-    # that is a few kilobytes long would pass the format's own checks; the header alone says no
-    h, _ = container.read_file_header(container.BufferReader(blobs["v2"]), len(blobs["v2"]))
-    bomb = bytearray(blobs["v2"][:64])
-    struct.pack_into("<QII", bomb, 16, 1 << 20, 2, 1 << 16)
-    assert container.decoded_size(bytes(bomb)) == 2 * 2 * (1 << 20) * (1 << 16) * 2
-    err = cli_error(tmp_path, "decode", bytes(bomb) + blobs["v2"][64:], "--max-output-size")
-    assert "bad.cgen" in err and "64 GiB" not in err
+def test_cli_max_output_size_default(blobs, tmp_path, monkeypatch):
+    from cachegen_cli.cli import commands
+
+    assert commands.parse_size(commands.DEFAULT_MAX_OUTPUT_SIZE, "x") == 64 << 30
+    monkeypatch.setattr(commands, "DEFAULT_MAX_OUTPUT_SIZE", "100")  # the default applies without the option
+    err = cli_error(tmp_path, "decode", blobs["v2"], "--max-output-size")
+    assert "bad.cgen" in err and "decodes to 768 bytes" in err
 
 
 def test_cli_max_output_size_option(blobs, tmp_path):

@@ -176,9 +176,9 @@ def decode(
     threads: int = typer.Option(0, "-T", "--threads", min=0, help="CPU threads for the kernels \\[default: 0, all cores]."),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success."),
-    max_output_size: str = typer.Option(
-        DEFAULT_MAX_OUTPUT_SIZE, "--max-output-size", metavar="SIZE",
-        help="Refuse files that decode to more than SIZE bytes (K/M/G/T suffixes, powers of 1024; 'none': no limit)."),
+    max_output_size: Optional[str] = typer.Option(
+        None, "--max-output-size", metavar="SIZE", show_default=False,
+        help="Refuse files that decode to more than SIZE bytes (K/M/G/T suffixes, powers of 1024; 'none': no limit) \\[default: 64G]."),
 ) -> None:
     """Decompress a .cgen file to .safetensors, in the original layout, names and dtype.
 
@@ -190,7 +190,8 @@ def decode(
         dst = output or default_decoded_path(input)
         with _progress("decoding", not quiet) as progress:
             decode_file(input, dst, force=force, device=device.value, calibration=calibration, progress=progress,
-                        threads=threads, max_output_size=parse_size(max_output_size, "--max-output-size"))
+                        threads=threads,
+                        max_output_size=parse_size(max_output_size or DEFAULT_MAX_OUTPUT_SIZE, "--max-output-size"))
         if not quiet:
             out.print(f"{_escape(str(input))} -> {_escape(str(dst))}")
 
