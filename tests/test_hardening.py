@@ -483,3 +483,74 @@ def test_cli_max_output_size_option(blobs, tmp_path):
         assert r.exit_code == 0, r.output
     r = runner.invoke(app, ["decode", str(src), "-o", str(out), "--device", "cpu", "--max-output-size", "lots", "-f"])
     assert r.exit_code == 2 and r.stderr.strip().startswith("error:") and "--max-output-size" in r.stderr
+
+
+# ---------------------------------------------------------------- 6. levels summed past the method's range
+
+
+def _shift_delta_tables(blob: bytes, by: int) -> bytes:
+    """The file with every token-delta table's lo raised by ``by`` (tables still within the
+    spec's bounds, CRC fixed): each decoded delta grows by ``by``, so the levels drift by
+    ``by`` per token within a chunk."""
+    from cachegen_cli.pipeline import codec
+
+    f, _ = codec.open_input(blob)
+    h, end = container.read_file_header(f, len(blob))
+    p = h.params
+    assert (p.modes == 1).all()  # (method 3 codes direct only, its tables bound its values to a byte)
+    p.lo = (p.lo.astype(np.int64) + by).astype(p.lo.dtype)
+    head = container.pack_file_header(h)
+    assert len(head) == end
+    return head + blob[end:]
+
+
+def _ramp(dtype=torch.bfloat16, tokens: int = 64) -> torch.Tensor:
+    t = torch.arange(tokens, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(2, 2, tokens, 1, 8, generator=g) * 0.01 + t[None, None, :, None, None] * 0.1).to(dtype)
+
+
+@pytest.mark.parametrize("quality", ["high", "small"])
+def test_token_deltas_summed_past_the_range_are_refused(quality, tmp_path):
+    blob = cg.encode(_ramp(), quality=quality, chunk_tokens=64, device="cpu")
+    assert torch.equal(cg.decode(_shift_delta_tables(blob, 0), device="cpu")["kv"], cg.decode(blob, device="cpu")["kv"])
+    bad = _shift_delta_tables(blob, 10)  # 64 tokens x 10: far past 127, well inside int16
+    with pytest.raises(SizeError, match="outside"):
+        cg.decode(bad, device="cpu")
+    cli_error(tmp_path, "decode", bad, "outside")
+
+
+def test_token_deltas_past_int16_are_refused(tmp_path):
+    # 16384 tokens in one chunk with every delta +100 more: the sum passes 32767 and would wrap
+    blob = cg.encode(_ramp(tokens=4096), quality="high", chunk_tokens=4096, device="cpu")
+    with pytest.raises(SizeError, match="outside"):
+        cg.decode(_shift_delta_tables(blob, 100), device="cpu")
+
+
+def test_levels_within_the_range_still_decode_as_the_spec_says():
+    from cachegen_cli.format.params import LEVEL_RANGE, check_level_range
+
+    for method, (lo, hi) in LEVEL_RANGE.items():
+        check_level_range(lo, hi, method)
+        with pytest.raises(SizeError):
+            check_level_range(lo - 1, hi, method)
+        with pytest.raises(SizeError):
+            check_level_range(lo, hi + 1, method)
+
+
+def test_rotated_steps_past_float32_are_refused():
+    from cachegen_cli.format.params import FLOAT32_MAX, check_rotated_range
+
+    def bf16(x):
+        return (np.array(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+    steps, offsets = bf16(np.full((2, 2), 1.0)), bf16(np.zeros((2, 2, 4)))
+    check_rotated_range(steps, offsets)
+    big = bf16(np.full((2, 2), 1.0))
+    big[1, 0] = bf16(FLOAT32_MAX / 100)  # 128 x s = 1.28 x FLOAT32_MAX: z would be Inf, the rotation NaN
+    with pytest.raises(SizeError, match="layer 1 K"):
+        check_rotated_range(big, offsets)
+    near = bf16(np.full((2, 2), FLOAT32_MAX / 256))
+    check_rotated_range(near, offsets)
+    with pytest.raises(SizeError):
+        check_rotated_range(near, bf16(np.full((2, 2, 4), FLOAT32_MAX / 1.5)))
