@@ -21,8 +21,9 @@ from .storage import kvio
 from .methods.calibration import Calibration
 from .methods.calibration import load as load_calibration
 from .methods.config import DEFAULT_CHUNK_TOKENS, QuantizationConfig, TransformConfig, resolve_quantization
-from .errors import InputNotFoundError
-from .storage.outputs import atomic_output, check_output
+from .errors import FormatError
+from .format.container import check_decoded_size
+from .storage.outputs import atomic_output, check_input, check_output
 
 __all__ = ["encode", "encode_to_device", "decode", "encode_file", "decode_file", "default_encoded_path", "default_decoded_path",
            "using_threads"]
@@ -159,18 +160,24 @@ def _calibration(calibration: Calibration | str | Path | None) -> Calibration | 
 
 
 def decode(data: bytes | bytearray | memoryview | torch.Tensor, *, device: str = "auto",
-           calibration: Calibration | str | Path | None = None) -> dict[str, torch.Tensor]:
+           calibration: Calibration | str | Path | None = None,
+           max_output_size: int | None = None) -> dict[str, torch.Tensor]:
     """Decompress .cgen bytes to the original tensor names, shapes and dtype.
 
     ``data``: the bytes, or a one-dimensional uint8 tensor holding them (e.g. from
     encode_to_device).  With ``device="auto"`` (the default) the GPU decodes when one is
     present and the tensors are returned on it; ``device="cpu"`` keeps everything on the
-    CPU.  ``calibration``: the calibration file a rotated file was encoded with."""
-    from .errors import FormatError
-
+    CPU.  ``calibration``: the calibration file a rotated file was encoded with.
+    ``max_output_size``: refuse (OutputTooLargeError) a file whose decoded tensors would take
+    more than this many bytes, from its 64-byte header, before anything is allocated; None
+    (the default): no limit beyond the format's own checks (pass one for untrusted input)."""
     cal = _calibration(calibration)
     if isinstance(data, torch.Tensor) and (data.dtype != torch.uint8 or data.dim() != 1):
         raise FormatError("a .cgen tensor must be one-dimensional uint8")
+    _check_limit(max_output_size)
+    if max_output_size is not None:  # host-side, also for bytes on the GPU: 64 bytes copied
+        head = bytes(data[:64].cpu().numpy()) if isinstance(data, torch.Tensor) else bytes(memoryview(data)[:64])
+        check_decoded_size(head, max_output_size)
     if codec.resolve_device(device) == "cuda":
         from .pipeline import lmcache_device as gpu_codec
 
@@ -195,6 +202,14 @@ def decode(data: bytes | bytearray | memoryview | torch.Tensor, *, device: str =
     reader, _ = codec.open_input(data)
     header, tensor = codec.decode_from_stream(reader, device=device, calibration=cal)
     return kvio.to_tensors(tensor, header.descriptor)
+
+
+def _check_limit(max_output_size) -> None:
+    if max_output_size is not None and (not isinstance(max_output_size, int) or isinstance(max_output_size, bool)
+                                        or max_output_size < 0):
+        from .errors import ConfigError
+
+        raise ConfigError(f"max_output_size must be a non-negative number of bytes or None, not {max_output_size!r}")
 
 
 def _is_v2(data) -> bool:
@@ -273,12 +288,11 @@ def encode_file(
     and torch threads for the call (None or 0: all cores)."""
     src = Path(src)
     dst = Path(dst) if dst is not None else default_encoded_path(src)
-    if not src.is_file():
-        raise InputNotFoundError(f"no such file: {src}")
-    check_output(dst, [src], force)
+    check_input(src)
     with using_threads(threads):
-        cal = _calibration(calibration)
-        with kvio.SafetensorsSource(src, layout) as source:
+        with kvio.SafetensorsSource(src, layout) as source:  # the input is checked before the output
+            check_output(dst, [src], force)
+            cal = _calibration(calibration)
             quant = resolve_quantization(source.cache.num_layers, quantization=quantization, preset_name=preset,
                                          bins=bins, quality=quality)
             with atomic_output(dst) as tmp, open(tmp, "wb") as out:
@@ -295,25 +309,36 @@ def decode_file(
     calibration: Calibration | str | Path | None = None,
     progress: codec.ProgressFn | None = None,
     threads: int | None = None,
+    max_output_size: int | None = None,
 ) -> Path:
     """Decompress a .cgen file to safetensors in the original layout (atomically).
 
     Decoded a slab at a time straight into the output file (the same bytes safetensors'
     save_file writes), so memory stays a slab whatever the cache's size.  ``threads``: numba
-    and torch threads for the call (None or 0: all cores)."""
+    and torch threads for the call (None or 0: all cores).  ``max_output_size``: as for
+    decode(), checked from the header before the output is created (None: no limit; the
+    CLI's --max-output-size defaults to 64 GiB)."""
     src = Path(src)
     dst = Path(dst) if dst is not None else default_decoded_path(src)
-    if not src.is_file():
-        raise InputNotFoundError(f"no such file: {src}")
-    check_output(dst, [src], force)
+    _check_limit(max_output_size)
+    check_input(src)
     with using_threads(threads):
-        cal = _calibration(calibration)
         # Plain reads, not a mapping: the decoder holds one slab of the input at a time.
         reader, closer = codec.open_input(src, mapped=False)
         try:
-            dec = codec.SlabDecoder(reader, device, cal)  # header, index and calibration checked first
+            cal = _calibration(calibration)
+            dec = codec.SlabDecoder(reader, device, cal)  # header, index and calibration checked first,
+            at = reader.tell()
+            reader.seek(0)
+            check_decoded_size(reader.read(64), max_output_size, str(src))  # then the size, before allocating,
+            reader.seek(at)
+            check_output(dst, [src], force)  # then the output
             with atomic_output(dst) as tmp:
                 codec.decode_to_file(dec, tmp, progress)
+        except FormatError as exc:  # the message names the file
+            if str(src) in str(exc):
+                raise
+            raise type(exc)(f"{src}: {exc}") from None
         finally:
             del reader
             _close_quietly(closer)

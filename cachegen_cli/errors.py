@@ -91,3 +91,26 @@ class OutputExistsError(OutputError):
 
 class SameFileError(OutputError):
     """The output path is the input file."""
+
+
+# --- signals --------------------------------------------------------------------
+
+
+class Terminated(KeyboardInterrupt):
+    """A terminating signal (SIGTERM, SIGHUP, ...) arrived while an output was being written;
+    raised so that the temporary file is removed.  ``signo``: the signal; the CLI exits 128+signo."""
+
+    def __init__(self, signo: int) -> None:
+        import signal
+
+        try:
+            name = signal.Signals(signo).name
+        except ValueError:
+            name = f"signal {signo}"
+        super().__init__(name)
+        self.signo = signo
+        self.name = name
+
+
+class OutputTooLargeError(SizeError):
+    """The decoded cache the header announces is larger than the caller's max_output_size."""

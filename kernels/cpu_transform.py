@@ -796,6 +796,16 @@ def _row_levels(sym_row, prev, delta, base, lv):
 
 
 @njit(**_FAST)
+def _row_range(lv, bounds):
+    """bounds[0] = min(bounds[0], min lv), bounds[1] = max(bounds[1], max lv)."""
+    mn, mx = bounds[0], bounds[1]
+    for c in range(lv.shape[0]):
+        mn = min(mn, lv[c])
+        mx = max(mx, lv[c])
+    bounds[0], bounds[1] = mn, mx
+
+
+@njit(**_FAST)
 def _decode_plane_symbols(payload, offsets, lengths, job, cum, lut, group, Tk, C):
     """The symbols [Tk, C] of plane ``job`` (chunk, layer, K/V) of a slab, cpu's lock-step decoder."""
     groups = (C + group - 1) // group
@@ -820,15 +830,16 @@ def _store_row(zf, dst, to_bf16):
 
 
 @njit(parallel=True, **_FAST)
-def decode_transform_planes(payload, offsets, lengths, cum, lut, chunk_tokens, group, num_tokens, modes, lo, rot_t,
-                            sink, voffsets, steps, t_ref, bits, ref, out, t_out, to_bf16):
+def decode_transform_planes(payload, offsets, lengths, cum, lut, chunk_tokens, group, num_tokens, modes, lo, seen,
+                            rot_t, sink, voffsets, steps, t_ref, bits, ref, out, t_out, to_bf16):
     """decode_table_streams + symbols_to_levels + transform_dequantize, one job per plane
     (chunk, layer, K/V) of a slab of num_tokens tokens, the plane's symbols and levels kept in
     scratch: out[:, :, t_out + t] (float32, or bfloat16 words with to_bf16, rounded to nearest
     even as torch converts float32) for the tokens t >= sink.  cum / lut: [L, 2, C * ...] as coder_tables makes them; rot_t: the rotation
     transposed ([L, 2, C, C]: rot_t[d, c] = R[c, d]) or empty, so that the inverse rotation
     runs as _fill_rows (out[c] = sum over d in order of z[d] R[c, d]); t_ref, bits, ref: as for
-    transform_dequantize."""
+    transform_dequantize.  seen int32 [K * L * 2, 2]: each plane's smallest and largest level
+    (the caller rejects levels that token deltas summed past the method's range)."""
     L, _, _, C = out.shape
     K = (num_tokens + chunk_tokens - 1) // chunk_tokens
     rotated = rot_t.shape[0] > 0
@@ -843,6 +854,8 @@ def decode_transform_planes(payload, offsets, lengths, cum, lut, chunk_tokens, g
         off = voffsets[l, kv]
         step = steps[l, kv]
         lv = np.zeros(C, np.int32)
+        bounds = seen[job]
+        bounds[0], bounds[1] = 2**31 - 1, -2**31
         z = np.empty((ROT_ROWS, C), np.float64)
         zf = np.empty(C, np.float32)
         acc = np.empty((ROT_ROWS, C), np.float64) if rotated else z
@@ -852,6 +865,7 @@ def decode_transform_planes(payload, offsets, lengths, cum, lut, chunk_tokens, g
             if t == t0:
                 lv[:] = 0
             _row_levels(sym[t - t0], lv, delta, base, lv)
+            _row_range(lv, bounds)
             if t < sink:
                 continue
             if bits > 0 and t >= t_ref:
@@ -881,11 +895,11 @@ def decode_transform_planes(payload, offsets, lengths, cum, lut, chunk_tokens, g
 
 
 @njit(parallel=True, **_FAST)
-def decode_lossless_planes(payload, offsets, lengths, cum, lut, chunk_tokens, group, num_tokens, modes, lo, raw, nraw,
-                           words, t_out):
+def decode_lossless_planes(payload, offsets, lengths, cum, lut, chunk_tokens, group, num_tokens, modes, lo, seen, raw,
+                           nraw, words, t_out):
     """decode_table_streams + symbols_to_levels + join_words, one job per plane (chunk, layer,
     K/V): words[:, :, t_out + t] from the symbols and the low bytes in chunk order
-    (raw: the chunks' Raw sections back to back)."""
+    (raw: the chunks' Raw sections back to back); seen as for decode_transform_planes."""
     L, _, _, C = words.shape
     K = (num_tokens + chunk_tokens - 1) // chunk_tokens
     shift = 8 * nraw
@@ -898,10 +912,13 @@ def decode_lossless_planes(payload, offsets, lengths, cum, lut, chunk_tokens, gr
         delta = (modes[l, kv] == 1).astype(np.int32)
         base = lo[l, kv].astype(np.int32)
         lv = np.zeros(C, np.int32)
+        bounds = seen[job]
+        bounds[0], bounds[1] = 2**31 - 1, -2**31
         for t in range(t0, t1):
             if t == t0:
                 lv[:] = 0
             _row_levels(sym[t - t0], lv, delta, base, lv)
+            _row_range(lv, bounds)
             o = (k * L * 2 * chunk_tokens + (l * 2 + kv) * tk + t - t0) * C * nraw
             low = raw[o : o + C * nraw]
             dst = words[l, kv, t_out + t]

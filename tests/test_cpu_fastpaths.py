@@ -379,8 +379,10 @@ def test_v2_decode_planes_match_reference():
                             bf16_values(p.steps), h.refine_start, p.refine_bits, ref, out)
     dec = transform_codec.V2SlabDecoder(h, cal)
     f32 = np.zeros((L, 2, T, C), np.float32)
+    seen = np.empty((-(-T // h.chunk_tokens) * L * 2, 2), np.int32)
     k2.decode_transform_planes(payload, offs, lengths, dec.cum, dec.lut, h.chunk_tokens, h.group, T, p.modes, p.lo,
-                               dec.rot_t, h.sink_tokens, dec.offsets, dec.steps, h.refine_start, p.refine_bits, ref,
+                               seen, dec.rot_t, h.sink_tokens, dec.offsets, dec.steps, h.refine_start, p.refine_bits, ref,
                                f32, 0, False)
     S = h.sink_tokens
     assert np.array_equal(f32[:, :, S:].view(np.uint32), out[:, :, S:].view(np.uint32))
+    assert seen[:, 0].min() == q.min() and seen[:, 1].max() == q.max()

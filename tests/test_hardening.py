@@ -433,3 +433,124 @@ def test_cli_fp16_top_values_round_trip_finite(tmp_path):
                                 "--device", "cpu"])
         assert r.exit_code == 0, r.output
         assert bool(torch.isfinite(load_file(str(tmp_path / "out.safetensors"))["kv"]).all())
+
+
+# ---------------------------------------------------------------- 7. decompression bombs
+
+
+def test_max_output_size_refuses_before_allocating(blobs, monkeypatch, tmp_path):
+    from cachegen_cli.errors import OutputTooLargeError
+    from cachegen_cli.pipeline import codec
+
+    blob = blobs["v2"]
+    n = container.decoded_size(blob)
+    assert n == 2 * 2 * 12 * 8 * 2
+    assert cg.decode(blob, device="cpu", max_output_size=n)["kv"].shape == (2, 2, 12, 1, 8)
+
+    def no_allocation(*args, **kwargs):
+        raise AssertionError("allocated the output of a file over the limit")
+
+    monkeypatch.setattr(codec.torch, "empty", no_allocation)
+    for kind in ("v1", "v2", "v1_per_layer", "v2_per_layer"):
+        with pytest.raises(OutputTooLargeError, match="limit"):
+            cg.decode(blobs[kind], device="cpu", max_output_size=n - 1)
+        src = tmp_path / f"{kind}.cgen"
+        src.write_bytes(blobs[kind])
+        with pytest.raises(OutputTooLargeError, match=str(src)):
+            cg.decode_file(src, tmp_path / "out.safetensors", device="cpu", max_output_size=n - 1)
+        assert not (tmp_path / "out.safetensors").exists()
+    with pytest.raises(Exception, match="max_output_size"):
+        cg.decode(blob, device="cpu", max_output_size=-1)
+
+
+def test_cli_max_output_size_default(blobs, tmp_path, monkeypatch):
+    from cachegen_cli.cli import commands
+
+    assert commands.parse_size(commands.DEFAULT_MAX_OUTPUT_SIZE, "x") == 64 << 30
+    monkeypatch.setattr(commands, "DEFAULT_MAX_OUTPUT_SIZE", "100")  # the default applies without the option
+    err = cli_error(tmp_path, "decode", blobs["v2"], "--max-output-size")
+    assert "bad.cgen" in err and "decodes to 768 bytes" in err
+
+
+def test_cli_max_output_size_option(blobs, tmp_path):
+    src = tmp_path / "ok.cgen"
+    src.write_bytes(blobs["v1"])
+    out = tmp_path / "out.safetensors"
+    r = runner.invoke(app, ["decode", str(src), "-o", str(out), "--device", "cpu", "--max-output-size", "100"])
+    assert r.exit_code == 1 and r.stderr.strip().startswith("error:") and "100" in r.stderr and not out.exists()
+    for ok in ("1K", "1KiB", "none"):
+        r = runner.invoke(app, ["decode", str(src), "-o", str(out), "--device", "cpu", "--max-output-size", ok, "-f"])
+        assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["decode", str(src), "-o", str(out), "--device", "cpu", "--max-output-size", "lots", "-f"])
+    assert r.exit_code == 2 and r.stderr.strip().startswith("error:") and "--max-output-size" in r.stderr
+
+
+# ---------------------------------------------------------------- 6. levels summed past the method's range
+
+
+def _shift_delta_tables(blob: bytes, by: int) -> bytes:
+    """The file with every token-delta table's lo raised by ``by`` (tables still within the
+    spec's bounds, CRC fixed): each decoded delta grows by ``by``, so the levels drift by
+    ``by`` per token within a chunk."""
+    from cachegen_cli.pipeline import codec
+
+    f, _ = codec.open_input(blob)
+    h, end = container.read_file_header(f, len(blob))
+    p = h.params
+    assert (p.modes == 1).all()  # (method 3 codes direct only, its tables bound its values to a byte)
+    p.lo = (p.lo.astype(np.int64) + by).astype(p.lo.dtype)
+    head = container.pack_file_header(h)
+    assert len(head) == end
+    return head + blob[end:]
+
+
+def _ramp(dtype=torch.bfloat16, tokens: int = 64) -> torch.Tensor:
+    t = torch.arange(tokens, dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(2, 2, tokens, 1, 8, generator=g) * 0.01 + t[None, None, :, None, None] * 0.1).to(dtype)
+
+
+@pytest.mark.parametrize("quality", ["high", "small"])
+def test_token_deltas_summed_past_the_range_are_refused(quality, tmp_path):
+    blob = cg.encode(_ramp(), quality=quality, chunk_tokens=64, device="cpu")
+    assert torch.equal(cg.decode(_shift_delta_tables(blob, 0), device="cpu")["kv"], cg.decode(blob, device="cpu")["kv"])
+    bad = _shift_delta_tables(blob, 10)  # 64 tokens x 10: far past 127, well inside int16
+    with pytest.raises(SizeError, match="outside"):
+        cg.decode(bad, device="cpu")
+    cli_error(tmp_path, "decode", bad, "outside")
+
+
+def test_token_deltas_past_int16_are_refused(tmp_path):
+    # 16384 tokens in one chunk with every delta +100 more: the sum passes 32767 and would wrap
+    blob = cg.encode(_ramp(tokens=4096), quality="high", chunk_tokens=4096, device="cpu")
+    with pytest.raises(SizeError, match="outside"):
+        cg.decode(_shift_delta_tables(blob, 100), device="cpu")
+
+
+def test_levels_within_the_range_still_decode_as_the_spec_says():
+    from cachegen_cli.format.params import LEVEL_RANGE, check_level_range
+
+    for method, (lo, hi) in LEVEL_RANGE.items():
+        check_level_range(lo, hi, method)
+        with pytest.raises(SizeError):
+            check_level_range(lo - 1, hi, method)
+        with pytest.raises(SizeError):
+            check_level_range(lo, hi + 1, method)
+
+
+def test_rotated_steps_past_float32_are_refused():
+    from cachegen_cli.format.params import FLOAT32_MAX, check_rotated_range
+
+    def bf16(x):
+        return (np.array(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+    steps, offsets = bf16(np.full((2, 2), 1.0)), bf16(np.zeros((2, 2, 4)))
+    check_rotated_range(steps, offsets)
+    big = bf16(np.full((2, 2), 1.0))
+    big[1, 0] = bf16(FLOAT32_MAX / 100)  # 128 x s = 1.28 x FLOAT32_MAX: z would be Inf, the rotation NaN
+    with pytest.raises(SizeError, match="layer 1 K"):
+        check_rotated_range(big, offsets)
+    near = bf16(np.full((2, 2), FLOAT32_MAX / 256))
+    check_rotated_range(near, offsets)
+    with pytest.raises(SizeError):
+        check_rotated_range(near, bf16(np.full((2, 2, 4), FLOAT32_MAX / 1.5)))

@@ -139,6 +139,28 @@ def encode(
             )
 
 
+#: --max-output-size's default.  A fixed size, so that a file decodes or not alike on every
+#: machine: 64 GiB holds the bf16 KV cache of a 128k-token context of a 70B-class model with
+#: grouped-query attention (Llama-3.1-70B: 80 layers x 2 x 131072 x 1024 x 2 B = 40 GiB) with
+#: room to spare, and refuses the terabytes a few-kilobyte file can claim.
+DEFAULT_MAX_OUTPUT_SIZE = "64G"
+
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40, "P": 1 << 50}
+
+
+def parse_size(text: str, option: str) -> int | None:
+    """'64G', '1.5T', '4096', '100MiB' -> bytes (powers of 1024); 'none' -> None (no limit)."""
+    import re
+
+    t = text.strip()
+    if t.lower() in ("none", "unlimited"):
+        return None
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGTP]?)(?:i?B)?", t, re.I)
+    if not m:
+        raise_config(f"{option}: not a size: {text!r} (e.g. 64G, 500M, 4096 or none)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()])
+
+
 def raise_config(message: str) -> None:
     from ..errors import ConfigError
 
@@ -154,6 +176,9 @@ def decode(
     threads: int = typer.Option(0, "-T", "--threads", min=0, help="CPU threads for the kernels \\[default: 0, all cores]."),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success."),
+    max_output_size: Optional[str] = typer.Option(
+        None, "--max-output-size", metavar="SIZE", show_default=False,
+        help="Refuse files that decode to more than SIZE bytes (K/M/G/T suffixes, powers of 1024; 'none': no limit) \\[default: 64G]."),
 ) -> None:
     """Decompress a .cgen file to .safetensors, in the original layout, names and dtype.
 
@@ -165,7 +190,8 @@ def decode(
         dst = output or default_decoded_path(input)
         with _progress("decoding", not quiet) as progress:
             decode_file(input, dst, force=force, device=device.value, calibration=calibration, progress=progress,
-                        threads=threads)
+                        threads=threads,
+                        max_output_size=parse_size(max_output_size or DEFAULT_MAX_OUTPUT_SIZE, "--max-output-size"))
         if not quiet:
             out.print(f"{_escape(str(input))} -> {_escape(str(dst))}")
 

@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import typer
 from rich.console import Console
 
-from ..errors import CacheGenError
+from ..errors import CacheGenError, Terminated
 
 # Wider than Rich's 80-column default when piped, so the per-layer table stays whole.
 out = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
@@ -34,6 +34,8 @@ def _errors() -> Iterator[None]:
         raise
     except CacheGenError as exc:
         _fail(_escape(str(exc)), exc.exit_code)
+    except Terminated as exc:  # SIGTERM, SIGHUP, ...: the temporary output is gone; the conventional status
+        _fail(f"interrupted by {exc.name}", 128 + exc.signo)
     except KeyboardInterrupt:
         _fail("interrupted", 130)
     except MemoryError:

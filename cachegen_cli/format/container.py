@@ -664,3 +664,30 @@ def read_header_and_index(f: BinaryIO) -> tuple[FileHeader, int, list[int], int]
     offsets = read_index(f, h, header_end, size)
     f.seek(header_end)
     return h, header_end, offsets, size
+
+
+def decoded_size(head: bytes) -> int | None:
+    """The bytes of the decoded tensors (L x 2 x num_tokens x C x the dtype's size) that the
+    fixed 64-byte FileHeader announces, or None when ``head`` is not the start of a .cgen file
+    (the usual checks then say why).  Nothing past byte 64 is needed, so a reader can refuse a
+    decompression bomb before reading, let alone allocating, anything else."""
+    head = bytes(head[:64])
+    if len(head) < 64 or head[:8] != MAGIC:
+        return None
+    num_tokens, num_layers, num_channels = struct.unpack_from("<QII", head, 16)
+    itemsize = {1: 2, 2: 2, 3: 4}.get(head[42])
+    if itemsize is None:
+        return None
+    return num_layers * 2 * num_tokens * num_channels * itemsize
+
+
+def check_decoded_size(head: bytes, max_output_size: int | None, what: str = "the file") -> None:
+    """Raise OutputTooLargeError when the decoded cache ``head`` announces exceeds ``max_output_size`` bytes."""
+    if max_output_size is None:
+        return
+    n = decoded_size(head)
+    if n is not None and n > max_output_size:
+        from ..errors import OutputTooLargeError
+
+        raise OutputTooLargeError(
+            f"{what} decodes to {n:,} bytes, more than the limit of {max_output_size:,} (--max-output-size)")

@@ -179,6 +179,8 @@ def parse_params(raw: bytes, method: int, num_layers: int, num_channels: int, si
             raise SizeError("a quantization step is not positive and finite")
         if ((offsets & 0x7F80) == 0x7F80).any():
             raise SizeError("an offset is not finite")
+        if rotated:
+            check_rotated_range(steps, offsets)
     elif method != METHOD_LOSSLESS:
         raise UnsupportedVersionError(f"unknown quantization method {method}")
     if defer_tables:
@@ -277,3 +279,37 @@ def expand_shared(shared, *arrays):
         take = idx.reshape(idx.shape + (1,) * (a.ndim - 3))
         out.append(np.ascontiguousarray(np.take_along_axis(a, np.broadcast_to(take, idx.shape + a.shape[3:]), axis=2)))
     return out
+
+
+#: The levels a decoded (layer, K/V, channel, token) may take, direct or summed from token
+#: deltas (docs/format.md, "Levels"): method 2's levels in [-127, 127], method 3's coded top
+#: bytes in [0, 255].  A chunk whose token deltas add up to a level outside is rejected: a
+#: decoder would otherwise wrap it (int16) or mask it (a top byte) differently from the spec.
+LEVEL_RANGE = {METHOD_TRANSFORM: (-127, 127), METHOD_LOSSLESS: (0, 255)}
+
+
+def check_level_range(low: int, high: int, method: int) -> None:
+    """Raise SizeError when the smallest and largest decoded levels of a run of chunks leave the method's range."""
+    lo, hi = LEVEL_RANGE[method]
+    if low < lo or high > hi:
+        bad = low if low < lo else high
+        raise SizeError(f"a decoded level ({bad}) is outside [{lo}, {hi}]: the token deltas add up past the "
+                        f"method's range")
+
+
+#: float32's largest finite value.
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_rotated_range(steps: np.ndarray, offsets: np.ndarray) -> None:
+    """A rotated file's coordinates z = float32(q x s + m[d]) must all be finite for every level
+    |q| <= 128 (refined levels included): the rotation sums them, and an infinite z would make
+    Inf - Inf = NaN, which no saturation can undo (docs/format.md).  steps uint16 [L, 2],
+    offsets uint16 [L, 2, C] (bfloat16 bits)."""
+    s = bf16_values(steps).astype(np.float64)
+    m = np.abs(bf16_values(offsets).astype(np.float64)).max(axis=-1, initial=0.0)
+    top = 128.0 * s + m
+    if (top > FLOAT32_MAX).any():
+        l, kv = (int(i) for i in np.argwhere(top > FLOAT32_MAX)[0])
+        raise SizeError(f"layer {l} {'KV'[kv]}: the largest level times the step plus the offset "
+                        f"({top[l, kv]:.3g}) exceeds float32's range in a rotated file")

@@ -41,7 +41,7 @@ from ..kernels.tables import SYMBOL_COST
 from ..kernels.transform import MODE_DELTA, MODE_DIRECT, TRANSFORM_QMAX
 from ..storage.kvio import KVCache, SlabBuffers, TensorSource
 from ..format.params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, Params, bf16_values
-from ..format.params import expand_shared
+from ..format.params import check_level_range, expand_shared
 
 _WORDS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 BF16_MAX = float(torch.finfo(torch.bfloat16).max)
@@ -634,12 +634,15 @@ class V2SlabDecoder:
         T0 = chunks[0].first_token
         Ts = sum(c.token_count for c in chunks)
         lengths, offsets, payload = gather_streams(chunks)
-        args = (payload, offsets, lengths, self.cum, self.lut, ct, h.group, Ts, p.modes, p.lo)
+        K = (Ts + ct - 1) // ct
+        seen = self.buf.get("seen", (K * L * 2, 2), np.int32)  # each plane's smallest and largest level
+        args = (payload, offsets, lengths, self.cum, self.lut, ct, h.group, Ts, p.modes, p.lo, seen)
         if h.method == METHOD_LOSSLESS:
             # The chunks' raw sections back to back are the low bytes in chunk order.
             raw = (chunks[0].scales.reshape(-1) if len(chunks) == 1
                    else np.concatenate([c.scales.reshape(-1) for c in chunks]))
             k2.decode_lossless_planes(*args, raw, h.raw_bytes_per_value, out, t_out)
+            check_level_range(int(seen[:, 0].min()), int(seen[:, 1].max()), h.method)
             return
         ref = gather_refinement(h, chunks)
         sink = min(max(h.sink_tokens - T0, 0), Ts)
@@ -655,5 +658,6 @@ class V2SlabDecoder:
             k2.decode_transform_planes(*args, tmp, 0, False)
             dst = torch.from_numpy(out.view(np.int16)[:, :, t_out : t_out + Ts]).view(torch.float16)
             dst.copy_(torch.from_numpy(tmp))
+        check_level_range(int(seen[:, 0].min()), int(seen[:, 1].max()), h.method)
         if sink:
             out[:, :, t_out : t_out + sink] = self.sink[:, :, T0 : T0 + sink]

@@ -321,8 +321,9 @@ class KVFile:
 def read_kv_file(path: str | Path) -> KVFile:
     """A .cgen file (decoded on the CPU) or a KV .safetensors file, in the internal form."""
     path = Path(path)
-    if not path.is_file():
-        raise InputNotFoundError(f"no such file: {path}")
+    from ..storage.outputs import check_input
+
+    check_input(path)
     with open(path, "rb") as f:
         magic = f.read(8)
     size = path.stat().st_size

@@ -21,8 +21,9 @@ _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 def file_stats(path: str | Path, reference: str | Path | None = None, device: str = "cpu",
                calibration=None) -> dict:
     path = Path(path)
-    if not path.is_file():
-        raise kvio.InputNotFoundError(f"no such file: {path}")
+    from ..storage.outputs import check_input
+
+    check_input(path)
     f, closer = codec.open_input(path)
     h, header_end, offsets, size = codec.read_header_and_index(f)
     L = h.num_layers

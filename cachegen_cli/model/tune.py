@@ -670,8 +670,9 @@ def tune_file(
     if not 0 <= strength <= 1:
         raise ConfigError(f"--strength must be between 0 and 1, got {strength:g}")
     src = Path(kv_path)
-    if not src.is_file():
-        raise InputNotFoundError(f"no such file: {src}")
+    from ..storage.outputs import check_input
+
+    check_input(src)
     dst = Path(output) if output is not None else default_output(src)
     inputs = [src] + [Path(p) for p in (calibration_path, text_path) if p is not None]
     check_output(dst, inputs, force)

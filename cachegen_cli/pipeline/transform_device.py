@@ -22,6 +22,7 @@ from ..kernels.coding_params import max_stream_bytes
 from ..kernels.tables import SYMBOL_COST
 from ..storage.kvio import KVCache
 from ..format.params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, Params, bf16_values
+from ..format.params import check_level_range
 
 
 def _k():
@@ -172,6 +173,9 @@ def decode_v2_gpu(h: FileHeader, chunks: list[Chunk], dtype: torch.dtype,
                            dev.put(lengths), cum, width, h.chunk_tokens, h.group, sym)
     q = dev.empty((L, 2, T, C), np.int16)
     k.symbols_to_levels(sym, dev.put(p.modes), dev.put(p.lo), h.chunk_tokens, q)
+    if q.size:  # a host-side check of two numbers; every stored level is exact (deltas are int8)
+        qt = torch.as_tensor(q)
+        check_level_range(int(qt.min()), int(qt.max()), h.method)
     device = "cuda" if dev.real else "cpu"
     if h.method == METHOD_LOSSLESS:
         nraw = h.raw_bytes_per_value

@@ -19,8 +19,10 @@ import json
 import math
 import os
 import re
+import stat
 import struct
 import sys
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -313,8 +315,9 @@ def read_safetensors(path: str | Path, layout: str = "auto") -> KVCache:
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
-    if not path.exists():
-        raise InputNotFoundError(f"no such file: {path}")
+    from .outputs import check_input
+
+    check_input(path)
     if not path.is_file():
         raise InputNotFoundError(f"not a file: {path}")
     tensors: dict[str, torch.Tensor] = {}
@@ -518,8 +521,9 @@ class SafetensorsSource:
         from safetensors import SafetensorError, safe_open
 
         path = Path(path)
-        if not path.exists():
-            raise InputNotFoundError(f"no such file: {path}")
+        from .outputs import check_input
+
+        check_input(path)
         if not path.is_file():
             raise InputNotFoundError(f"not a file: {path}")
         shapes: dict[str, torch.Tensor] = {}
@@ -658,10 +662,20 @@ class SafetensorsWriter:
                 self._names[(int(match.group(1)), 0 if match.group(2) == "key" else 1)] = e["name"]
         total = len(header) + self.L * 2 * self.T * self.H * self.D * self.itemsize
         self._fh = open(path, "wb")
+        self._target = None
+        st = os.fstat(self._fh.fileno())
+        if not stat.S_ISREG(st.st_mode) and not self._fh.seekable():
+            # A FIFO or socket, written in place (storage.outputs): the blocks come in token
+            # order, not file order, so they are put together in an unnamed temporary file
+            # (gone with the process, whatever kills it) and copied over in order at the end.
+            self._target = self._fh
+            self._fh = tempfile.TemporaryFile()
         self._fd = self._fh.fileno()
         self._fh.write(header)
         self._fh.flush()
-        self._fh.truncate(total)
+        if stat.S_ISREG(os.fstat(self._fd).st_mode):  # a device (/dev/null) has no size to set
+            self._fh.truncate(total)
+        self._total = total
 
     def write(self, t0: int, block: torch.Tensor | np.ndarray) -> None:
         words = _words(block)
@@ -693,12 +707,24 @@ class SafetensorsWriter:
             for h in range(H):
                 _write_exactly(self._fd, self._fh, base + (h * T + t0) * D * w, heads[l, kv, h])
 
-    def close(self) -> None:
-        self._fh.close()
+    def close(self, complete: bool = True) -> None:
+        try:
+            if self._target is not None and complete:
+                self._fh.seek(0)
+                left = self._total
+                while left > 0:
+                    part = self._fh.read(min(left, 1 << 24)) or b"\0" * min(left, 1 << 24)
+                    self._target.write(part)
+                    left -= len(part)
+                self._target.flush()
+        finally:
+            self._fh.close()
+            if self._target is not None:
+                self._target.close()
 
     def __enter__(self) -> "SafetensorsWriter":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(complete=exc_type is None)
 
