@@ -1252,10 +1252,11 @@ def _make_dequantize(V, OB, method2):
     """Values of V channels per thread, OB output bytes each (2: bfloat16 or 16-bit lossless
     words; 4: float32 bits or 32-bit lossless words)."""
     omask = (1 << (8 * OB)) - 1
+    lo_level, hi_level = (-TRANSFORM_QMAX, TRANSFORM_QMAX) if method2 else (0, 255)
 
     @cuda.jit
     def kernel(symf, L, T, CW, modes, lo_eff, chunk_tokens, sink, offsets, steps, refine_start, bits, blob, raw_at,
-               nraw, outf):
+               nraw, outf, bad):
         i = cuda.grid(1)
         K = (T + chunk_tokens - 1) // chunk_tokens
         if i >= L * 2 * K * CW:
@@ -1304,6 +1305,8 @@ def _make_dequantize(V, OB, method2):
                 if delta[j] != 0 and t > t0:
                     v += prev[j]
                 prev[j] = v
+                if v < lo_level or v > hi_level:  # docs/format.md: levels stay in range
+                    bad[0] = 1
                 val = np.int64(0)
                 if method2:
                     if t >= sink:  # tokens below sink: the sink words, written afterwards
@@ -1329,13 +1332,14 @@ def _make_dequantize(V, OB, method2):
 
 
 def dequantize(sym, modes, lo_eff, chunk_tokens, method2, sink, offsets, steps, refine_start, bits, blob, raw_at,
-               nraw, out_bytes, out, stream=0):
+               nraw, out_bytes, out, bad, stream=0):
     """Decoded symbols -> the cache: levels (symbols + lo, token deltas summed within each
     chunk: cpu_transform.symbols_to_levels), then method 2's values (token_value, refinement
     indices read from the chunks' raw sections at raw_at[k]) as bfloat16 bits (out_bytes 2)
     or float32 bits (out_bytes 4), tokens below sink left for the caller; or the lossless words
     (the top byte joined with the nraw raw low bytes).  sym: words [L, 2, T, C / V] of V
-    symbols; out: words [L, 2, T, C / V] of V values of out_bytes each.  Same values as
+    symbols; out: words [L, 2, T, C / V] of V values of out_bytes each; bad[0] (int64) = 1
+    when a level leaves the format's range (a token delta summed past it).  Same values as
     methods/transform.decode_v2 on the CPU."""
     L, _, T, CW = sym.shape
     K = (T + chunk_tokens - 1) // chunk_tokens
@@ -1346,4 +1350,5 @@ def dequantize(sym, modes, lo_eff, chunk_tokens, method2, sink, offsets, steps, 
     _made(_make_dequantize, V, out_bytes, bool(method2))[(*_cfg(n), stream)](
         as_device(sym.reshape(-1)), np.int64(L), np.int64(T), np.int64(CW), as_device(modes), as_device(lo_eff),
         np.int64(chunk_tokens), np.int64(sink), as_device(offsets), as_device(steps), np.int64(refine_start),
-        np.int64(bits), as_device(blob), as_device(raw_at), np.int64(nraw), as_device(out.reshape(-1)))
+        np.int64(bits), as_device(blob), as_device(raw_at), np.int64(nraw), as_device(out.reshape(-1)),
+        as_device(bad))

@@ -271,3 +271,15 @@ def test_held_back_bytes_and_carries(seed):
     length = np.zeros(1, np.int64)
     _replay[1, 1](ops, out, length)
     assert int(length[0]) == n and out[:n].tobytes() == want[:n].tobytes()
+
+
+def test_levels_past_the_range_fail_on_the_device_as_on_the_cpu():
+    """A file whose token deltas sum past the levels' range (docs/format.md; CRCs valid) is
+    flagged by the device's dequantize kernel, and the CPU reader's SizeError is raised."""
+    from test_hardening import _ramp, _shift_delta_tables
+
+    blob = cg.encode(_ramp(), quality="high", chunk_tokens=64, device="cpu")
+    assert torch.equal(_device_decode(_shift_delta_tables(blob, 0)).reshape(-1).view(torch.int16),
+                       cg.decode(blob, device="cpu")["kv"].reshape(-1).view(torch.int16))
+    with pytest.raises(SizeError, match="outside"):
+        _device_decode(_shift_delta_tables(blob, 10))

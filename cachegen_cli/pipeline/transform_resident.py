@@ -444,9 +444,9 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int) 
     modes_d = _empty((L, 2, C), torch.uint8, dev)
     lo_eff = _empty((L, 2, C), torch.int32, dev)
     alphabet_eff = _empty((L, 2, C), torch.int32, dev)
-    tables_bad = torch.zeros(1, dtype=torch.int64, device=dev)
+    tables_bad = torch.zeros(2, dtype=torch.int64, device=dev)  # [a table breaks a rule, a level leaves the range]
     k.read_tables(_nb(blob), h.params_at, _nb(starts_d), _nb(source_d), h.method == METHOD_TRANSFORM, _nb(tab),
-                  _nb(lut), _nb(modes_d), _nb(lo_eff), _nb(alphabet_eff), _nb(tables_bad))
+                  _nb(lut), _nb(modes_d), _nb(lo_eff), _nb(alphabet_eff), _nb(tables_bad[:1]))
     _mark("lengths + tables")
     sym = _empty((L, 2, T, C), torch.uint8, dev)
     blob_nb = _nb(blob)
@@ -470,7 +470,7 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int) 
         steps_f = torch.from_numpy(np.ascontiguousarray(bf16_values(p.steps), np.float64)).to(dev)
     k.dequantize(_nb(sym.view(_TORCH_WORD[V])), _nb(modes_d), _nb(lo_eff), ct, not lossless, S, _nb(offsets_f),
                  _nb(steps_f), r0, bits, blob_nb, _nb(raw_at_d), nraw, out_bytes,
-                 _nb(words.view(_TORCH_WORD[V * out_bytes])))
+                 _nb(words.view(_TORCH_WORD[V * out_bytes])), _nb(tables_bad[1:]))
     if lossless:
         data = words.view(dtype)
     elif dtype == torch.bfloat16:
@@ -488,13 +488,15 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int) 
     k1.crc32_chunks(blob_nb, _words64(blob), _nb(offsets_d), _nb(rec_sizes_d), _nb(seg_first_d), _nb(crc),
                     int(seg_first[-1]))
     bound = 2 * tks_d * G + 8
-    checks = torch.stack([
+    checks = torch.cat([torch.stack([
         crc,
         by_chunk.sum(dim=1),
         (by_chunk > bound[:, None]).any(dim=1).to(torch.int64),
         (blob[pad_at_d].to(torch.int64) & pad_mask_d),
-    ]).cpu().numpy()
+    ]).reshape(-1), tables_bad]).cpu().numpy()
     _mark("CRC-32s + checks (sync)")
+    flags = checks[4 * K:]
+    checks = checks[: 4 * K].reshape(4, K)
     failed = bool((checks[0] != heads["crc"]).any() or (checks[1] != payload).any() or checks[2].any()
-                  or checks[3].any())
+                  or checks[3].any() or flags.any())
     return data, failed
