@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -90,7 +91,8 @@ def _encode_on_device(cache: kvio.KVCache, quant, calibration, chunk_tokens: int
         if quant.method == "lossless" and calibration is not None:
             from .errors import ConfigError
 
-            raise ConfigError("--calibration does not apply to --quality lossless")
+            raise ConfigError("a calibration does not apply to quality 'lossless'",
+                              cli="--calibration does not apply to --quality lossless")
         return device_pipeline.encode(cache, quant, validate_chunk_tokens(chunk_tokens))[0]
     return gpu_codec.encode_file_device(codec.make_header(cache, quant, chunk_tokens), codec.fp16_headroom(cache.data))
 
@@ -159,18 +161,28 @@ def _calibration(calibration: Calibration | str | Path | None) -> Calibration | 
     return load_calibration(calibration)
 
 
-def decode(data: bytes | bytearray | memoryview | torch.Tensor, *, device: str = "auto",
+def decode(data: bytes | bytearray | memoryview | torch.Tensor | str | os.PathLike, *, device: str = "auto",
            calibration: Calibration | str | Path | None = None,
            max_output_size: int | None = None) -> dict[str, torch.Tensor]:
     """Decompress .cgen bytes to the original tensor names, shapes and dtype.
 
-    ``data``: the bytes, or a one-dimensional uint8 tensor holding them (e.g. from
-    encode_to_device).  With ``device="auto"`` (the default) the GPU decodes when one is
+    ``data``: the bytes, a one-dimensional uint8 tensor holding them (e.g. from
+    encode_to_device), or the path of a .cgen file (str or os.PathLike).  With ``device="auto"`` (the default) the GPU decodes when one is
     present and the tensors are returned on it; ``device="cpu"`` keeps everything on the
     CPU.  ``calibration``: the calibration file a rotated file was encoded with.
     ``max_output_size``: refuse (OutputTooLargeError) a file whose decoded tensors would take
     more than this many bytes, from its 64-byte header, before anything is allocated; None
     (the default): no limit beyond the format's own checks (pass one for untrusted input)."""
+    from .errors import FormatError, InputError, InputNotFoundError
+
+    if isinstance(data, (str, os.PathLike)):
+        path = Path(data)
+        if not path.is_file():
+            raise InputNotFoundError(f"no such file: {path}")
+        data = path.read_bytes()
+    elif not isinstance(data, (bytes, bytearray, memoryview, torch.Tensor)):
+        raise InputError(f"decode takes the bytes of a .cgen file, a uint8 tensor or a file path, "
+                         f"not {type(data).__name__}")
     cal = _calibration(calibration)
     if isinstance(data, torch.Tensor) and (data.dtype != torch.uint8 or data.dim() != 1):
         raise FormatError("a .cgen tensor must be one-dimensional uint8")
@@ -255,6 +267,17 @@ def using_threads(threads: int | None) -> Iterator[None]:
     finally:
         numba.set_num_threads(old_numba)
         torch.set_num_threads(old_torch)
+
+
+def _as_path(value, what: str) -> Path:
+    """A str or os.PathLike as a Path; anything else is an InputError naming the argument."""
+    import os
+
+    if isinstance(value, (str, os.PathLike)) and not isinstance(value, bytes):
+        return Path(value)
+    from .errors import InputError
+
+    raise InputError(f"{what} takes a file path (str or os.PathLike), not {type(value).__name__}")
 
 
 def default_encoded_path(src: Path) -> Path:
@@ -343,3 +366,34 @@ def decode_file(
             del reader
             _close_quietly(closer)
     return dst
+
+
+def test_file(
+    src: str | Path,
+    *,
+    device: str = "auto",
+    calibration: Calibration | str | Path | None = None,
+    threads: int | None = None,
+    progress: codec.ProgressFn | None = None,
+) -> dict:
+    """Check a .cgen file as a decode does, writing nothing: the header, the index, every chunk's
+    CRC-32 and sizes, and a full decode of every slab.  Returns a few facts about the file
+    (format_version, num_tokens, num_chunks, bytes); raises the CacheGenError a decode would."""
+    from .errors import InputNotFoundError
+
+    src = _as_path(src, "test_file")
+    if not src.is_file():
+        raise InputNotFoundError(f"no such file: {src}")
+    with using_threads(threads):
+        cal = _calibration(calibration)
+        reader, closer = codec.open_input(src, mapped=False)
+        try:
+            dec = codec.SlabDecoder(reader, device, cal)
+            for _ in dec.blocks(progress):
+                pass
+            h = dec.header
+        finally:
+            del reader
+            _close_quietly(closer)
+    return {"format_version": h.version, "num_tokens": h.num_tokens, "num_chunks": h.num_chunks,
+            "compressed_bytes": src.stat().st_size}

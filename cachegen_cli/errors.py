@@ -4,11 +4,24 @@ Every error the library raises on purpose is a CacheGenError whose message is a
 single line fit to show a user; the CLI prints it and exits non-zero.
 """
 
+from __future__ import annotations
+
 
 class CacheGenError(Exception):
-    """Base of every error cachegen raises on purpose."""
+    """Base of every error cachegen raises on purpose.
+
+    ``str(error)`` speaks of the library's arguments; ``cli_message``, which the ``cachegen``
+    command prints, may name its flags instead (``cli=`` when raised; else the same text)."""
 
     exit_code = 1
+
+    def __init__(self, *args, cli: str | None = None) -> None:
+        super().__init__(*args)
+        self._cli = cli
+
+    @property
+    def cli_message(self) -> str:
+        return self._cli if self._cli is not None else str(self)
 
 
 # --- input KV files and tensors -------------------------------------------------

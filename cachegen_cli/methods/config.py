@@ -118,12 +118,13 @@ def parse_bins(text: str) -> QuantizationConfig:
         target, _, ranges = part.rpartition(":")
         target = target.strip().lower()
         if target not in ("", "k", "v", "key", "value", "kv"):
-            raise ConfigError(f"--bins: unknown target {target!r} (use k: or v:)")
+            raise ConfigError(f"bins: unknown target {target!r} (use k: or v:)", cli=f"--bins: unknown target {target!r} (use k: or v:)")
         specs = []
         for item in filter(None, (r.strip() for r in ranges.split(","))):
             match = _RANGE.match(item)
             if not match:
-                raise ConfigError(f"--bins: cannot read {item!r}; expected START-END=BINS, e.g. 0-10=32")
+                raise ConfigError(f"bins: cannot read {item!r}; expected START-END=BINS, e.g. 0-10=32",
+                                  cli=f"--bins: cannot read {item!r}; expected START-END=BINS, e.g. 0-10=32")
             start, end, bins = match.groups()
             specs.append(QuantizationSpec(int(start or 0), int(end) if end else None, int(bins)))
         if target in ("", "kv"):
@@ -134,7 +135,8 @@ def parse_bins(text: str) -> QuantizationConfig:
         else:
             value.extend(specs)
     if not key or not value:
-        raise ConfigError("--bins: give ranges for both keys (k:) and values (v:), or one number")
+        raise ConfigError("bins: give ranges for both keys (k:) and values (v:), or one number",
+                          cli="--bins: give ranges for both keys (k:) and values (v:), or one number")
     return QuantizationConfig(tuple(key), tuple(value), "custom")
 
 
@@ -355,7 +357,8 @@ def resolve_quantization(
     --quality; none of them gives the default quality."""
     given = [x is not None for x in (quantization, preset_name, bins, quality)]
     if sum(given) > 1:
-        raise ConfigError("give only one of a quantization config, --preset, --bins or --quality")
+        raise ConfigError("give only one of quantization, preset, bins or quality",
+                          cli="give only one of a quantization config, --preset, --bins or --quality")
     if quantization is not None:
         return quantization
     if bins is not None:

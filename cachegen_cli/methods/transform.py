@@ -556,9 +556,8 @@ def check_calibration(h: FileHeader, calibration: Calibration | None) -> np.ndar
     rot = np.zeros((0, 0, 0, 0), np.float32)
     if h.rotated:
         if calibration is None:
-            raise CalibrationError(
-                f"this file was encoded with calibration {p.calibration.hex()[:16]}…; pass that calibration file "
-                "(--calibration)")
+            what = f"this file was encoded with calibration {p.calibration.hex()[:16]}…; pass that calibration file"
+            raise CalibrationError(what, cli=f"{what} (--calibration)")
         calibration.check_shape(L, C)
         if calibration.sha256 != p.calibration:
             raise CalibrationError(

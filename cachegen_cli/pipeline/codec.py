@@ -60,7 +60,8 @@ def resolve_device(device: str = "auto") -> str:
         return "cpu"
     if device == "cuda":
         if not cuda_kernels.is_available():
-            raise ConfigError("--device cuda: no CUDA GPU is available (numba-cuda found no device)")
+            raise ConfigError("device='cuda': no CUDA GPU is available (numba-cuda found no device)",
+                              cli="--device cuda: no CUDA GPU is available (numba-cuda found no device)")
         return "cuda"
     if device == "auto":
         from numba import config
@@ -300,12 +301,19 @@ def _write_chunks(out: BinaryIO, h: FileHeader, chunks: list[Chunk], pos: int, o
     return pos, payload
 
 
-@dataclass
+@dataclass(repr=False)
 class EncodeSummary:
     header: FileHeader
     file_bytes: int
     payload_bytes: int
     side_bytes: int
+
+    def __repr__(self) -> str:  # the header holds whole tables: name only what a reader wants
+        h = self.header
+        return (f"EncodeSummary(format_version={h.version}, method={h.method}, dtype={h.dtype!r}, "
+                f"num_layers={h.num_layers}, num_tokens={h.num_tokens}, num_channels={h.num_channels}, "
+                f"num_chunks={h.num_chunks}, file_bytes={self.file_bytes}, payload_bytes={self.payload_bytes}, "
+                f"side_bytes={self.side_bytes})")
 
 
 def encode_to_stream(
@@ -323,7 +331,9 @@ def encode_to_stream(
     if isinstance(quant, TransformConfig):
         return _encode_v2_to_stream(cache, out, quant, chunk_tokens, progress, device, calibration)
     if calibration is not None:
-        raise ConfigError("--calibration applies to the transform qualities (--quality high/balanced/small), "
+        raise ConfigError("a calibration applies to the transform qualities (quality 'high', 'balanced' or 'small'), "
+                          "not to a preset or bins",
+                          cli="--calibration applies to the transform qualities (--quality high/balanced/small), "
                           "not to --preset or --bins")
     device = resolve_device(device)
     kernels = get_kernels(device)
@@ -412,7 +422,8 @@ def _encode_v2_to_stream(cache: KVCache, out: BinaryIO, cfg: TransformConfig, ch
     device = v2_device(device)
     chunk_tokens = validate_chunk_tokens(chunk_tokens)
     if cfg.method == "lossless" and calibration is not None:
-        raise ConfigError("--calibration does not apply to --quality lossless")
+        raise ConfigError("a calibration does not apply to quality 'lossless'",
+                          cli="--calibration does not apply to --quality lossless")
     if device == "cuda" and calibration is None:
         from . import transform_resident as device_pipeline, lmcache_device as gpu_codec
 
