@@ -9,27 +9,22 @@ a user's second `cachegen` run skips the few seconds of compilation.
 Must be imported before any ``@njit(cache=True)`` decorator runs.
 """
 
-import hashlib
 import os
-from pathlib import Path
 
 import numba
 from numba.core import config
 
+from .cache_state import cache_dir, source_digest
+
 
 def _source_digest() -> str:
-    digest = hashlib.sha256(numba.__version__.encode())
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+    return source_digest(numba.__version__)
 
 
 def configure() -> None:
     if os.environ.get("NUMBA_CACHE_DIR"):
         return  # the user chose a place: respect it
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    target = base / "cachegen" / f"numba-{_source_digest()}"
+    target = cache_dir(numba.__version__)
     try:
         target.mkdir(parents=True, exist_ok=True)
     except OSError:

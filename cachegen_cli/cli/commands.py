@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .. import __version__
-from .common import _errors, _escape, _human, err, out
+from .common import _errors, _escape, _fail, _human, err, out
 
 app = typer.Typer(
     name="cachegen",
@@ -79,13 +79,136 @@ def _progress(label: str, enabled: bool) -> Iterator:
     try:
         yield update
     finally:
-        bar.stop()
+        if task is not None:  # (stopping a bar never started prints an empty line)
+            bar.stop()
+
+
+#: The name ``-`` means stdin (an input) or stdout (-o).
+STDIO = "-"
+
+
+class _Job:
+    """One input of encode / decode / test: where it is read, where it goes, and how it went."""
+
+    def __init__(self, name: str, src: Path, dst: Optional[Path], to_stdout: bool) -> None:
+        self.name, self.src, self.dst, self.to_stdout = name, src, dst, to_stdout
+        self.result: dict = {"input": name, "output": "<stdout>" if to_stdout else (str(dst) if dst else None)}
+
+
+def _jobs(inputs: list[Path], output: Optional[Path], stdout: bool, default_output, command: str) -> list[_Job]:
+    """Check the input / output options together (a ConfigError, exit 2, before any work)."""
+    from ..errors import ConfigError
+
+    names = [str(p) for p in inputs]
+    if names.count(STDIO) > 1:
+        raise ConfigError("stdin ('-') can be read only once")
+    if output is not None and len(inputs) > 1:
+        raise ConfigError(f"-o/--output takes one input, not {len(inputs)}; each input gets its default name without it")
+    if stdout and output is not None and str(output) != STDIO:
+        raise ConfigError("give either -c/--stdout or -o/--output")
+    to_stdout_all = stdout or (output is not None and str(output) == STDIO)
+    if to_stdout_all and len(inputs) > 1:
+        raise ConfigError(f"-c/--stdout takes one input, not {len(inputs)}")
+    jobs = []
+    for path, name in zip(inputs, names):
+        is_stdin = name == STDIO
+        to_stdout = to_stdout_all or (is_stdin and output is None)  # like zstd: stdin goes to stdout
+        dst = None if to_stdout else (output if output is not None else default_output(path))
+        jobs.append(_Job("<stdin>" if is_stdin else name, path, dst, to_stdout))
+    return jobs
+
+
+def _check_terminals(jobs: list[_Job], force: bool, what: str, reads_compressed: bool) -> None:
+    from .common import _is_terminal
+
+    if any(j.to_stdout for j in jobs) and not force and _is_terminal(sys.stdout):
+        _fail(f"refusing to write {what} to a terminal (redirect it, or -f to force)", 1)
+    if reads_compressed and any(str(j.src) == STDIO for j in jobs) and not force and _is_terminal(sys.stdin):
+        _fail("refusing to read compressed data from a terminal (redirect it, or -f to force)", 1)
+
+
+@contextlib.contextmanager
+def _staged(job: _Job) -> Iterator[tuple[Path, Optional[Path]]]:
+    """(input path, output path) for the library: stdin copied to a temporary file first, and
+    an output for stdout made in a temporary file and copied there after."""
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="cachegen-") as tmp:
+        src = job.src
+        if str(src) == STDIO:
+            src = Path(tmp) / "stdin"
+            with open(src, "wb") as f:
+                shutil.copyfileobj(sys.stdin.buffer, f, 1 << 20)
+        dst = Path(tmp) / "stdout" if job.to_stdout else job.dst
+        yield src, dst
+        if job.to_stdout:
+            with open(dst, "rb") as f:
+                shutil.copyfileobj(f, sys.stdout.buffer, 1 << 20)
+            sys.stdout.buffer.flush()
+
+
+def _each(jobs: list[_Job], work, quiet: bool, name_inputs: bool = False) -> int:
+    """Run ``work(job)`` for each input; an error is one line on stderr (naming the input when
+    there are several) and the next input goes on.  Returns the exit code."""
+    from ..errors import Terminated
+    from .common import _describe
+
+    code = 0
+    for job in jobs:
+        try:
+            work(job)
+            job.result["ok"] = True
+        except typer.Exit:
+            raise
+        except Terminated as exc:  # SIGTERM, SIGHUP, ...: stop, as _errors does
+            _fail(f"interrupted by {exc.name}", 128 + exc.signo)
+        except KeyboardInterrupt:
+            _fail("interrupted", 130)
+        except Exception as exc:  # noqa: BLE001 - the CLI promises no tracebacks
+            message, exit_code = _describe(exc)
+            job.result.update(ok=False, error=message, error_type=type(exc).__name__)
+            prefix = f"{_escape(job.name)}: " if len(jobs) > 1 or name_inputs else ""
+            err.print(f"[bold red]error:[/] {prefix}{message}", markup=True, highlight=False, soft_wrap=True)
+            code = exit_code if len(jobs) == 1 else 1
+    return code
+
+
+def _finish(jobs: list[_Job], code: int, as_json: bool, data_on_stdout: bool) -> None:
+    if as_json:
+        text = json.dumps([j.result for j in jobs], indent=2) + "\n"
+        (sys.stderr if data_on_stdout else sys.stdout).write(text)
+    if code:
+        raise typer.Exit(code)
+
+
+def _printer(jobs: list[_Job]):
+    """Where the summaries go: stderr when the data goes to stdout."""
+    return err if any(j.to_stdout for j in jobs) else out
+
+
+def _kernels_note(quiet: bool, device: str) -> None:
+    """On a first run, say why the first file is slow: numba compiles its kernels."""
+    if quiet:
+        return
+    from ..kernels.cache_state import cold_cache
+
+    if cold_cache():
+        err.print("[dim]compiling kernels (first run only)[/]", highlight=False, soft_wrap=True)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+INPUTS_KEPT = "Inputs are always kept; '-' reads stdin."
 
 
 @app.command()
 def encode(
-    input: Path = typer.Argument(..., help="KV cache as .safetensors (stacked or per-layer layout)."),
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output .cgen path \\[default: INPUT with .cgen]."),
+    inputs: list[Path] = typer.Argument(..., help="KV caches as .safetensors (stacked or per-layer layout); '-' for stdin.", show_default=False),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output .cgen path, '-' for stdout (one input only) \\[default: INPUT with .cgen; stdout for stdin]."),
+    stdout: bool = typer.Option(False, "-c", "--stdout", help="Write the .cgen data to stdout (one input)."),
     quality: Optional[Quality] = typer.Option(None, "--quality", help="lossless (bit-exact), high, balanced (default) or small; see docs/quality.md."),
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="Rotation from `cachegen calibrate`: smaller files at the same quality (decode needs it too)."),
     preset: Optional[str] = typer.Option(None, "--preset", help="LMCache's CacheGen bins table (format v1, also on the GPU): lmcache, mistral-7b, llama-3.1-8b, qwen-7b, longchat-7b, glm-4-9b."),
@@ -95,48 +218,79 @@ def encode(
     layout: Layout = typer.Option(Layout.auto, "--layout", help="Input layout."),
     device: Device = typer.Option(Device.auto, "--device", help="Where the kernels run: auto picks the GPU when one is present."),
     threads: int = typer.Option(0, "-T", "--threads", min=0, help="CPU threads for the kernels \\[default: 0, all cores]."),
-    force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success."),
+    force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output; write to a terminal."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success (errors still)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also print the method, sizes in bytes and the time taken."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON list with one summary per input (stderr with -c)."),
 ) -> None:
-    """Compress a KV cache (.safetensors) to a .cgen file.
+    """Compress KV caches (.safetensors) to .cgen files.  Inputs are always kept; '-' reads stdin.
 
     Examples: [bold]cachegen encode kv.safetensors -o kv.cgen[/] (balanced quality),
-    [bold]cachegen encode kv.safetensors --quality lossless[/],
+    [bold]cachegen encode a.safetensors b.safetensors --quality lossless[/],
+    [bold]cachegen encode - -c < kv.safetensors > kv.cgen[/],
     [bold]cachegen encode kv.safetensors --preset lmcache --device cuda[/]
     """
-    from ..api import default_encoded_path, encode_file
-    from ..methods.config import DEFAULT_CHUNK_TOKENS, load_config_file
+    import time
 
     with _errors():
+        from ..api import default_encoded_path
+
         quantization = None
         quality_name = quality.value if quality is not None else None
         chosen = [name for name, v in (("--config", config), ("--quality", quality), ("--preset", preset),
                                        ("--bins", bins)) if v is not None]
         if len(chosen) > 1:
             raise_config(f"give only one of {', '.join(chosen)}")
+        jobs = _jobs(inputs, output, stdout, default_encoded_path, "encode")
+        _check_terminals(jobs, force, "compressed data", reads_compressed=False)
         if config is not None:
+            from ..methods.config import load_config_file
+
             settings = load_config_file(config)
             quantization, preset, quality_name = settings.quantization, settings.preset, settings.quality
             if chunk_tokens is None:
                 chunk_tokens = settings.chunk_tokens
-        dst = output or default_encoded_path(input)
-        with _progress("encoding", not quiet) as progress:
+        from ..methods.config import DEFAULT_CHUNK_TOKENS
+
+        if chunk_tokens is None:
+            chunk_tokens = DEFAULT_CHUNK_TOKENS
+        show = _printer(jobs)
+        _kernels_note(quiet or as_json, device.value)
+
+    def work(job: _Job) -> None:
+        from ..api import encode_file
+
+        t = time.perf_counter()
+        with _staged(job) as (src, dst), _progress(f"encoding {_escape(job.name)}", not quiet and not as_json) as progress:
             summary = encode_file(
-                input, dst, force=force, preset=preset, bins=bins, quantization=quantization, quality=quality_name,
-                calibration=calibration,
-                chunk_tokens=DEFAULT_CHUNK_TOKENS if chunk_tokens is None else chunk_tokens, layout=layout.value,
+                src, dst, force=force or job.to_stdout, preset=preset, bins=bins, quantization=quantization,
+                quality=quality_name, calibration=calibration, chunk_tokens=chunk_tokens, layout=layout.value,
                 device=device.value, progress=progress, threads=threads,
             )
-        if not quiet:
-            h = summary.header
-            values = h.num_layers * 2 * h.num_tokens * h.num_channels
-            original = values * {"float16": 2, "bfloat16": 2, "float32": 4}[h.dtype]
-            ratio = original / summary.file_bytes
-            out.print(
-                f"{_escape(str(input))} -> {_escape(str(dst))}: {_human(original)} -> {_human(summary.file_bytes)} "
-                f"({ratio:.2f}x, {8 * summary.file_bytes / max(values, 1):.3f} bits/value, "
-                f"{h.num_chunks} chunks of {h.chunk_tokens} tokens)"
-            )
+        took = time.perf_counter() - t
+        h = summary.header
+        values = h.num_layers * 2 * h.num_tokens * h.num_channels
+        original = values * {"float16": 2, "bfloat16": 2, "float32": 4}[h.dtype]
+        bits = 8 * summary.file_bytes / values if values else None
+        job.result.update(original_bytes=original, compressed_bytes=summary.file_bytes,
+                          ratio=original / summary.file_bytes, bits_per_value=bits, num_tokens=h.num_tokens,
+                          num_chunks=h.num_chunks, chunk_tokens=h.chunk_tokens, format_version=h.version,
+                          seconds=round(took, 3))
+        if quiet or as_json:
+            return
+        bits_text = f"{bits:.3f} bits/value" if bits is not None else "no values"
+        show.print(
+            f"{_escape(job.name)} -> {_escape(job.result['output'])}: {_human(original)} -> "
+            f"{_human(summary.file_bytes)} ({original / summary.file_bytes:.2f}x, {bits_text}, "
+            f"{_plural(h.num_chunks, 'chunk')} of {h.chunk_tokens} tokens)"
+        )
+        if verbose:
+            show.print(f"  format v{h.version}, {h.num_layers} layers x {h.num_channels} channels x "
+                       f"{h.num_tokens} tokens, {h.dtype}; {original:,} B -> {summary.file_bytes:,} B "
+                       f"(payload {summary.payload_bytes:,} B, side {summary.side_bytes:,} B) in {took:.2f} s")
+
+    code = _each(jobs, work, quiet)
+    _finish(jobs, code, as_json, any(j.to_stdout for j in jobs))
 
 
 #: --max-output-size's default.  A fixed size, so that a file decodes or not alike on every
@@ -169,31 +323,98 @@ def raise_config(message: str) -> None:
 
 @app.command()
 def decode(
-    input: Path = typer.Argument(..., help="A .cgen file."),
-    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output .safetensors \\[default: INPUT.decoded.safetensors]."),
+    inputs: list[Path] = typer.Argument(..., help=".cgen files; '-' for stdin.", show_default=False),
+    output: Optional[Path] = typer.Option(None, "-o", "--output", help="Output .safetensors, '-' for stdout (one input only) \\[default: INPUT.decoded.safetensors; stdout for stdin]."),
+    stdout: bool = typer.Option(False, "-c", "--stdout", help="Write the .safetensors data to stdout (one input)."),
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="The calibration file the .cgen was encoded with, if any."),
     device: Device = typer.Option(Device.auto, "--device", help="Where the kernels run: auto picks the GPU when one is present."),
     threads: int = typer.Option(0, "-T", "--threads", min=0, help="CPU threads for the kernels \\[default: 0, all cores]."),
-    force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success."),
+    force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output; use a terminal."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success (errors still)."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also print the sizes and the time taken."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON list with one summary per input (stderr with -c)."),
     max_output_size: Optional[str] = typer.Option(
         None, "--max-output-size", metavar="SIZE", show_default=False,
         help="Refuse files that decode to more than SIZE bytes (K/M/G/T suffixes, powers of 1024; 'none': no limit) \\[default: 64G]."),
 ) -> None:
-    """Decompress a .cgen file to .safetensors, in the original layout, names and dtype.
+    """Decompress .cgen files to .safetensors, in the original layout, names and dtype.  Inputs are always kept; '-' reads stdin.
 
-    Example: [bold]cachegen decode kv.cgen -o kv.safetensors[/]
+    Examples: [bold]cachegen decode kv.cgen -o kv.safetensors[/], [bold]cachegen decode a.cgen b.cgen[/],
+    [bold]cachegen decode -c kv.cgen > kv.safetensors[/]
     """
-    from ..api import decode_file, default_decoded_path
+    import time
 
     with _errors():
-        dst = output or default_decoded_path(input)
-        with _progress("decoding", not quiet) as progress:
-            decode_file(input, dst, force=force, device=device.value, calibration=calibration, progress=progress,
-                        threads=threads,
-                        max_output_size=parse_size(max_output_size or DEFAULT_MAX_OUTPUT_SIZE, "--max-output-size"))
-        if not quiet:
-            out.print(f"{_escape(str(input))} -> {_escape(str(dst))}")
+        from ..api import default_decoded_path
+
+        jobs = _jobs(inputs, output, stdout, default_decoded_path, "decode")
+        limit = parse_size(max_output_size or DEFAULT_MAX_OUTPUT_SIZE, "--max-output-size")
+        _check_terminals(jobs, force, "binary safetensors data", reads_compressed=True)
+        show = _printer(jobs)
+        _kernels_note(quiet or as_json, device.value)
+
+    def work(job: _Job) -> None:
+        from ..api import decode_file
+
+        t = time.perf_counter()
+        with _staged(job) as (src, dst), _progress(f"decoding {_escape(job.name)}", not quiet and not as_json) as progress:
+            decode_file(src, dst, force=force or job.to_stdout, device=device.value, calibration=calibration,
+                        progress=progress, threads=threads, max_output_size=limit)
+            size_in, size_out = src.stat().st_size, dst.stat().st_size
+        took = time.perf_counter() - t
+        job.result.update(compressed_bytes=size_in, decoded_bytes=size_out, seconds=round(took, 3))
+        if quiet or as_json:
+            return
+        show.print(f"{_escape(job.name)} -> {_escape(job.result['output'])}")
+        if verbose:
+            show.print(f"  {_human(size_in)} -> {_human(size_out)} ({size_in:,} B -> {size_out:,} B) in {took:.2f} s")
+
+    code = _each(jobs, work, quiet)
+    _finish(jobs, code, as_json, any(j.to_stdout for j in jobs))
+
+
+@app.command("test")
+def test_files(
+    inputs: list[Path] = typer.Argument(..., help=".cgen files; '-' for stdin.", show_default=False),
+    calibration: Optional[Path] = typer.Option(None, "--calibration", help="The calibration file rotated files were encoded with."),
+    device: Device = typer.Option(Device.auto, "--device", help="Where the kernels run."),
+    threads: int = typer.Option(0, "-T", "--threads", min=0, help="CPU threads for the kernels \\[default: 0, all cores]."),
+    force: bool = typer.Option(False, "--force", "-f", help="Read stdin even when it is a terminal."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Print only the errors: the exit status tells."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="Also print each file's tokens, chunks and time."),
+    as_json: bool = typer.Option(False, "--json", help="Print a JSON list with one result per input."),
+) -> None:
+    """Check .cgen files: every CRC, and a full decode, writing nothing.  One line per file; exit 0 when all are intact, 1 when any is not.  Also [bold]cachegen -t FILE...[/]
+
+    Example: [bold]cachegen test *.cgen[/]
+    """
+    import time
+
+    with _errors():
+        jobs = [_Job("<stdin>" if str(p) == STDIO else str(p), p, None, False) for p in inputs]
+        if [str(p) for p in inputs].count(STDIO) > 1:
+            raise_config("stdin ('-') can be read only once")
+        _check_terminals(jobs, force, "", reads_compressed=True)
+        _kernels_note(quiet or as_json, device.value)
+
+    def work(job: _Job) -> None:
+        from ..api import test_file
+
+        t = time.perf_counter()
+        with _staged(job) as (src, _):
+            info = test_file(src, device=device.value, calibration=calibration, threads=threads)
+        took = time.perf_counter() - t
+        job.result.update(info, seconds=round(took, 3))
+        if quiet or as_json:
+            return
+        extra = (f" ({info['num_tokens']} tokens in {_plural(info['num_chunks'], 'chunk')}, "
+                 f"format v{info['format_version']}, {took:.2f} s)") if verbose else ""
+        out.print(f"{_escape(job.name)}: OK{extra}")
+
+    for job in jobs:
+        job.result.pop("output", None)
+    code = _each(jobs, work, quiet, name_inputs=True)
+    _finish(jobs, 1 if code else 0, as_json, False)
 
 
 @app.command()
@@ -221,15 +442,17 @@ def stats(
 def _print_stats(s: dict) -> None:
     out.print(f"[bold]{_escape(s['file'])}[/]  cgen v{s['format_version']}, {_escape(s['method'])}, {s['layout']} layout, {s['dtype']}")
     out.print(
-        f"{s['num_layers']} layers x {s['num_kv_heads']} KV heads x {s['head_dim']} dims, {s['num_tokens']} tokens "
-        f"in {s['num_chunks']} chunks of {s['chunk_tokens']}"
+        f"{_plural(s['num_layers'], 'layer')} x {_plural(s['num_kv_heads'], 'KV head')} x {_plural(s['head_dim'], 'dim')}, "
+        f"{_plural(s['num_tokens'], 'token')} in {_plural(s['num_chunks'], 'chunk')} of {s['chunk_tokens']}"
     )
     out.print(
         f"original {_human(s['original_bytes'])} ({s['original_bytes']:,} B)  ->  compressed {_human(s['compressed_bytes'])} "
         f"({s['compressed_bytes']:,} B)"
     )
+    rate = (f"ratio [bold]{s['ratio']:.2f}x[/], [bold]{s['bits_per_value']:.3f}[/] bits/value" if s["num_tokens"]
+            else "no values (0 tokens)")
     out.print(
-        f"ratio [bold]{s['ratio']:.2f}x[/], [bold]{s['bits_per_value']:.3f}[/] bits/value, side information "
+        f"{rate}, side information "
         f"{_human(s['side_bytes'])} = [bold]{100 * s['side_fraction']:.1f}%[/] of the file"
     )
     if s.get("sink_tokens") or s.get("refined_tokens"):
@@ -353,8 +576,11 @@ def _root(
 from .model import register as _register_model_commands; _register_model_commands(app)  # noqa: E402, E702
 
 
-def main() -> None:
-    app()
+def main(argv: Optional[list[str]] = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-t", "--test"):  # gzip / xz / zstd's -t: test the files
+        args[0] = "test"
+    app(args=args, prog_name="cachegen")
 
 
 if __name__ == "__main__":

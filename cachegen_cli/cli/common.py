@@ -15,14 +15,30 @@ from rich.console import Console
 
 from ..errors import CacheGenError, Terminated
 
-# Wider than Rich's 80-column default when piped, so the per-layer table stays whole.
-out = Console(highlight=False, width=None if sys.stdout.isatty() else 120)
-err = Console(stderr=True, highlight=False)
+# Wider than Rich's 80-column default when piped, so the per-layer table stays whole; and
+# soft-wrapped then, so a long path or message is never split into lines.
+_PIPED = not sys.stdout.isatty()
+out = Console(highlight=False, width=None if not _PIPED else 120, soft_wrap=_PIPED)
+err = Console(stderr=True, highlight=False, soft_wrap=not sys.stderr.isatty())
 
 
 def _fail(message: str, code: int = 1) -> None:
     err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False, soft_wrap=True)
     raise typer.Exit(code)
+
+
+def _describe(exc: BaseException) -> tuple[str, int]:
+    """(one line fit for a user, exit code) of an error; re-raises one the CLI does not describe."""
+    if isinstance(exc, CacheGenError):
+        return _escape(exc.cli_message), exc.exit_code
+    if isinstance(exc, MemoryError):
+        return "out of memory", 1
+    if isinstance(exc, OSError):
+        where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
+        return _escape(f"{exc.strerror or exc}{where}"), 1
+    if os.environ.get("CACHEGEN_DEBUG"):
+        raise exc
+    return _escape(f"internal error ({type(exc).__name__}: {exc}); rerun with CACHEGEN_DEBUG=1 for details"), 70
 
 
 @contextlib.contextmanager
@@ -32,21 +48,21 @@ def _errors() -> Iterator[None]:
         yield
     except typer.Exit:
         raise
-    except CacheGenError as exc:
-        _fail(_escape(str(exc)), exc.exit_code)
     except Terminated as exc:  # SIGTERM, SIGHUP, ...: the temporary output is gone; the conventional status
         _fail(f"interrupted by {exc.name}", 128 + exc.signo)
     except KeyboardInterrupt:
         _fail("interrupted", 130)
-    except MemoryError:
-        _fail("out of memory", 1)
-    except OSError as exc:
-        where = f": {exc.filename}" if getattr(exc, "filename", None) else ""
-        _fail(_escape(f"{exc.strerror or exc}{where}"), 1)
     except Exception as exc:  # noqa: BLE001 - the CLI promises no tracebacks
-        if os.environ.get("CACHEGEN_DEBUG"):
-            raise
-        _fail(_escape(f"internal error ({type(exc).__name__}: {exc}); rerun with CACHEGEN_DEBUG=1 for details"), 70)
+        message, code = _describe(exc)
+        _fail(message, code)
+
+
+def _is_terminal(stream) -> bool:
+    """True when ``stream`` is a terminal (the tests replace this)."""
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def _escape(text: str) -> str:
