@@ -135,7 +135,15 @@ def test_capture_reproduces_committed_sample(smol, tmp_path):
 
     got, want = load_file(str(out)), load_file(str(SAMPLE_CODE_96))
     assert got.keys() == want.keys()
-    assert all(torch.equal(got[k], want[k]) for k in want)  # bit for bit: the conversion cache changes nothing
+    # Close, not bit for bit: another CPU or BLAS / torch version may round the model's matmuls
+    # differently by an ulp or so.  A real breakage (wrong text, tokens, layer order, conversion)
+    # moves the cache by its own size: relative MSE near 1, not 1e-4.
+    for k in want:
+        assert got[k].shape == want[k].shape and got[k].dtype == want[k].dtype, k
+        g, w = got[k].float(), want[k].float()
+        rel_mse = float(((g - w) ** 2).sum() / (w ** 2).sum().clamp_min(1e-30))
+        assert rel_mse < 1e-4, (k, rel_mse)
+        assert float((g - w).abs().max()) <= 0.02 * float(w.abs().max()) + 1e-3, k
     with safe_open(str(out), "pt") as f, safe_open(str(SAMPLE_CODE_96), "pt") as g:
         m, n = f.metadata(), g.metadata()
     for key in ("model", "text_sha256", "token_ids", "num_tokens", "layout"):
