@@ -236,3 +236,29 @@ def test_cold_cache_is_detected_in_an_empty_cache_folder(tmp_path, monkeypatch):
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "k.nbi").write_bytes(b"")
     assert not cache_state.cold_cache()
+
+
+def test_progress_moves_from_the_start_on_a_terminal(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from cachegen_cli.cli import commands
+
+    buf = io.StringIO()
+    monkeypatch.setattr(commands, "err", Console(file=buf, force_terminal=True, width=100))
+    with commands._progress("encoding kv", True) as update:
+        assert update is not None
+        import time
+
+        time.sleep(0.3)  # before the library's first report the bar already shows (pulsing, elapsed time)
+        assert "encoding kv" in buf.getvalue()
+        update(3, 65)
+        update(65, 65)
+    with commands._progress("encoding kv", False) as update:
+        assert update is None
+
+
+def test_no_progress_bar_when_stderr_is_not_a_terminal(kv_file):
+    r = invoke("encode", kv_file, "-f", "--chunk-tokens", "2")
+    assert r.exit_code == 0 and r.stderr == ""

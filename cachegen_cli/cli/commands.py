@@ -17,7 +17,7 @@ from typing import Optional
 
 import typer
 from rich import box
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from .. import __version__
@@ -57,30 +57,30 @@ class Device(str, Enum):
 
 @contextlib.contextmanager
 def _progress(label: str, enabled: bool) -> Iterator:
-    """A callback(done, total) that drives a Rich progress bar once the file has many chunks."""
-    if not enabled:
+    """A callback(done, total) that drives a Rich progress bar on a terminal.
+
+    The bar starts at once, pulsing with the time elapsed, so it moves while the kernels
+    compile and while the first slab is read and coded (the library reports once per slab:
+    a small file is one slab); it counts chunks from the first report on, when the file has
+    at least PROGRESS_MIN_CHUNKS of them."""
+    if not enabled or not err.is_terminal:
         yield None
         return
     bar = Progress(
-        TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("chunks"), TimeRemainingColumn(),
-        console=err, transient=True,
+        TextColumn(label), BarColumn(), MofNCompleteColumn(), TextColumn("chunks"), TimeElapsedColumn(),
+        TimeRemainingColumn(), console=err, transient=True,
     )
-    task = None
+    bar.start()
+    task = bar.add_task(label, total=None)
 
     def update(done: int, total: int) -> None:
-        nonlocal task
-        if total < PROGRESS_MIN_CHUNKS:
-            return
-        if task is None:
-            bar.start()
-            task = bar.add_task(label, total=total)
-        bar.update(task, completed=done)
+        if total >= PROGRESS_MIN_CHUNKS:
+            bar.update(task, total=total, completed=done)
 
     try:
         yield update
     finally:
-        if task is not None:  # (stopping a bar never started prints an empty line)
-            bar.stop()
+        bar.stop()
 
 
 #: The name ``-`` means stdin (an input) or stdout (-o).
