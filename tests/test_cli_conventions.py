@@ -262,3 +262,15 @@ def test_progress_moves_from_the_start_on_a_terminal(monkeypatch):
 def test_no_progress_bar_when_stderr_is_not_a_terminal(kv_file):
     r = invoke("encode", kv_file, "-f", "--chunk-tokens", "2")
     assert r.exit_code == 0 and r.stderr == ""
+
+
+def test_stats_takes_threads_and_prints_no_rate_for_0_tokens(tmp_path):
+    src = tmp_path / "z.safetensors"
+    save_file({"kv": torch.zeros(2, 2, 0, 1, 8, dtype=torch.bfloat16)}, str(src))
+    assert invoke("encode", src, "-q").exit_code == 0
+    r = invoke("stats", tmp_path / "z.cgen", "-T", "1")
+    assert r.exit_code == 0, r.output
+    assert "no values (0 tokens)" in r.stdout and "bits/value" not in r.stdout.splitlines()[3]
+    assert "1 KV head x" in r.stdout and "0 tokens in 0 chunks" in r.stdout
+    r = invoke("encode", src, "-f")
+    assert "no values" in r.stdout and "bits/value" not in r.stdout

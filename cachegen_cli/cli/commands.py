@@ -424,6 +424,7 @@ def stats(
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="With --reference: the calibration file the .cgen was encoded with."),
     device: Device = typer.Option(Device.auto, "--device", help="Where --reference decoding runs."),
+    threads: int = typer.Option(0, "-T", "--threads", min=0, help="CPU threads for --reference decoding \\[default: 0, all cores]."),
 ) -> None:
     """Sizes, ratio, bits per value, side information and a per-layer table of a .cgen file.
 
@@ -432,7 +433,10 @@ def stats(
     from ..model.stats import file_stats
 
     with _errors():
-        s = file_stats(input, reference, device.value, calibration)
+        from ..api import using_threads
+
+        with using_threads(threads):
+            s = file_stats(input, reference, device.value, calibration)
         if as_json:
             sys.stdout.write(json.dumps(s, indent=2) + "\n")
             return
