@@ -138,6 +138,16 @@ def _signed_word(w, nbytes):
     return w
 
 
+@cuda.jit(device=True)
+def _word_thread(i, K, CW):
+    """(layer, K/V, block or chunk, word) of thread i of a launch over (layer, K/V, K blocks or
+    chunks, CW words of channels), word fastest: adjacent threads read adjacent words."""
+    cw = i % CW
+    r = i // CW
+    p = r // K
+    return p // 2, p % 2, r % K, cw
+
+
 # ---------------------------------------------------------------- finite values
 
 
@@ -189,12 +199,8 @@ def _make_stats_partial(V, B):
         NB = part1.shape[2]
         if i >= L * 2 * NB * CW:
             return
-        cw = i % CW
-        r = i // CW
-        b = r % NB
-        p = r // NB
-        l = p // 2
-        kv = p % 2
+        l, kv, b, cw = _word_thread(i, NB, CW)
+        p = 2 * l + kv
         s1 = cuda.local.array(V, np.float64)
         s2 = cuda.local.array(V, np.float64)
         for j in range(V):
@@ -309,12 +315,8 @@ def _make_quantize(V, B, lossless):
         K = stats.shape[2]
         if i >= L * 2 * K * CW:
             return
-        cw = i % CW
-        r = i // CW
-        k = r % K
-        p = r // K
-        l = p // 2
-        kv = p % 2
+        l, kv, k, cw = _word_thread(i, K, CW)
+        p = 2 * l + kv
         c0 = cw * V
         t0 = k * chunk_tokens
         t1 = min(T, t0 + chunk_tokens)
@@ -1261,12 +1263,8 @@ def _make_dequantize(V, OB, method2):
         K = (T + chunk_tokens - 1) // chunk_tokens
         if i >= L * 2 * K * CW:
             return
-        cw = i % CW
-        r = i // CW
-        k = r % K
-        p = r // K
-        l = p // 2
-        kv = p % 2
+        l, kv, k, cw = _word_thread(i, K, CW)
+        p = 2 * l + kv
         C = CW * V
         c0 = cw * V
         t0 = k * chunk_tokens
