@@ -40,7 +40,14 @@ METHODS = {
     "balanced": {"quality": "balanced"},
     "small": {"quality": "small"},
     "lmcache": {"preset": "lmcache"},
+    # with a calibration fitted on another text (bench_all.tile_calibration_cache): one full
+    # C x C rotation per (layer, K/V), or one block per KV head
+    "high+cal": {"quality": "high", "calibration": "full"},
+    "balanced+cal": {"quality": "balanced", "calibration": "full"},
+    "small+cal": {"quality": "small", "calibration": "full"},
+    "balanced+cal/head": {"quality": "balanced", "calibration": "head"},
 }
+DEFAULT_METHODS = "lossless,high,balanced,small,lmcache"
 
 
 def timed(fn, repeats: int) -> tuple[float, float, float]:
@@ -91,7 +98,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--check-tokens", type=int, default=1024, help="tokens of the CPU == GPU byte check")
     p.add_argument("--repeats", type=int, default=10)
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=DEFAULT_METHODS, help=f"of {', '.join(METHODS)}")
     p.add_argument("--json", type=Path)
     p.add_argument("--widths", default="",
                    help="kernel widths to time, e.g. 'levels=4,values=4;levels=2' (kernels/cuda_pipeline.WIDTH; "
@@ -112,27 +119,39 @@ def main() -> None:
     nbytes = kv.numel() * kv.element_size()
     small = build_cache(args.check_tokens)
     rows = []
+    cals = {}
     for name in args.methods.split(","):
-        kw = METHODS[name]
+        kw = dict(METHODS[name])
+        if "calibration" in kw:
+            kind = kw["calibration"]
+            if kind not in cals:
+                from bench_all import tile_calibration_cache
+                from cachegen_cli.methods import calibration
+
+                t = time.perf_counter()
+                cals[kind] = calibration.fit([tile_calibration_cache()], blocks=1 if kind == "full" else kv.shape[3])
+                print(f"# calibration ({kind}): fitted in {time.perf_counter() - t:.1f} s", flush=True)
+            kw["calibration"] = cals[kind]
         blob = cg.encode_to_device(kv, **kw)
-        out = cg.decode(blob, device="cuda")["kv"]
+        dkw = {"calibration": kw["calibration"]} if "calibration" in kw else {}
+        out = cg.decode(blob, device="cuda", **dkw)["kv"]
         exact = torch.equal(out.view(torch.int16), kv.view(torch.int16))
         enc = timed(lambda: cg.encode_to_device(kv, **kw), args.repeats)
-        dec = timed(lambda: cg.decode(blob, device="cuda"), args.repeats)
+        dec = timed(lambda: cg.decode(blob, device="cuda", **dkw), args.repeats)
         st_e, st_d = Stages(), Stages()
         transform_resident.STAGE_HOOK = lmcache_device.STAGE_HOOK = st_e.hook
         for _ in range(3):
             cg.encode_to_device(kv, **kw)
         transform_resident.STAGE_HOOK = lmcache_device.STAGE_HOOK = st_d.hook
         for _ in range(3):
-            cg.decode(blob, device="cuda")
+            cg.decode(blob, device="cuda", **dkw)
         transform_resident.STAGE_HOOK = lmcache_device.STAGE_HOOK = None
         # identity: the CPU's bytes and values for a smaller cache
         cpu_blob = cg.encode(small, device="cpu", **kw)
         gpu_blob = cg.encode_to_device(small.cuda(), **kw).cpu().numpy().tobytes()
         same = cpu_blob == gpu_blob
-        a = cg.decode(cpu_blob, device="cpu")["kv"]
-        b = cg.decode(lmcache_device.device_bytes(cpu_blob), device="cuda")["kv"].cpu()
+        a = cg.decode(cpu_blob, device="cpu", **dkw)["kv"]
+        b = cg.decode(lmcache_device.device_bytes(cpu_blob), device="cuda", **dkw)["kv"].cpu()
         same_values = torch.equal(a.view(torch.int16), b.view(torch.int16))
         row = {"method": name, "bytes": nbytes, "file_bytes": int(blob.numel()), "ratio": nbytes / blob.numel(),
                "encode_GBps": nbytes / enc[0] / 1e9, "encode_GBps_range": [nbytes / enc[2] / 1e9, nbytes / enc[1] / 1e9],
@@ -152,7 +171,7 @@ def main() -> None:
         for setting in filter(None, args.widths.split(";")):
             cuda_pipeline.WIDTH.update({k: int(v) for k, v in (kv_.split("=") for kv_ in setting.split(","))})
             e = timed(lambda: cg.encode_to_device(kv, **kw), args.repeats)
-            d = timed(lambda: cg.decode(blob, device="cuda"), args.repeats)
+            d = timed(lambda: cg.decode(blob, device="cuda", **dkw), args.repeats)
             same_w = cg.encode_to_device(kv, **kw).equal(blob)
             row["widths"].append({"width": dict(cuda_pipeline.WIDTH), "encode_GBps": nbytes / e[0] / 1e9,
                                   "decode_GBps": nbytes / d[0] / 1e9, "same_bytes": same_w})

@@ -69,8 +69,8 @@ def encode(
 
 
 def _device_resident(cache: kvio.KVCache, quant, calibration) -> bool:
-    """True when the device-resident pipeline encodes this: every method but a rotation, and
-    caches of at least one token."""
+    """True when a device-resident pipeline encodes this: every method (format version 2 with or
+    without a rotation; version 1 without one), caches of at least one token."""
     from .pipeline import transform_resident as device_pipeline
 
     if cache.num_tokens == 0:
@@ -93,7 +93,7 @@ def _encode_on_device(cache: kvio.KVCache, quant, calibration, chunk_tokens: int
 
             raise ConfigError("a calibration does not apply to quality 'lossless'",
                               cli="--calibration does not apply to --quality lossless")
-        return device_pipeline.encode(cache, quant, validate_chunk_tokens(chunk_tokens))[0]
+        return device_pipeline.encode(cache, quant, validate_chunk_tokens(chunk_tokens), calibration)[0]
     return gpu_codec.encode_file_device(codec.make_header(cache, quant, chunk_tokens), codec.fp16_headroom(cache.data))
 
 
@@ -111,8 +111,8 @@ def encode_to_device(
 ) -> torch.Tensor:
     """Like encode(), on a CUDA GPU, but the .cgen bytes stay on the GPU: returns a uint8
     CUDA tensor (byte for byte what encode() returns), e.g. to send over NVLink/NCCL.
-    ``decode`` accepts such a tensor.  Every method; a rotation (``calibration``) runs on the
-    GPU's unfused kernels and is assembled on the host."""
+    ``decode`` accepts such a tensor.  Every method, with or without a ``calibration``; a cache
+    of no tokens is coded on the host."""
     from .pipeline import lmcache_device as gpu_codec
     from .errors import ConfigError
 
@@ -200,7 +200,7 @@ def decode(data: bytes | bytearray | memoryview | torch.Tensor | str | os.PathLi
 
                 header, offsets, size = device_pipeline.read_header(blob)
                 if device_pipeline.decodable(header):
-                    tensor = device_pipeline.decode(blob, header, offsets, size)
+                    tensor = device_pipeline.decode(blob, header, offsets, size, cal)
                     if codec.saturates(header):
                         codec.saturate_(tensor)
                     return kvio.to_tensors(tensor, header.descriptor)

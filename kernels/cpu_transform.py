@@ -3,7 +3,8 @@ with tables shared by every chunk of a file.
 
 Array conventions (the whole cache at once):
   x        float32 [L, 2, T, C]     values
-  rot      float32 [L, 2, C, C]     rotation per (layer, K/V); shape [0, 0, 0, 0] = identity
+  rot      float32 [L, 2, H, D, D]  rotation per (layer, K/V): its H diagonal blocks (C = H x D);
+                                    shape [0, 0, 0, 0, 0] = identity
   offsets  float32 [L, 2, C]        per-coordinate mean (bfloat16 values)
   steps    float64 [L, 2]           quantization step (bfloat16 values)
   q        int16   [L, 2, T, C]     levels (method 2) or top-byte symbols (method 3)
@@ -516,9 +517,10 @@ def _as_value_impl(v, shift):
 @njit(**_FAST)
 def _fill_rows(src, shift, rot_plane, i0, n, y, r64):
     """y[:n] = rows i0 .. i0 + n of one (layer, K/V) plane as float64 values, rotated by
-    rot_plane when it is not empty (transform.rotate_row, ROT_ROWS rows per read of R).
-    src: the plane's source bits (or floats, or already rotated float64 rows);
-    r64: float64 scratch of C (one row of R widened once for the whole block)."""
+    rot_plane ([H, D, D] diagonal blocks) when it is not empty (transform.rotate_row,
+    ROT_ROWS rows per read of R).  src: the plane's source bits (or floats, or already
+    rotated float64 rows); r64: float64 scratch of C (one row of a block widened once for
+    the whole row block)."""
     C = y.shape[1]
     if rot_plane.shape[0] == 0:
         for b in range(n):
@@ -527,26 +529,30 @@ def _fill_rows(src, shift, rot_plane, i0, n, y, r64):
             for c in range(C):
                 out[c] = _as_value(row[c], shift)
         return
+    H = rot_plane.shape[0]
+    D = rot_plane.shape[1]
     for b in range(n):
         y[b, :] = 0.0
     # Output coordinates in tiles of ROT_TILE, so that the block's accumulators stay in L1 while
     # every row of R passes (each output still sums over c in order).
     # (Loops from 0 over slices: a loop from d0 keeps numba's negative-index checks, which stop
     # LLVM from vectorizing it.)
-    for d0 in range(0, C, ROT_TILE):
-        w = min(C, d0 + ROT_TILE) - d0
-        rt = r64[:w]
-        for c in range(C):
-            rrow = rot_plane[c, d0 : d0 + w]
-            for d in range(w):
-                rt[d] = np.float64(rrow[d])
-            for b in range(n):
-                # float64(float32(x)): exact, as rotate_row; a zero adds nothing (y is never -0.0).
-                xc = np.float64(np.float32(_as_value(src[i0 + b, c], shift)))
-                if xc != 0.0:
-                    out = y[b, d0 : d0 + w]
-                    for d in range(w):
-                        out[d] += xc * rt[d]
+    for h in range(H):
+        base = h * D
+        for d0 in range(0, D, ROT_TILE):
+            w = min(D, d0 + ROT_TILE) - d0
+            rt = r64[:w]
+            for c in range(D):
+                rrow = rot_plane[h, c, d0 : d0 + w]
+                for d in range(w):
+                    rt[d] = np.float64(rrow[d])
+                for b in range(n):
+                    # float64(float32(x)): exact, as rotate_row; a zero adds nothing (y is never -0.0).
+                    xc = np.float64(np.float32(_as_value(src[i0 + b, base + c], shift)))
+                    if xc != 0.0:
+                        out = y[b, base + d0 : base + d0 + w]
+                        for d in range(w):
+                            out[d] += xc * rt[d]
 
 
 @njit(parallel=True, **_FAST)
@@ -835,8 +841,8 @@ def decode_transform_planes(payload, offsets, lengths, cum, lut, chunk_tokens, g
     """decode_table_streams + symbols_to_levels + transform_dequantize, one job per plane
     (chunk, layer, K/V) of a slab of num_tokens tokens, the plane's symbols and levels kept in
     scratch: out[:, :, t_out + t] (float32, or bfloat16 words with to_bf16, rounded to nearest
-    even as torch converts float32) for the tokens t >= sink.  cum / lut: [L, 2, C * ...] as coder_tables makes them; rot_t: the rotation
-    transposed ([L, 2, C, C]: rot_t[d, c] = R[c, d]) or empty, so that the inverse rotation
+    even as torch converts float32) for the tokens t >= sink.  cum / lut: [L, 2, C * ...] as coder_tables makes them; rot_t: the rotation's
+    blocks transposed ([L, 2, H, D, D]: rot_t[h, d, c] = R_h[c, d]) or empty, so that the inverse rotation
     runs as _fill_rows (out[c] = sum over d in order of z[d] R[c, d]); t_ref, bits, ref: as for
     transform_dequantize.  seen int32 [K * L * 2, 2]: each plane's smallest and largest level
     (the caller rejects levels that token deltas summed past the method's range)."""
@@ -935,19 +941,22 @@ def decode_lossless_planes(payload, offsets, lengths, cum, lut, chunk_tokens, gr
 
 @njit(parallel=True, **_FAST)
 def transpose_planes(rot, rot_t):
-    """rot_t[l, kv] = rot[l, kv] transposed (decode_transform_planes' inverse rotation), in
-    64 x 64 tiles so that both sides are read and written by whole cache lines."""
-    L, _, C, _ = rot.shape
-    nt = (C + 63) // 64
-    for p in prange(L * 2 * nt):
-        l = p // (2 * nt)
-        kv = (p // nt) % 2
+    """rot_t[l, kv, h] = rot[l, kv, h] transposed (decode_transform_planes' inverse rotation,
+    block by block), in 64 x 64 tiles so that both sides are read and written by whole cache
+    lines."""
+    L, _, H, D, _ = rot.shape
+    nt = (D + 63) // 64
+    for p in prange(L * 2 * H * nt):
+        blk = p // nt
+        l = blk // (2 * H)
+        kv = (blk // H) % 2
+        h = blk % H
         d0 = (p % nt) * 64
-        d1 = min(C, d0 + 64)
-        src = rot[l, kv]
-        dst = rot_t[l, kv]
-        for c0 in range(0, C, 64):
-            for c in range(c0, min(C, c0 + 64)):
+        d1 = min(D, d0 + 64)
+        src = rot[l, kv, h]
+        dst = rot_t[l, kv, h]
+        for c0 in range(0, D, 64):
+            for c in range(c0, min(D, c0 + 64)):
                 row = src[c]
                 for d in range(d0, d1):
                     dst[d, c] = row[d]

@@ -511,6 +511,11 @@ if SIM:  # numba's simulator has neither libdevice bit casts nor warp shuffles
         return np.array(np.int64(b) & MASK32, np.uint32).view(np.float32)[()]
 
     @cuda.jit(device=True)
+    def _bits_f64(b):
+        """The float64 whose bits are b (an int64)."""
+        return np.array(np.int64(b), np.int64).view(np.float64)[()]
+
+    @cuda.jit(device=True)
     def _warp_max(v, scratch, warp, lane):
         """Maximum of v over the 32 threads of a warp (every thread of the block calls it)."""
         scratch[warp, lane] = v
@@ -528,6 +533,10 @@ else:
     @cuda.jit(device=True)
     def _f32_bits(v):
         return np.int64(libdevice.float_as_int(np.float32(v)))
+
+    @cuda.jit(device=True)
+    def _bits_f64(b):
+        return libdevice.longlong_as_double(np.int64(b))
 
     @cuda.jit(device=True)
     def _bits_f32(b):

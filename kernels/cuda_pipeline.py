@@ -1,5 +1,5 @@
 """CUDA kernels of the device-resident pipeline for the shared-table methods (format version
-2: transform without a rotation, and lossless): a cache tensor on the GPU -> the whole
+2: transform, with or without a rotation, and lossless): a cache tensor on the GPU -> the whole
 .cgen file in a uint8 GPU tensor, and back, with the bytes and values of the CPU kernels.
 
 The arithmetic that decides bytes is the shared ``register_jitable`` device functions
@@ -11,6 +11,9 @@ touch adjacent memory.
 Who does what (host wrappers launch on ``stream`` without synchronising; V = channels per
 thread, as many as one 8-byte word holds, see ``lanes``):
   nonfinite_layers   one thread per 8-byte word of the cache: flags the layers with NaN / Inf
+  rotate_blocks      a block of threads per (64 tokens, layer, K/V, diagonal block, 64 outputs),
+                     4 x 4 outputs per thread: the rotation (float64 rows out) and, on
+                     decoding, its inverse (float32 out)
   stats_partial      one thread per (layer, K/V, 256-token block, V channels): the block's sum
                      and sum of squares in token order (transform.STATS_BLOCK's tree)
   stats_reduce       one thread per (layer, K/V, channel): the block sums in block order
@@ -40,7 +43,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .cuda import BLOCK, SIM, _bits_f32, _crc_span, _f32_bits, _grid, _placeholder, as_device, cuda  # noqa: F401
+from .cuda import BLOCK, SIM, _bits_f32, _bits_f64, _crc_span, _f32_bits, _grid, _placeholder, as_device, cuda  # noqa: F401
 from .cdf import codes_to_cum, counts_to_codes
 from .coding_params import MASK32, PROB_BITS, PROB_TOTAL, RANGE_INIT, RANGE_TOP
 from .crc import CRC_TABLE, multmodp, x8nmodp
@@ -77,16 +80,33 @@ def _cfg(n: int, block: int = BLOCK):
     return _grid(n, block), block
 
 
+#: Value words of the token-walking kernels: the cache's float32 / bfloat16 / float16 words,
+#: or the float64 rows of a rotated cache (rotate_blocks).
+FMT_FLOAT32, FMT_BFLOAT16, FMT_FLOAT16, FMT_FLOAT64 = 0, 1, 2, 3
+
+
 @cuda.jit(device=True)
 def _word_value(w, fmt):
-    """float32 value of a cache word: float32 bits (fmt 0), bfloat16 (1), float16 (2); the
-    words are the tensor's raw int32 / int16 words."""
+    """float32 value of a value word: float32 bits (fmt 0), bfloat16 (1), float16 (2), float64
+    bits (3, rounded to float32: what the statistics sum); the words are the tensor's raw
+    int64 / int32 / int16 words."""
     w = np.int64(w)
     if fmt == 0:
         return _bits_f32(w)
     if fmt == 1:
         return _bits_f32((w & 0xFFFF) << 16)
+    if fmt == 3:
+        return np.float32(_bits_f64(w))
     return float_from_bits16(w, 2)
+
+
+@cuda.jit(device=True)
+def _word_value64(w, fmt):
+    """float64 value of a value word (what the levels are computed from): as _word_value, but
+    a float64 word keeps all its bits."""
+    if fmt == 3:
+        return _bits_f64(np.int64(w))
+    return np.float64(_word_value(w, fmt))
 
 
 # ---------------------------------------------------------------- channels per thread
@@ -187,11 +207,115 @@ def nonfinite_layers(words, per_layer, exponent_mask, itemsize, flags, stream=0)
         as_device(words), np.int64(per_layer), np.int64(exponent_mask), as_device(flags))
 
 
+# ---------------------------------------------------------------- rotation (method 2)
+#
+# A rotated (layer, K/V) plane is a product of matrices per diagonal block h: Y_h = X_h R_h
+# (X_h: the tokens x D channels of the block), and decoding multiplies by R_h's transpose.
+# The format fixes each output's sum (transform.rotate_row): over the block's inputs in
+# order, in float64, every product exact.  A tiled matrix product keeps that order when
+# each thread owns whole outputs and walks the inner dimension in order (no split of the
+# sum across threads or tensor cores); a fused multiply-add of an exact product rounds as
+# the add alone, so the CPU's sums come out bit for bit.
+
+#: Rotation tiles: ROT_TM tokens x ROT_TN outputs per block, ROT_RM x ROT_RN outputs per
+#: thread (strided by the thread grid, so a warp's loads and stores are adjacent), ROT_TK
+#: inputs per shared-memory step.  (Small under the simulator, which runs every thread.)
+ROT_TM, ROT_TN, ROT_TK, ROT_RM, ROT_RN = (8, 8, 4, 2, 2) if SIM else (64, 64, 16, 4, 4)
+
+
+def _make_rotate(TM, TN, TK, RM, RN, wide):
+    NX = TN // RN  # threads along the outputs
+    NY = TM // RM  # threads along the tokens
+    NT = NX * NY
+
+    @cuda.jit
+    def kernel(x, rot, t_first, y):
+        # block (token tile, (layer, K/V, block h, output tile)); thread (ty, tx) owns the
+        # outputs (t0 + ty + NY i, d0 + tx + NX j)
+        T = x.shape[2]
+        H = rot.shape[2]
+        D = rot.shape[3]
+        ntn = (D + TN - 1) // TN
+        bj = cuda.blockIdx.y
+        ot = bj % ntn
+        h = (bj // ntn) % H
+        p = bj // (ntn * H)
+        l = p // 2
+        kv = p % 2
+        tid = cuda.threadIdx.x
+        tx = tid % NX
+        ty = tid // NX
+        a_s = cuda.shared.array((TK, TM), np.float64)
+        b_s = cuda.shared.array((TK, TN), np.float64)
+        acc = cuda.local.array((RM, RN), np.float64)
+        for i in range(RM):
+            for j in range(RN):
+                acc[i, j] = 0.0
+        t0 = t_first + cuda.blockIdx.x * TM
+        d0 = ot * TN
+        base = h * D
+        for k0 in range(0, D, TK):
+            for e in range(tid, TM * TK, NT):  # inputs: adjacent threads, adjacent channels
+                m = e // TK
+                kk = e % TK
+                v = 0.0  # past the block or the tokens: a zero, which changes no sum
+                if t0 + m < T and k0 + kk < D:
+                    v = np.float64(np.float32(x[l, kv, t0 + m, base + k0 + kk]))
+                a_s[kk, m] = v
+            for e in range(tid, TK * TN, NT):
+                kk = e // TN
+                n = e % TN
+                v = 0.0
+                if k0 + kk < D and d0 + n < D:
+                    v = np.float64(rot[l, kv, h, k0 + kk, d0 + n])
+                b_s[kk, n] = v
+            cuda.syncthreads()
+            for kk in range(TK):  # in order: every output's sum runs over c = 0 .. D - 1
+                for i in range(RM):
+                    a = a_s[kk, ty + NY * i]
+                    for j in range(RN):
+                        acc[i, j] += a * b_s[kk, tx + NX * j]
+            cuda.syncthreads()
+        for i in range(RM):
+            t = t0 + ty + NY * i
+            if t < T:
+                for j in range(RN):
+                    d = d0 + tx + NX * j
+                    if d < D:
+                        if wide:
+                            y[l, kv, t, base + d] = acc[i, j]
+                        else:
+                            y[l, kv, t, base + d] = np.float32(acc[i, j])
+
+    return kernel, NT
+
+
+def rotate_blocks(x, rot, t_first, y, stream=0):
+    """y[l, kv, t] = x[l, kv, t] R for the tokens t >= t_first (the others untouched), R the
+    block-diagonal matrix of rot[l, kv] ([L, 2, H, D, D] float32 blocks): float64 y, the
+    encoder's rotate_row (cpu_transform._fill_rows); float32 y, float32 of the sums (the
+    decoder's inverse rotation, with rot its blocks transposed).  x: float32 [L, 2, T, C]."""
+    L, _, T, C = x.shape
+    H, D = rot.shape[2], rot.shape[3]
+    n = T - t_first
+    if n <= 0 or L == 0 or C == 0:
+        return
+    wide = y.dtype == np.float64
+    kern, threads = _made(_make_rotate, ROT_TM, ROT_TN, ROT_TK, ROT_RM, ROT_RN, wide)
+    grid = (-(-n // ROT_TM), L * 2 * H * -(-D // ROT_TN))
+    kern[grid, threads, stream](as_device(x), as_device(rot), np.int64(t_first), as_device(y))
+
+
 # ---------------------------------------------------------------- statistics (method 2)
 
 
+def _value_mask(B):
+    """Mask of one B-bit value in an int64 word (all bits for a float64 word)."""
+    return (1 << B) - 1 if B < 64 else -1
+
+
 def _make_stats_partial(V, B):
-    vmask = (1 << B) - 1
+    vmask = _value_mask(B)
 
     @cuda.jit
     def kernel(wf, L, T, CW, fmt, sink, part1, part2):
@@ -307,7 +431,7 @@ def _fast_level(y, off, step, inv, threshold):
 def _make_quantize(V, B, lossless):
     """Levels of V channels per thread: method 2's (token_level, refine_index), or the lossless
     method's top-byte symbols (then shift = 8 x the raw bytes per value)."""
-    vmask = (1 << B) - 1
+    vmask = _value_mask(B)
 
     @cuda.jit
     def kernel(wf, L, T, CW, fmt, sink, offsets, steps, threshold, t_ref, bits, chunk_tokens, shift, qf, ref, stats):
@@ -361,7 +485,7 @@ def _make_quantize(V, B, lossless):
                 if lossless:
                     v = np.int64(top_byte_symbol(x >> shift))
                 elif t >= sink:
-                    y = np.float64(_word_value(x, fmt))
+                    y = _word_value64(x, fmt)
                     if refined:
                         v = np.int64(token_level(y, off[j], step, TRANSFORM_QMAX, threshold, True, bits))
                         ref[l, kv, t - t_ref, c0 + j] = refine_index(y, off[j], step, v, bits)

@@ -2,7 +2,8 @@
 step quantization, the lossless byte split, and the token-delta symbol map.
 
 Method 2 ("transform"): each (layer, K/V) row of C channels x is optionally
-rotated, y = x R (R orthonormal, from a calibration file; identity without one),
+rotated, y = x R (R orthonormal and block diagonal, [H, D, D] blocks from a calibration
+file; identity without one),
 then every coordinate is quantized with one step for the whole (layer, K/V):
 level q = round((y - m) / step), m the coordinate's mean over the cache.
 Method 3 ("lossless"): each 16- or 32-bit word is split into its top byte, which
@@ -37,26 +38,35 @@ MODE_SAME = 2  # in a file's tables only: "the table of the previous channel wit
 
 @register_jitable
 def rotate_row(xrow, rot_plane, y):
-    """y[d] = sum over c (in order) of x[c] * R[c, d], in float64 (every product exact)."""
-    C = xrow.shape[0]
-    for d in range(C):
+    """y[d] = sum over c (in order) of x[c] * R[c, d], in float64 (every product exact); R is
+    block diagonal, rot_plane [H, D, D] its blocks: only the products inside a block are
+    summed (the others are zeros, which change no sum: y is never -0.0)."""
+    H = rot_plane.shape[0]
+    D = rot_plane.shape[1]
+    for d in range(H * D):
         y[d] = 0.0
-    for c in range(C):
-        xc = np.float64(np.float32(xrow[c]))
-        if xc != 0.0:
-            for d in range(C):
-                y[d] += xc * np.float64(rot_plane[c, d])
+    for h in range(H):
+        base = h * D
+        for c in range(D):
+            xc = np.float64(np.float32(xrow[base + c]))
+            if xc != 0.0:
+                for d in range(D):
+                    y[base + d] += xc * np.float64(rot_plane[h, c, d])
 
 
 @register_jitable
 def unrotate_row(z, rot_plane, out_row):
-    """out[c] = float32(sum over d (in order) of z[d] * R[c, d]); z holds float32 values."""
-    C = z.shape[0]
-    for c in range(C):
-        acc = 0.0
-        for d in range(C):
-            acc += z[d] * np.float64(rot_plane[c, d])
-        out_row[c] = np.float32(acc)
+    """out[c] = float32(sum over d (in order) of z[d] * R[c, d]); z holds float32 values;
+    rot_plane [H, D, D] the blocks of R, as for rotate_row."""
+    H = rot_plane.shape[0]
+    D = rot_plane.shape[1]
+    for h in range(H):
+        base = h * D
+        for c in range(D):
+            acc = 0.0
+            for d in range(D):
+                acc += z[base + d] * np.float64(rot_plane[h, c, d])
+            out_row[base + c] = np.float32(acc)
 
 
 @register_jitable

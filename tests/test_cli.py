@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from cachegen_cli.cli import app
+from cachegen_cli.methods import calibration as calib
 
 from conftest import per_layer, realistic_kv
 
@@ -222,6 +223,16 @@ def test_calibrate_encode_decode(kv_file, tmp_path):
     assert r.exit_code == 0, r.output
     r = run("stats", tmp_path / "r.cgen", "--reference", kv_file, "--calibration", cal)
     assert r.exit_code == 0 and "transform + rotation" in r.stdout, r.output
+    # one block per KV head: its own file (calibration version 2), its own identity
+    head = tmp_path / "head.safetensors"
+    r = run("calibrate", other, "--per-head", "-o", head)
+    assert r.exit_code == 0 and "rotation (2 blocks) for 3 layers x 16 channels" in r.stdout, r.output
+    assert calib.load(head).blocks == 2 and calib.load(head).sha256 != calib.load(cal).sha256
+    assert run("encode", kv_file, "--calibration", head, "-o", tmp_path / "h.cgen").exit_code == 0
+    one_line_error(run("decode", tmp_path / "h.cgen", "--calibration", cal, "-o", tmp_path / "h.safetensors"),
+                   "not the one")
+    r = run("decode", tmp_path / "h.cgen", "--calibration", head, "-o", tmp_path / "h.safetensors")
+    assert r.exit_code == 0, r.output
 
 
 def test_config_file_with_steps(kv_file, tmp_path):

@@ -302,7 +302,7 @@ def test_codec_fast_path_matches_generic_path(dtype, chunk_tokens):
 # ---------------------------------------------------------------- format version 2
 
 
-@pytest.mark.parametrize("rotated", [False, True])
+@pytest.mark.parametrize("rotated", [0, 1, 3])
 @pytest.mark.parametrize("threshold", [0.5, 0.7])
 def test_v2_quantize_stats_matches_reference(rotated, threshold):
     """cpu_transform.quantize_stats (bits in, branch-free levels, fused refinement and level
@@ -318,10 +318,11 @@ def test_v2_quantize_stats_matches_reference(rotated, threshold):
     x = torch.from_numpy(x).to(torch.bfloat16)
     xf = x.float().numpy()
     src = x.view(torch.int16).numpy().view(np.uint16)
-    rot = np.zeros((0, 0, 0, 0), np.float32)
-    if rotated:
-        rot = np.stack([np.linalg.qr(rng.standard_normal((C, C)))[0] for _ in range(2 * L)]).astype(np.float32)
-        rot = rot.reshape(L, 2, C, C)
+    rot = np.zeros((0, 0, 0, 0, 0), np.float32)
+    if rotated:  # ``rotated`` diagonal blocks per (layer, K/V)
+        D = C // rotated
+        rot = np.stack([np.linalg.qr(rng.standard_normal((D, D)))[0] for _ in range(2 * L * rotated)]).astype(np.float32)
+        rot = rot.reshape(L, 2, rotated, D, D)
     offsets = (rng.standard_normal((L, 2, C)) * 0.1).astype(np.float32)
     steps = np.array([[0.5, 0.125], [0.01, 2.0]])
     t_ref = 30
@@ -343,12 +344,13 @@ def test_v2_quantize_stats_matches_reference(rotated, threshold):
         y = np.empty((L, 2, T, C))
         k2.rotate_rows(src, 16, rot, y)
         q3 = np.empty_like(q)
-        k2.quantize_stats(y, 0, np.zeros((0, 0, 0, 0), np.float32), sink, offsets, steps, 127, threshold, t_ref,
+        k2.quantize_stats(y, 0, np.zeros((0, 0, 0, 0, 0), np.float32), sink, offsets, steps, 127, threshold, t_ref,
                           bits, ct, q3, np.empty_like(ref), np.empty((1, L, 2, C, 6), np.int64))
         assert np.array_equal(q3, q)
 
 
-def test_v2_decode_planes_match_reference():
+@pytest.mark.parametrize("blocks", [1, 2])
+def test_v2_decode_planes_match_reference(blocks):
     """decode_transform_planes (streams -> levels -> values in one job, the inverse rotation
     through the transposed matrix) against decode_table_streams + symbols_to_levels +
     transform_dequantize, rotated and refined."""
@@ -358,7 +360,7 @@ def test_v2_decode_planes_match_reference():
     from cachegen_cli.kernels import cpu_transform as k2
 
     kv = realistic_kv(layers=2, tokens=70)
-    cal = fit([kv.reshape(2, 2, 70, -1)])
+    cal = fit([kv.reshape(2, 2, 70, -1)], blocks=blocks)
     blob = cg.encode(kv, quality="high", calibration=cal, chunk_tokens=16, device="cpu")
     f, _ = codec.open_input(blob)
     h, _, offsets, size = codec.read_header_and_index(f)

@@ -32,29 +32,49 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
-def _device_bytes(kv, quality=None, chunk_tokens=8, quantization=None, layout="auto") -> bytes:
+def _device_bytes(kv, quality=None, chunk_tokens=8, quantization=None, layout="auto", calibration=None) -> bytes:
     cache = kvio.from_tensors(kv, layout, None)
     cfg = quantization or resolve_quantization(cache.num_layers, quality=quality)
-    out, payload = transform_resident.encode(cache, cfg, chunk_tokens)
+    out, payload = transform_resident.encode(cache, cfg, chunk_tokens, calibration)
     assert 0 <= payload < out.numel()
     return out.cpu().numpy().tobytes()
 
 
-def _device_decode(blob: bytes) -> torch.Tensor:
+def _device_decode(blob: bytes, calibration=None) -> torch.Tensor:
     dev = transform_resident.device()
     t = torch.from_numpy(np.frombuffer(blob, np.uint8).copy()).to(dev)
     h, offsets, size = transform_resident.read_header(t)
     assert transform_resident.decodable(h)
-    return transform_resident.decode(t, h, offsets, size).cpu()
+    return transform_resident.decode(t, h, offsets, size, calibration).cpu()
 
 
-def _check(kv, quality=None, chunk_tokens=8, quantization=None):
-    cpu = cg.encode(kv, quality=quality, quantization=quantization, chunk_tokens=chunk_tokens, device="cpu")
-    assert _device_bytes(kv, quality, chunk_tokens, quantization) == cpu
-    want = cg.decode(cpu, device="cpu")["kv"]
-    got = _device_decode(cpu).reshape(want.shape)
+def _check(kv, quality=None, chunk_tokens=8, quantization=None, calibration=None):
+    cpu = cg.encode(kv, quality=quality, quantization=quantization, chunk_tokens=chunk_tokens, device="cpu",
+                    calibration=calibration)
+    assert _device_bytes(kv, quality, chunk_tokens, quantization, calibration=calibration) == cpu
+    want = cg.decode(cpu, device="cpu", calibration=calibration)["kv"]
+    got = _device_decode(cpu, calibration).reshape(want.shape)
     assert got.dtype == want.dtype and torch.equal(_words(got), _words(want))
     return cpu
+
+
+@pytest.mark.parametrize("dtype, quality, blocks, head_dim", [
+    (torch.bfloat16, "balanced", 1, 8), (torch.bfloat16, "high", 2, 8), (torch.float16, "small", 2, 8),
+    (torch.float32, "balanced", 1, 5), (torch.bfloat16, "small", 2, 20),
+])
+def test_rotated_same_bytes_and_values_as_the_cpu(dtype, quality, blocks, head_dim):
+    """A calibration's rotation (one full block, or one per head; blocks wider than the
+    kernel's tiles and sizes that are not multiples of them): the device's rotated rows,
+    statistics, levels and inverse rotation give the CPU's bytes and values."""
+    from cachegen_cli.methods import calibration as calib
+
+    sample = realistic_kv(layers=2, tokens=30, heads=2, head_dim=head_dim, dtype=torch.float32, seed=11)
+    cal = calib.fit([sample.reshape(2, 2, 30, 2 * head_dim)], blocks=blocks)
+    assert cal.blocks == blocks
+    kv = realistic_kv(layers=2, tokens=21, heads=2, head_dim=head_dim, dtype=dtype, seed=4)
+    blob = _check(kv, quality, chunk_tokens=8, calibration=cal)
+    h, _, _, _ = codec.read_header_and_index(codec.open_input(blob)[0])
+    assert h.rotated and h.params.calibration == cal.sha256
 
 
 @pytest.mark.parametrize("quality, dtype", [

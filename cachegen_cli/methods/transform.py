@@ -175,7 +175,7 @@ V2_SLAB_BYTES = 128 << 20
 #: A rotated single-slab cache keeps its rotated rows (float64) between the statistics and
 #: quantization passes up to this size; past it each pass rotates them again.
 ROTATED_CACHE_BYTES = 1 << 30
-_NO_ROTATION = np.zeros((0, 0, 0, 0), np.float32)
+_NO_ROTATION = np.zeros((0, 0, 0, 0, 0), np.float32)
 
 
 def slab_chunks_count(num_layers: int, num_channels: int, chunk_tokens: int, slab_bytes: int | None = None) -> int:
@@ -475,26 +475,11 @@ def unpack_refinement_bits(raw: np.ndarray, count: int, bits: int) -> np.ndarray
 
 
 def encoder_rotation(calibration: Calibration | None, L: int, C: int) -> tuple[np.ndarray, bytes]:
-    """(rotation [L, 2, C, C] or [0, 0, 0, 0], the Params block's calibration hash) for encoding."""
+    """(rotation [L, 2, H, D, D] or [0, 0, 0, 0, 0], the Params block's calibration hash) for encoding."""
     if calibration is None:
-        return np.zeros((0, 0, 0, 0), np.float32), bytes(32)
+        return np.zeros((0, 0, 0, 0, 0), np.float32), bytes(32)
     calibration.check_shape(L, C)
     return calibration.rotation, calibration.sha256
-
-
-def quantize_levels(kernels, empty, x, rot, sink: int, offsets, steps, cfg: TransformConfig, shape):
-    """Levels [L, 2, T, C] and, for the last R tokens, refinement indices [L, 2, R, C] (None
-    when R = 0), with ``kernels`` (cpu_transform or cuda_transform) on arrays from ``empty``;
-    returns (q, ref, R, bits)."""
-    L, T, C = shape
-    q = empty((L, 2, T, C), np.int16)
-    R, bits = refine_plan(cfg, T, sink)
-    kernels.transform_quantize(x, rot, sink, offsets, steps, TRANSFORM_QMAX, float(cfg.rounding), T - R, bits, q)
-    ref = None
-    if R:
-        ref = empty((L, 2, R, C), np.uint8)
-        kernels.transform_refine(x, rot, T - R, offsets, steps, q, bits, ref)
-    return q, ref, R, bits
 
 
 def refine_plan(cfg: TransformConfig, T: int, sink: int) -> tuple[int, int]:
@@ -550,10 +535,11 @@ def gather_raw(h: FileHeader, chunks: list[Chunk]) -> np.ndarray:
 
 
 def check_calibration(h: FileHeader, calibration: Calibration | None) -> np.ndarray:
-    """The rotation a file needs ([0, 0, 0, 0] when none), checked against its SHA-256."""
+    """The rotation a file needs ([L, 2, H, D, D] blocks, [0, 0, 0, 0, 0] when none), checked
+    against its SHA-256."""
     p = h.params
     L, C = h.num_layers, h.num_channels
-    rot = np.zeros((0, 0, 0, 0), np.float32)
+    rot = np.zeros((0, 0, 0, 0, 0), np.float32)
     if h.rotated:
         if calibration is None:
             what = f"this file was encoded with calibration {p.calibration.hex()[:16]}…; pass that calibration file"

@@ -10,18 +10,18 @@ from ..methods.calibration import Calibration, fit, save
 
 
 def calibrate_files(inputs: list, output, *, layout: str = "auto", sensitivity: bool = False, model_path=None,
-                    loaded=None, force: bool = False, log=None) -> Calibration:
+                    loaded=None, force: bool = False, log=None, per_head: bool = False) -> Calibration:
     """``cachegen calibrate``: fit the rotation on the sample caches (KV .safetensors files) and,
     with ``sensitivity``, measure the per-plane sensitivities with the model the caches were
     captured with (their token ids come from ``cachegen capture``'s metadata); write the file
-    atomically.  ``loaded``: an already loaded (model, tokenizer) or a function returning one."""
+    atomically.  ``per_head``: one rotation block per KV head (methods/calibration.fit).  ``loaded``: an already loaded (model, tokenizer) or a function returning one."""
     from ..storage import kvio
     from ..storage.outputs import check_output
 
     paths = [Path(p) for p in inputs]
     check_output(Path(output), paths, force)
     caches = [kvio.read_safetensors(p, layout) for p in paths]
-    fitted = fit([c.data for c in caches])
+    fitted = fit([c.data for c in caches], blocks=caches[0].num_kv_heads if per_head else 1)
     if sensitivity:
         from . import evaluate
         from .capture import ModelError, _resolve_loaded, model_id, resolve_model_path

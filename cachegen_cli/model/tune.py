@@ -410,7 +410,7 @@ def min_steps(data: torch.Tensor, calibration: Calibration | None = None, sink_t
         for kv in range(2):
             y = data[l, kv, sink:].double()
             if calibration is not None:
-                y = y @ torch.from_numpy(calibration.rotation[l, kv]).double()
+                y = y @ torch.from_numpy(calibration.dense(l, kv)).double()
             y = y - y.mean(dim=0, keepdim=True)
             rms = float(y.pow(2).mean().sqrt())
             if rms > 0:

@@ -385,31 +385,48 @@ def encode_to_stream(
 
 
 def v2_device(device: str) -> str:
-    """Where format version 2 runs: its CUDA kernels (kernels/cuda_transform.py) when a GPU is
-    asked for or, with auto, present; the simulator is used only when asked for explicitly."""
+    """Where format version 2 runs: the device-resident pipeline (pipeline/transform_resident.py,
+    kernels/cuda_pipeline.py) when a GPU is asked for or, with auto, present; the simulator is
+    used only when asked for explicitly."""
     return resolve_device(device)
+
+
+def _resident_upload(data) -> torch.Tensor:
+    """File bytes as the resident pipeline's uint8 tensor: on the GPU, or on the CPU under
+    numba's simulator."""
+    from . import transform_resident, lmcache_device as gpu_codec
+
+    if gpu_codec.torch_cuda_ok():
+        return gpu_codec.upload_blob(data)
+    return torch.from_numpy(np.frombuffer(bytes(data), np.uint8).copy()).to(transform_resident.device())
+
+
+def _resident_bytes(blob: torch.Tensor) -> bytes:
+    from . import lmcache_device as gpu_codec
+
+    return gpu_codec.to_host_bytes(blob) if blob.is_cuda else blob.numpy().tobytes()
 
 
 def encode_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration=None,
               device: str = "cpu"):
     """Encode a whole cache with method 2 or 3 on ``device``: the CPU (methods/transform.py) or
-    the GPU (pipeline/transform_device.py); returns the header and the chunks."""
-    if device == "cuda":
-        from .transform_device import encode_v2_gpu
-
-        return encode_v2_gpu(cache, cfg, chunk_tokens, calibration)
+    the GPU (pipeline/transform_resident.py; a cache of no tokens is coded on the CPU);
+    returns the header and the chunks."""
     from ..methods import transform as transform_codec
 
+    if device == "cuda" and cache.num_tokens:
+        from . import transform_resident
+
+        data = _resident_bytes(transform_resident.encode(cache, cfg, chunk_tokens, calibration)[0])
+        reader, _ = open_input(data)
+        h, _, offsets, size = read_header_and_index(reader)
+        return transform_codec.EncodedV2(h, list(iter_chunks(reader, h, offsets, size)))
     return transform_codec.encode_v2(cache, cfg, chunk_tokens, calibration)
 
 
-def decode_v2(h: FileHeader, chunks: list[Chunk], dtype: torch.dtype, calibration=None,
-              device: str = "cpu") -> torch.Tensor:
-    """Decode all chunks of a version-2 file into [L, 2, T, C] of ``dtype`` on ``device``."""
-    if device == "cuda":
-        from .transform_device import decode_v2_gpu
-
-        return decode_v2_gpu(h, chunks, dtype, calibration)
+def decode_v2(h: FileHeader, chunks: list[Chunk], dtype: torch.dtype, calibration=None) -> torch.Tensor:
+    """Decode all chunks of a version-2 file into [L, 2, T, C] of ``dtype`` on the CPU (the GPU
+    decodes whole files: pipeline/transform_resident.decode)."""
     from ..methods import transform as transform_codec
 
     return transform_codec.decode_v2(h, chunks, dtype, calibration)
@@ -424,25 +441,22 @@ def _encode_v2_to_stream(cache: KVCache, out: BinaryIO, cfg: TransformConfig, ch
     if cfg.method == "lossless" and calibration is not None:
         raise ConfigError("a calibration does not apply to quality 'lossless'",
                           cli="--calibration does not apply to --quality lossless")
-    if device == "cuda" and calibration is None:
-        from . import transform_resident as device_pipeline, lmcache_device as gpu_codec
+    if device == "cuda":
+        from . import transform_resident as device_pipeline
 
-        if gpu_codec.torch_cuda_ok():  # the whole file made on the GPU, written in one piece
-            if not isinstance(cache, KVCache):
-                cache = cache.load()
-            if cache.num_tokens:
-                blob, payload_bytes = device_pipeline.encode(cache, cfg, chunk_tokens)
-                data = gpu_codec.to_host_bytes(blob)
-                out.write(data)
-                if progress:
-                    progress(-(-cache.num_tokens // chunk_tokens), -(-cache.num_tokens // chunk_tokens))
-                reader, _ = open_input(data)
-                h, _, _, _ = read_header_and_index(reader)
-                return EncodeSummary(h, len(data), payload_bytes, len(data) - payload_bytes)
-    if device == "cuda" or isinstance(cache, KVCache):
-        if not isinstance(cache, KVCache):  # the GPU path takes the whole cache at once
+        if not isinstance(cache, KVCache):  # the GPU takes the whole cache at once
             cache = cache.load()
-        enc = encode_v2(cache, cfg, chunk_tokens, calibration, device)
+        if cache.num_tokens:  # the whole file made on the GPU, written in one piece
+            blob, payload_bytes = device_pipeline.encode(cache, cfg, chunk_tokens, calibration)
+            data = _resident_bytes(blob)
+            out.write(data)
+            if progress:
+                progress(-(-cache.num_tokens // chunk_tokens), -(-cache.num_tokens // chunk_tokens))
+            reader, _ = open_input(data)
+            h, _, _, _ = read_header_and_index(reader)
+            return EncodeSummary(h, len(data), payload_bytes, len(data) - payload_bytes)
+    if isinstance(cache, KVCache):
+        enc = transform_codec.encode_v2(cache, cfg, chunk_tokens, calibration)
         h, slabs = enc.header, [enc.chunks]
     else:  # a file: the statistics passes, then one slab coded and written at a time
         meta = cache.cache
@@ -547,16 +561,15 @@ class SlabDecoder:
         straight into it yields block None."""
         h, f = self.header, self.f
         if h.version == container.FORMAT_VERSION_2 and self.v2 is None:  # the GPU: the whole file at once
-            from . import transform_resident as device_pipeline, lmcache_device as gpu_codec
+            from . import transform_resident as device_pipeline
 
-            if gpu_codec.torch_cuda_ok() and not h.rotated and h.num_chunks:
+            if h.num_chunks:
                 f.seek(0)
-                blob = gpu_codec.upload_blob(f.read())
+                blob = _resident_upload(f.read())
                 hh, offsets, size = device_pipeline.read_header(blob)
-                data = device_pipeline.decode(blob, hh, offsets, size)
+                data = device_pipeline.decode(blob, hh, offsets, size, self.calibration)
             else:
-                chunks = list(iter_chunks(f, h, self.offsets, self.size))
-                data = decode_v2(h, chunks, self.dtype, self.calibration, self.device)
+                data = decode_v2(h, [], self.dtype, self.calibration).to(device_pipeline.device())
             if self.saturate:
                 saturate_(data)
             if progress:

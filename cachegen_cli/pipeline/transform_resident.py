@@ -18,8 +18,10 @@ on the host (only those bytes are copied), gathers the 40-byte chunk headers, de
 dequantizes on the device, and copies back one small table of check results; when a check
 fails, the CPU reader reruns on the file so that the error is exactly the CPU's.
 
-Covered: methods 2 (transform, refinement, sink tokens, token deltas) and 3 (lossless)
-without a rotation; a rotated file goes through pipeline/transform_device.py.  Under numba's CUDA
+Covered: methods 2 (transform, refinement, sink tokens, token deltas, a calibration's
+rotation) and 3 (lossless).  A rotation is one more kernel on each side (rotate_blocks: the
+rotated float64 rows, which the statistics and levels kernels then read as their value
+words; on decoding the float32 values, rotated back).  Under numba's CUDA
 simulator the same code runs on CPU tensors (the kernels get numpy views): that is how
 ``make test`` checks that both devices write the same bytes.
 """
@@ -114,8 +116,9 @@ def _nb(t: torch.Tensor):
 
 
 def supports(cfg: TransformConfig, calibration) -> bool:
-    """True when this pipeline encodes with ``cfg``: any quality without a rotation."""
-    return calibration is None or cfg.method == "lossless"
+    """True when this pipeline encodes with ``cfg`` and ``calibration``: every quality, with or
+    without a calibration (lossless with one is the caller's error)."""
+    return not (cfg.method == "lossless" and calibration is not None)
 
 
 def _cost(dev: torch.device) -> torch.Tensor:
@@ -153,15 +156,16 @@ def _upload(parts: list[np.ndarray], dev: torch.device) -> list[torch.Tensor]:
 # ---------------------------------------------------------------- encoding
 
 
-def encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[torch.Tensor, int]:
-    """The .cgen file of ``cache`` (format version 2, no rotation) as a uint8 tensor on the
-    device, and its payload bytes (the streams)."""
+def encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration=None) -> tuple[torch.Tensor, int]:
+    """The .cgen file of ``cache`` (format version 2; rotated by ``calibration``'s rotation when
+    one is given) as a uint8 tensor on the device, and its payload bytes (the streams)."""
     with _LOCK:
-        return _encode(cache, cfg, chunk_tokens)
+        return _encode(cache, cfg, chunk_tokens, calibration)
 
 
-def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[torch.Tensor, int]:
+def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration) -> tuple[torch.Tensor, int]:
     from ..methods import transform as tc
+    from ..format.params import check_rotated_range
 
     k = _k()
     dev = device()
@@ -185,6 +189,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[to
     stats = _empty((L, 2, K, C, 6), torch.int32, dev)
     sink = R = bits = 0
     nraw = 0
+    digest = bytes(32)
     if lossless:
         nraw = itemsize - 1
         k.split_levels(_nb(wv), itemsize, 8 * nraw, ct, _nb(qv), _nb(stats))
@@ -193,25 +198,44 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[to
         ref = torch.zeros((1, 1, 1, 1), dtype=torch.uint8, device=dev)
     else:
         sink = min(cfg.sink_tokens, T)
+        rot_h, digest = tc.encoder_rotation(calibration, L, C)
+        vitem, fmt = itemsize, _FMT[dt]
+        if rot_h.size:
+            # The rotated rows (float64) replace the cache's words as the kernels' values.
+            x32 = x if x.dtype == torch.float32 else x.to(torch.float32)  # torch's conversion, as the CPU's
+            y = _empty((L, 2, T, C), torch.float64, dev)
+            k.rotate_blocks(_nb(x32), _nb(torch.from_numpy(rot_h).to(dev)), sink, _nb(y))
+            del x32
+            vitem, fmt = 8, k.FMT_FLOAT64
+            V = 1
+            wv = y.view(torch.int64)
+            qv = q.view(_TORCH_WORD[V])
+            _mark("rotation")
         NB = -(-T // STATS_BLOCK)
         part = _empty((2, L, 2, NB, C), torch.float64, dev)
         sums = _empty((2, L, 2, C), torch.float64, dev)
-        k.transform_stats(_nb(wv), itemsize, _FMT[dt], sink, _nb(part[0]), _nb(part[1]), _nb(sums[0]), _nb(sums[1]))
+        k.transform_stats(_nb(wv), vitem, fmt, sink, _nb(part[0]), _nb(part[1]), _nb(sums[0]), _nb(sums[1]))
         _mark("statistics")
         sums_h = sums.cpu().numpy()  # synchronisation 1: the steps come from the sums
         _mark("sums to the host (sync)")
-        offsets_bits, m, steps_bits, steps = tc.step_params(sums_h[0], sums_h[1], T - sink, cfg.steps_table(L), None)
+        offsets_bits, m, steps_bits, steps = tc.step_params(sums_h[0], sums_h[1], T - sink, cfg.steps_table(L),
+                                                            tc.plane_sensitivity(cfg, calibration))
+        if rot_h.size:
+            check_rotated_range(steps_bits, offsets_bits)
         R, bits = tc.refine_plan(cfg, T, sink)
         ref = _empty((L, 2, max(R, 1), C), torch.uint8, dev)
         m_d = torch.from_numpy(np.ascontiguousarray(m, np.float32)).to(dev)
         steps_d = torch.from_numpy(np.ascontiguousarray(steps, np.float64)).to(dev)
         _mark("steps (host) + upload")
-        k.quantize_levels(_nb(wv), itemsize, _FMT[dt], sink, _nb(m_d), _nb(steps_d), float(cfg.rounding), T - R, bits,
+        k.quantize_levels(_nb(wv), vitem, fmt, sink, _nb(m_d), _nb(steps_d), float(cfg.rounding), T - R, bits,
                           ct, _nb(qv), _nb(ref), _nb(stats))
         method, allow_delta = METHOD_TRANSFORM, cfg.token_delta
         _mark("levels")
-        fixed = (bytes(32) + np.ascontiguousarray(steps_bits, "<u2").tobytes()
+        fixed = (digest + np.ascontiguousarray(steps_bits, "<u2").tobytes()
                  + np.ascontiguousarray(offsets_bits, "<u2").tobytes())
+        if rot_h.size:
+            wv = words.view(_TORCH_WORD[k.lanes(C, itemsize, k.WIDTH["levels"]) * itemsize])  # the raw sections' words
+            del y
     modes = _empty((L, 2, C), torch.uint8, dev)
     lo = _empty((L, 2, C), torch.int32, dev)
     alphabet = _empty((L, 2, C), torch.int32, dev)
@@ -253,7 +277,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int) -> tuple[to
     sink_bytes = 2 * L * sink * C * itemsize
     refine = struct.pack("<IB", R, bits) if R else b""
     params_size = len(fixed) + sink_bytes + len(refine) + tables_size
-    flags = container.FLAG_REFINED if R else 0
+    flags = (container.FLAG_REFINED if R else 0) | (container.FLAG_ROTATED if digest != bytes(32) else 0)
     head60 = container.FILE_HEADER_V2.pack(
         container.MAGIC, container.FORMAT_VERSION_2, container.FILE_HEADER_V2.size, len(desc), T, L, C, ct, K, G,
         container.DTYPE_CODES[dt], container.LAYOUT_CODES[cache.layout], method, PROB_BITS,
@@ -359,18 +383,22 @@ def read_header(blob: torch.Tensor) -> tuple[FileHeader, list[int], int]:
 
 def decodable(h: FileHeader) -> bool:
     """True when this pipeline decodes a file with this header (read by read_header)."""
-    return (h.version == container.FORMAT_VERSION_2 and not h.rotated and h.num_chunks > 0
+    return (h.version == container.FORMAT_VERSION_2 and h.num_chunks > 0
             and h.params.table_starts is not None)
 
 
-def decode(blob: torch.Tensor, h: FileHeader, offsets: list[int], size: int) -> torch.Tensor:
+def decode(blob: torch.Tensor, h: FileHeader, offsets: list[int], size: int, calibration=None) -> torch.Tensor:
     """The [L, 2, T, C] cache of the .cgen file in ``blob`` (a uint8 device tensor) whose
-    header and index were parsed (read_header): on the device, in the file's
-    dtype.  Raises the CPU reader's error when a check fails."""
+    header and index were parsed (read_header): on the device, in the file's dtype; a rotated
+    file needs its ``calibration`` (checked first).  Raises the CPU reader's error when a
+    check fails."""
+    from ..methods.transform import check_calibration
+
+    rot = check_calibration(h, calibration)
     with _LOCK:
-        out, failed = _decode(blob, h, offsets, size)
+        out, failed = _decode(blob, h, offsets, size, rot)
     if failed:
-        _raise_cpu_error(blob)
+        _raise_cpu_error(blob, calibration)
     return out
 
 
@@ -380,13 +408,14 @@ def decode(blob: torch.Tensor, h: FileHeader, offsets: list[int], size: int) -> 
 CPU_READER = None
 
 
-def _raise_cpu_error(blob: torch.Tensor) -> None:
+def _raise_cpu_error(blob: torch.Tensor, calibration=None) -> None:
     """Rerun the CPU reader on the file to raise its exact error for the first bad chunk."""
-    CPU_READER(container.BufferReader(blob.cpu().numpy().tobytes()), device="cpu")
+    CPU_READER(container.BufferReader(blob.cpu().numpy().tobytes()), device="cpu", calibration=calibration)
     raise FormatError("the file is corrupted (a chunk failed a check on the GPU)")
 
 
-def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int) -> tuple[torch.Tensor, bool]:
+def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
+            rot: np.ndarray) -> tuple[torch.Tensor, bool]:
 
     k = _k()
     k1 = _k1()
@@ -455,10 +484,12 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int) 
     _mark("range decoding")
     lossless = h.method == METHOD_LOSSLESS
     nraw = h.raw_bytes_per_value
-    if lossless or dtype == torch.bfloat16:
+    rotated = bool(rot.size)
+    if lossless or (dtype == torch.bfloat16 and not rotated):
         words = _empty((L, 2, T, C), torch.int16 if ITEMSIZE[h.dtype] == 2 else torch.int32, dev)
     else:
-        words = _empty((L, 2, T, C), torch.int32, dev)  # float32 bits; float16 files are cast after
+        # float32 bits; float16 files are cast after, rotated ones rotated back first
+        words = _empty((L, 2, T, C), torch.int32, dev)
     out_bytes = words.element_size()
     V = k.lanes(C, out_bytes, k.WIDTH["values"])  # channels per thread
     S = h.sink_tokens
@@ -473,6 +504,14 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int) 
                  _nb(words.view(_TORCH_WORD[V * out_bytes])), _nb(tables_bad[1:]))
     if lossless:
         data = words.view(dtype)
+    elif rotated:
+        # x = z R^T, block by block: the same product with each block transposed
+        rot_t = torch.from_numpy(np.ascontiguousarray(rot.transpose(0, 1, 2, 4, 3))).to(dev)
+        data = _empty((L, 2, T, C), torch.float32, dev)
+        k.rotate_blocks(_nb(words.view(torch.float32)), _nb(rot_t), S, _nb(data))
+        del words
+        if dtype != torch.float32:
+            data = data.to(dtype)  # round to nearest even, as the CPU's rows
     elif dtype == torch.bfloat16:
         data = words.view(torch.bfloat16)
     else:
