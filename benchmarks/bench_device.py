@@ -106,6 +106,9 @@ def main() -> None:
     p.add_argument("--stream-symbols", type=int, default=None,
                    help="symbols per stream the version-2 writer aims at (container.STREAM_SYMBOLS_V2; the CPU == GPU "
                         "check then compares files written with it on both devices)")
+    p.add_argument("--rot-tiles", default="",
+                   help="extra tilings of the rotation kernel to time on the calibrated methods: "
+                        "'TM,TN,TK,RM,RN;...' (cuda_pipeline.ROT_*; the bytes do not depend on them)")
     args = p.parse_args()
     if args.stream_symbols:
         container.STREAM_SYMBOLS_V2 = args.stream_symbols
@@ -179,6 +182,22 @@ def main() -> None:
                   f"{nbytes / d[0] / 1e9:.1f} GB/s, same bytes {same_w}", flush=True)
             cuda_pipeline.WIDTH.clear()
             cuda_pipeline.WIDTH.update(default)
+        row["rotation_tiles"] = []
+        default_tiles = (cuda_pipeline.ROT_TM, cuda_pipeline.ROT_TN, cuda_pipeline.ROT_TK, cuda_pipeline.ROT_RM,
+                         cuda_pipeline.ROT_RN)
+        for setting in filter(None, args.rot_tiles.split(";")) if "calibration" in kw else []:
+            tiles = tuple(int(v) for v in setting.split(","))
+            (cuda_pipeline.ROT_TM, cuda_pipeline.ROT_TN, cuda_pipeline.ROT_TK, cuda_pipeline.ROT_RM,
+             cuda_pipeline.ROT_RN) = tiles
+            e = timed(lambda: cg.encode_to_device(kv, **kw), args.repeats)
+            d = timed(lambda: cg.decode(blob, device="cuda", **dkw), args.repeats)
+            same_t = cg.encode_to_device(kv, **kw).equal(blob)
+            row["rotation_tiles"].append({"tiles": tiles, "encode_GBps": nbytes / e[0] / 1e9,
+                                          "decode_GBps": nbytes / d[0] / 1e9, "same_bytes": same_t})
+            print(f"  rotation tiles {tiles}: encode {nbytes / e[0] / 1e9:.1f} GB/s, decode {nbytes / d[0] / 1e9:.1f} "
+                  f"GB/s, same bytes {same_t}", flush=True)
+        (cuda_pipeline.ROT_TM, cuda_pipeline.ROT_TN, cuda_pipeline.ROT_TK, cuda_pipeline.ROT_RM,
+         cuda_pipeline.ROT_RN) = default_tiles
         del blob, out
         torch.cuda.empty_cache()
     if args.json:

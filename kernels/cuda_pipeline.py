@@ -224,70 +224,54 @@ ROT_TM, ROT_TN, ROT_TK, ROT_RM, ROT_RN = (8, 8, 4, 2, 2) if SIM else (64, 64, 16
 
 
 def _make_rotate(TM, TN, TK, RM, RN, wide):
+    """The rotation kernel for one tiling, its source written out with the RM x RN
+    accumulators and the operands of each inner step as scalars: a local array indexed in a
+    loop lives in local memory, which costs a load and a store per multiply-add (measured 10x
+    slower on the H200)."""
     NX = TN // RN  # threads along the outputs
     NY = TM // RM  # threads along the tokens
     NT = NX * NY
-
-    @cuda.jit
-    def kernel(x, rot, t_first, y):
-        # block (token tile, (layer, K/V, block h, output tile)); thread (ty, tx) owns the
-        # outputs (t0 + ty + NY i, d0 + tx + NX j)
-        T = x.shape[2]
-        H = rot.shape[2]
-        D = rot.shape[3]
-        ntn = (D + TN - 1) // TN
-        bj = cuda.blockIdx.y
-        ot = bj % ntn
-        h = (bj // ntn) % H
-        p = bj // (ntn * H)
-        l = p // 2
-        kv = p % 2
-        tid = cuda.threadIdx.x
-        tx = tid % NX
-        ty = tid // NX
-        a_s = cuda.shared.array((TK, TM), np.float64)
-        b_s = cuda.shared.array((TK, TN), np.float64)
-        acc = cuda.local.array((RM, RN), np.float64)
-        for i in range(RM):
-            for j in range(RN):
-                acc[i, j] = 0.0
-        t0 = t_first + cuda.blockIdx.x * TM
-        d0 = ot * TN
-        base = h * D
-        for k0 in range(0, D, TK):
-            for e in range(tid, TM * TK, NT):  # inputs: adjacent threads, adjacent channels
-                m = e // TK
-                kk = e % TK
-                v = 0.0  # past the block or the tokens: a zero, which changes no sum
-                if t0 + m < T and k0 + kk < D:
-                    v = np.float64(np.float32(x[l, kv, t0 + m, base + k0 + kk]))
-                a_s[kk, m] = v
-            for e in range(tid, TK * TN, NT):
-                kk = e // TN
-                n = e % TN
-                v = 0.0
-                if k0 + kk < D and d0 + n < D:
-                    v = np.float64(rot[l, kv, h, k0 + kk, d0 + n])
-                b_s[kk, n] = v
-            cuda.syncthreads()
-            for kk in range(TK):  # in order: every output's sum runs over c = 0 .. D - 1
-                for i in range(RM):
-                    a = a_s[kk, ty + NY * i]
-                    for j in range(RN):
-                        acc[i, j] += a * b_s[kk, tx + NX * j]
-            cuda.syncthreads()
-        for i in range(RM):
-            t = t0 + ty + NY * i
-            if t < T:
-                for j in range(RN):
-                    d = d0 + tx + NX * j
-                    if d < D:
-                        if wide:
-                            y[l, kv, t, base + d] = acc[i, j]
-                        else:
-                            y[l, kv, t, base + d] = np.float32(acc[i, j])
-
-    return kernel, NT
+    acc = [f"acc_{i}_{j}" for i in range(RM) for j in range(RN)]
+    ind = " " * 12
+    src = [
+        "def kernel(x, rot, t_first, y):",
+        "    # block (token tile, (layer, K/V, block h, output tile)); thread (ty, tx) owns the",
+        "    # outputs (t0 + ty + NY i, d0 + tx + NX j)",
+        "    T = x.shape[2]", "    H = rot.shape[2]", "    D = rot.shape[3]",
+        "    ntn = (D + TN - 1) // TN", "    bj = cuda.blockIdx.y", "    ot = bj % ntn", "    h = (bj // ntn) % H",
+        "    p = bj // (ntn * H)", "    l = p // 2", "    kv = p % 2", "    tid = cuda.threadIdx.x",
+        "    tx = tid % NX", "    ty = tid // NX",
+        "    a_s = cuda.shared.array((TK, TM + 1), np.float64)  # + 1: the stores below hit different banks",
+        "    b_s = cuda.shared.array((TK, TN), np.float64)",
+        *[f"    {a} = 0.0" for a in acc],
+        "    t0 = t_first + cuda.blockIdx.x * TM", "    d0 = ot * TN", "    base = h * D",
+        "    for k0 in range(0, D, TK):",
+        "        for e in range(tid, TM * TK, NT):  # inputs: adjacent threads, adjacent channels",
+        "            m = e // TK", "            kk = e % TK",
+        "            v = 0.0  # past the block or the tokens: a zero, which changes no sum",
+        "            if t0 + m < T and k0 + kk < D:",
+        "                v = np.float64(np.float32(x[l, kv, t0 + m, base + k0 + kk]))",
+        "            a_s[kk, m] = v",
+        "        for e in range(tid, TK * TN, NT):",
+        "            kk = e // TN", "            n = e % TN", "            v = 0.0",
+        "            if k0 + kk < D and d0 + n < D:",
+        "                v = np.float64(rot[l, kv, h, k0 + kk, d0 + n])",
+        "            b_s[kk, n] = v",
+        "        cuda.syncthreads()",
+        "        for kk in range(TK):  # in order: every output's sum runs over c = 0 .. D - 1",
+        *[f"{ind}a_{i} = a_s[kk, ty + {NY * i}]" for i in range(RM)],
+        *[f"{ind}b_{j} = b_s[kk, tx + {NX * j}]" for j in range(RN)],
+        *[f"{ind}acc_{i}_{j} += a_{i} * b_{j}" for i in range(RM) for j in range(RN)],
+        "        cuda.syncthreads()",
+    ]
+    for i in range(RM):
+        src += [f"    t = t0 + ty + {NY * i}", "    if t < T:"]
+        for j in range(RN):
+            value = f"acc_{i}_{j}" if wide else f"np.float32(acc_{i}_{j})"
+            src += [f"        d = d0 + tx + {NX * j}", "        if d < D:", f"            y[l, kv, t, base + d] = {value}"]
+    env = {"cuda": cuda, "np": np, "TM": TM, "TN": TN, "TK": TK, "NX": NX, "NY": NY, "NT": NT}
+    exec(compile("\n".join(src), f"<rotate {TM}x{TN}x{TK}/{RM}x{RN}>", "exec"), env)
+    return cuda.jit(env["kernel"]), NT
 
 
 def rotate_blocks(x, rot, t_first, y, stream=0):
