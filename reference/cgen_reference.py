@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+import signal
 import struct
 import sys
 import tempfile
@@ -766,16 +767,32 @@ def write_npz(path: str, decoded: Decoded) -> None:
 
 
 def _write_atomic(path: str, parts: list[bytes]) -> None:
+    """Write ``parts`` to ``path``: a regular file through a temporary file in the same folder
+    (renamed over it once complete, removed on any error or signal), a special file (a FIFO,
+    /dev/stdout) directly."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        with open(path, "wb") as fh:
+            for p in parts:
+                fh.write(p)
+        return
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".cgen_reference.", dir=folder)
     try:
         with os.fdopen(fd, "wb") as fh:
             for p in parts:
                 fh.write(p)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as open() would create it (mkstemp makes it 0600)
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def _exit_on_signal(signum, frame) -> None:
+    # SIGTERM / SIGHUP unwind like Ctrl-C, so the temporary output is removed
+    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -784,6 +801,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibration", help="the calibration file a rotated file was encoded with")
     ap.add_argument("-o", "--output", required=True, help="OUT.safetensors or OUT.npz")
     args = ap.parse_args(argv)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_on_signal)
     if not args.output.endswith((".safetensors", ".npz")):
         print("error: the output must end in .safetensors or .npz", file=sys.stderr)
         return 1

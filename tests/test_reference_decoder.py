@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import re
 import struct
 import sys
+import threading
 import zlib
 from pathlib import Path
 
@@ -189,7 +191,7 @@ def test_float16_saturation_decodes_to_the_same_values():
 
 def test_reference_imports_nothing_from_cachegen():
     """Only the standard library and numpy: the reference is independent of the package."""
-    allowed = {"__future__", "argparse", "bisect", "hashlib", "io", "json", "math", "os", "re", "struct", "sys",
+    allowed = {"__future__", "argparse", "bisect", "hashlib", "io", "json", "math", "os", "re", "signal", "struct", "sys",
                "tempfile", "zlib", "dataclasses", "numpy"}
     found = set()
     for node in ast.walk(ast.parse(REFERENCE.read_text())):
@@ -231,17 +233,24 @@ def test_cli_writes_what_cachegen_decode_writes(tmp_path):
         assert ref.main(args) == 0
         want = cg.decode_file(src, tmp_path / (src.stem + ".cachegen.safetensors"), device="cpu", calibration=cal)
         assert out.read_bytes() == want.read_bytes(), name
+        assert out.stat().st_mode & 0o777 == want.stat().st_mode & 0o777, "the umask's permissions"
     npz = tmp_path / "v.npz"
     assert ref.main([str(ROOT / "tests" / "data" / "golden" / "v2_fp16.cgen"), "-o", str(npz)]) == 0
-    from safetensors.torch import load_file
-
     want = cg.decode((GOLDEN / "v2_fp16.cgen").read_bytes(), device="cpu")
     with np.load(npz) as z:
         assert sorted(z.files) == sorted(want)
         for k in z.files:
             assert z[k].dtype == np.float16 and np.array_equal(z[k].view(np.uint16), want[k].view(torch.int16).numpy().view(np.uint16))
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".cgen_reference")] == []
-    del load_file
+    assert ref.main([str(GOLDEN / "v2_sinks.cgen"), "-o", str(tmp_path / "no" / "x.safetensors")]) == 1  # no such folder
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)
+    got = {}
+    reader = threading.Thread(target=lambda: got.update(data=fifo.read_bytes()))
+    reader.start()
+    assert ref.main([str(GOLDEN / "v2_sinks.cgen"), "-o", str(fifo)]) == 0  # written into, not replaced
+    reader.join(30)
+    assert got["data"] == cg.decode_file(GOLDEN / "v2_sinks.cgen", tmp_path / "s.safetensors", device="cpu").read_bytes()
 
 
 def test_cli_reports_a_bad_file_in_one_line(tmp_path, capsys):
@@ -274,6 +283,61 @@ def test_both_decoders_refuse_broken_files(name):
     blob = (ROOT / "tests" / "data" / name).read_bytes()
     for what, bad in _variants(blob).items():
         with pytest.raises(ref.FormatViolation):
+            ref.decode(bad)
+        with pytest.raises(cg.CacheGenError):
+            cg.decode(bad, device="cpu")
+
+
+def _with_params(blob: bytes, params: bytes) -> bytes:
+    """A version 2 file with another Params block of the same size (header CRC fixed)."""
+    desc_size, params_size = struct.unpack_from("<I", blob, 12)[0], struct.unpack_from("<I", blob, 48)[0]
+    assert len(params) == params_size
+    head = bytearray(blob[:64])
+    desc = blob[64 : 64 + desc_size]
+    struct.pack_into("<I", head, 60, zlib.crc32(bytes(head[:60]) + desc + params))
+    return bytes(head) + desc + params + blob[64 + desc_size + params_size :]
+
+
+def _crafted() -> dict[str, bytes]:
+    """Files with valid CRCs that break a rule of docs/format.md, keyed by the reference's message."""
+    from test_hardening import _ramp, _shift_delta_tables, with_descriptor
+
+    out = {"outside \\[-127, 127\\]": _shift_delta_tables(
+        cg.encode(_ramp(), quality="high", chunk_tokens=64, device="cpu"), 10)}
+    lossless = (GOLDEN / "v2_lossless_bf16.cgen").read_bytes()
+    desc_size = struct.unpack_from("<I", lossless, 12)[0]
+    params = bytearray(lossless[64 + desc_size : 64 + desc_size + struct.unpack_from("<I", lossless, 48)[0]])
+    assert params[0] == 0
+    params[0] = 1  # method 3's first table in token-delta mode
+    out["mode 1 is not allowed for method 3"] = _with_params(lossless, bytes(params))
+
+    v1 = bytearray((ROOT / "tests" / "data" / "golden_v1.cgen").read_bytes())
+    L, desc_size = struct.unpack_from("<I", v1, 24)[0], struct.unpack_from("<I", v1, 12)[0]
+    at = 64 + 2 * L + desc_size  # chunk 0
+    sizes = struct.unpack_from("<4I", v1, at + 16)
+    struct.pack_into("<H", v1, at + 40, 0x8000)  # its first scale: -0.0
+    struct.pack_into("<I", v1, at + 36, zlib.crc32(bytes(v1[at : at + 36]) + bytes(v1[at + 40 : at + 40 + sum(sizes)])))
+    out["a scale is negative"] = bytes(v1)
+
+    v2 = (GOLDEN / "v2_delta_shared.cgen").read_bytes()
+    desc = json.loads(v2[64 : 64 + struct.unpack_from("<I", v2, 12)[0]])
+    twice = json.loads(json.dumps(desc))
+    for e in twice["tensors"]:
+        if e["name"] == "layers.1.key":
+            e["name"] = "layers.00.key"  # layer 0's key twice, layer 1's key missing
+    out["bad or repeated layer"] = with_descriptor(v2, json.dumps(twice).encode())
+    boolean = json.loads(json.dumps(desc))
+    assert boolean["tensors"][0]["shape"][0] == 1
+    boolean["tensors"][0]["shape"][0] = True  # == 1 in Python, not a JSON integer
+    out["not a non-negative JSON integer"] = with_descriptor(v2, json.dumps(boolean).encode())
+    deep = dict(desc, extra=json.loads("[" * 16 + "]" * 16))  # the object + 16 arrays
+    out["nests more than 16 deep"] = with_descriptor(v2, json.dumps(deep).encode())
+    return out
+
+
+def test_both_decoders_refuse_files_that_break_a_rule():
+    for message, bad in _crafted().items():
+        with pytest.raises(ref.FormatViolation, match=message):
             ref.decode(bad)
         with pytest.raises(cg.CacheGenError):
             cg.decode(bad, device="cpu")
