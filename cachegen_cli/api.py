@@ -225,7 +225,8 @@ def _check_limit(max_output_size) -> None:
 
 
 def _is_v2(data) -> bool:
-    """True when the bytes announce format version 2 (decoded on the CPU kernels)."""
+    """True when the bytes announce format version 2 (the GPU decodes them with the
+    device-resident pipeline when it can, the CPU kernels otherwise)."""
     import struct
 
     from .format.container import FORMAT_VERSION_2, MAGIC

@@ -95,3 +95,21 @@ def test_header_snippet_in_the_doc_runs(tmp_path, monkeypatch):
     (tmp_path / "kv.cgen").write_bytes(cg.encode(realistic_kv(layers=2, tokens=5), preset="lmcache"))
     monkeypatch.chdir(tmp_path)
     exec(compile(snippet, "format.md", "exec"), {})
+
+
+def test_version_2_header_snippet_in_the_doc_runs(tmp_path, monkeypatch, capsys):
+    """The struct snippet of "Reading a version 2 header without cachegen" reads a v2 header."""
+    import torch
+
+    text = DOC.read_text()
+    snippet = text[text.index("### Reading a version 2 header without cachegen") :].split("```python")[1].split("```")[0]
+    kv = realistic_kv(layers=2, tokens=5).to(torch.bfloat16)
+    monkeypatch.chdir(tmp_path)
+    for quality in ("balanced", "lossless"):
+        (tmp_path / "kv.cgen").write_bytes(cg.encode(kv, quality=quality, device="cpu"))
+        exec(compile(snippet, "format.md", "exec"), {})
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "2 5 stacked method 2 flags 2" and len(out) == 3  # --quality balanced refines the last tokens
+    assert out[2] == "2 5 stacked method 3 flags 0"
+    steps = json.loads(out[1])
+    assert len(steps) == 4 and all(s > 0 for s in steps)

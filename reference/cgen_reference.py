@@ -1,0 +1,827 @@
+#!/usr/bin/env python3
+"""An independent reference decoder for `.cgen` files, written from docs/format.md alone.
+
+It imports nothing from cachegen: plain Python, numpy and the standard library, one
+function per section of the spec, no speed tricks beyond numpy's element-wise arithmetic
+(the range coder runs symbol by symbol in Python, so a large file takes minutes).  It
+decodes format version 1 (method 1) and version 2 (methods 2 and 3, every flag) and
+checks what the spec's "Rules for readers" say a reader MUST check.  It is the spec's
+conformance test: tests/test_reference_decoder.py decodes every golden file and every
+kind of file cachegen writes with both this module and cachegen, and compares the bits.
+
+Usage::
+
+    python reference/cgen_reference.py kv.cgen -o kv.safetensors
+    python reference/cgen_reference.py kv.cgen --calibration cal.safetensors -o kv.npz
+
+A `.safetensors` output holds the tensors as `cachegen decode` writes them (names, shapes,
+dtype, metadata); a `.npz` output holds float16 / float32 arrays, bfloat16 values widened
+(exactly) to float32.
+
+Library use: ``decode(blob, calibration=path_or_None) -> Decoded`` (its ``tensors`` map
+each name to ``(dtype_name, words)``, ``words`` an unsigned-integer array of the values'
+bit patterns in the tensor's shape).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import hashlib
+import json
+import math
+import os
+import re
+import signal
+import struct
+import sys
+import tempfile
+import zlib
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MAGIC = b"\x89CGEN\r\n\x1a"
+CHUNK_MAGIC = b"CGCK"
+INDEX_MAGIC = b"CGIX"
+TRAILER_MAGIC = b"CGENDIDX"
+
+# Caps of the FileHeader table ("FileHeader (64 bytes)").
+MAX_DESCRIPTOR_BYTES = 16 << 20
+MAX_TOKENS = (1 << 32) - 1
+MAX_LAYERS = 4096
+MAX_CHANNELS = 65536
+MAX_CHUNK_TOKENS = 16384
+MAX_CHUNKS = 1 << 24
+MAX_STREAM_SYMBOLS = 16384  # G x chunk_tokens
+MAX_DEPTH = 16
+MAX_PARAMS_BYTES = 1 << 30
+
+PROB_BITS = 15
+PROB_TOTAL = 1 << PROB_BITS
+#: "CDF codes": weight(k) = round(16 x 2^(0.6 (k-1))), the list docs/format.md gives.
+CODE_WEIGHTS = (0, 16, 24, 37, 56, 84, 128, 194, 294, 446, 676, 1024, 1552, 2353, 3566, 5405)
+
+#: dtype code -> (name, bytes per word, safetensors dtype)
+DTYPES = {1: ("float16", 2, "F16"), 2: ("bfloat16", 2, "BF16"), 3: ("float32", 4, "F32")}
+LAYOUTS = {1: "stacked", 2: "per-layer"}
+
+FLAG_ROTATED = 1
+FLAG_REFINED = 2
+
+#: layers.{i}.key / layers.{i}.value, {i} one to nine ASCII digits (docs/format.md, "Descriptor")
+PER_LAYER_NAME = re.compile(r"layers\.([0-9]{1,9})\.(key|value)")
+
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+class FormatViolation(ValueError):
+    """The bytes break a rule of docs/format.md."""
+
+
+# ---------------------------------------------------------------- CRC-32
+
+
+def crc32(*parts: bytes) -> int:
+    """CRC-32 of the concatenated parts, with the parameters docs/format.md lists
+    (zlib's: reflected polynomial 0xEDB88320, init 0xFFFFFFFF, final xor 0xFFFFFFFF)."""
+    crc = 0
+    for p in parts:
+        crc = zlib.crc32(p, crc)
+    return crc & 0xFFFFFFFF
+
+
+def crc32_from_parameters(data: bytes) -> int:
+    """The same CRC computed bit by bit from the parameters alone (slow; the test checks
+    that it equals ``crc32``, i.e. that the page's parameters describe what zlib computes)."""
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc ^= byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0xEDB88320 if crc & 1 else 0)
+    return crc ^ 0xFFFFFFFF
+
+
+# ---------------------------------------------------------------- bytes
+
+
+class Bytes:
+    """A bounds-checked view of the file: nothing is read past what is there."""
+
+    def __init__(self, blob: bytes) -> None:
+        self.blob = bytes(blob)
+
+    def __len__(self) -> int:
+        return len(self.blob)
+
+    def take(self, offset: int, size: int, what: str) -> bytes:
+        if offset < 0 or size < 0 or offset + size > len(self.blob):
+            raise FormatViolation(f"the file ends inside the {what}")
+        return self.blob[offset : offset + size]
+
+    def unpack(self, fmt: str, offset: int, what: str) -> tuple:
+        s = struct.Struct("<" + fmt)
+        return s.unpack(self.take(offset, s.size, what))
+
+
+def check(condition: bool, message: str) -> None:
+    if not condition:
+        raise FormatViolation(message)
+
+
+# ---------------------------------------------------------------- FileHeader
+
+
+@dataclass
+class Header:
+    version: int
+    descriptor_size: int
+    num_tokens: int
+    L: int  # num_layers
+    C: int  # num_channels
+    chunk_tokens: int
+    num_chunks: int
+    G: int  # channels_per_stream
+    dtype: int
+    layout: int
+    method: int
+    prob_bits: int
+    cdf_coding: int
+    crc: int
+    flags: int = 0
+    params_size: int = 0
+    sink_tokens: int = 0
+
+    @property
+    def dtype_name(self) -> str:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def word_bytes(self) -> int:
+        return DTYPES[self.dtype][1]
+
+    @property
+    def groups(self) -> int:
+        return -(-self.C // self.G)
+
+
+def parse_file_header(f: Bytes) -> Header:
+    raw = f.take(0, 64, "FileHeader")
+    check(raw[:8] == MAGIC, "bad magic: not a .cgen file")
+    (version,) = struct.unpack_from("<H", raw, 8)
+    check(version in (1, 2), f"format version {version} is not 1 or 2")
+    if version == 1:
+        (_, version, header_size, desc_size, num_tokens, L, C, chunk_tokens, num_chunks, G, dtype, layout, method,
+         prob_bits, cdf_coding, reserved, crc) = struct.unpack("<8sHHIQIIIIHBBBBB13sI", raw)
+        h = Header(version, desc_size, num_tokens, L, C, chunk_tokens, num_chunks, G, dtype, layout, method, prob_bits,
+                   cdf_coding, crc)
+        check(reserved == bytes(13), "reserved header bytes are not zero")
+        check(method == 1, f"unknown method {method} for version 1")
+        check(cdf_coding == 1, f"unknown cdf_coding {cdf_coding} for version 1")
+    else:
+        (_, version, header_size, desc_size, num_tokens, L, C, chunk_tokens, num_chunks, G, dtype, layout, method,
+         prob_bits, cdf_coding, flags, params_size, sink_tokens, reserved, crc) = struct.unpack(
+            "<8sHHIQIIIIHBBBBBBIIII", raw)
+        h = Header(version, desc_size, num_tokens, L, C, chunk_tokens, num_chunks, G, dtype, layout, method, prob_bits,
+                   cdf_coding, crc, flags, params_size, sink_tokens)
+        check(reserved == 0, "reserved header field is not zero")
+        check(method in (2, 3), f"unknown method {method} for version 2")
+        check(cdf_coding == 2, f"unknown cdf_coding {cdf_coding} for version 2")
+        check(flags & ~(FLAG_ROTATED | FLAG_REFINED) == 0, "unknown header flags")
+        check(method == 2 or (flags == 0 and sink_tokens == 0), "method 3 has no flags and no sink tokens")
+        check(sink_tokens <= num_tokens, "more sink tokens than tokens")
+        check(1 <= params_size <= MAX_PARAMS_BYTES, "params_size out of range")
+    check(header_size == 64, "header_size is not 64")
+    check(1 <= desc_size <= MAX_DESCRIPTOR_BYTES, "descriptor_size out of range")
+    check(num_tokens <= MAX_TOKENS, "num_tokens out of range")
+    check(1 <= L <= MAX_LAYERS, "num_layers out of range")
+    check(1 <= C <= MAX_CHANNELS, "num_channels out of range")
+    check(1 <= chunk_tokens <= MAX_CHUNK_TOKENS, "chunk_tokens out of range")
+    check(num_chunks == -(-num_tokens // chunk_tokens) and num_chunks <= MAX_CHUNKS, "num_chunks is wrong")
+    check(1 <= G <= C and G * chunk_tokens <= MAX_STREAM_SYMBOLS, "channels_per_stream out of range")
+    check(dtype in DTYPES, f"unknown dtype code {dtype}")
+    check(layout in LAYOUTS, f"unknown layout code {layout}")
+    check(prob_bits == PROB_BITS, f"prob_bits {prob_bits} is not 15")
+    return h
+
+
+# ---------------------------------------------------------------- Descriptor
+
+
+def json_depth(raw: bytes) -> int:
+    """How deep arrays and objects nest, brackets inside strings not counted (before parsing)."""
+    depth = top = 0
+    in_string = escaped = False
+    for ch in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == 0x5C:  # backslash
+                escaped = True
+            elif ch == 0x22:
+                in_string = False
+        elif ch == 0x22:
+            in_string = True
+        elif ch in (0x5B, 0x7B):
+            depth += 1
+            top = max(top, depth)
+        elif ch in (0x5D, 0x7D):
+            depth -= 1
+    return top
+
+
+def parse_descriptor(raw: bytes, h: Header) -> dict:
+    check(json_depth(raw) <= MAX_DEPTH, "the Descriptor nests more than 16 deep")
+    try:
+        d = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise FormatViolation(f"the Descriptor is not UTF-8 JSON: {exc}") from None
+
+    def is_int(v) -> bool:  # a JSON integer: no fraction, no exponent, not true / false
+        return type(v) is int
+
+    check(isinstance(d, dict), "the Descriptor is not an object")
+    check(d.get("layout") == LAYOUTS[h.layout], "the Descriptor's layout disagrees with the header")
+    H, D = d.get("num_kv_heads"), d.get("head_dim")
+    check(is_int(H) and is_int(D) and H >= 1 and D >= 1 and H * D == h.C, "num_kv_heads x head_dim != num_channels")
+    meta = d.get("metadata", {})
+    check(isinstance(meta, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()),
+          "metadata does not map strings to strings")
+    tensors = d.get("tensors")
+    check(isinstance(tensors, list) and len(tensors) > 0, "the Descriptor lists no tensors")
+    names = set()
+    for e in tensors:
+        check(isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("shape"), list),
+              "a tensor entry is not {name, shape}")
+        check(all(is_int(s) and s >= 0 for s in e["shape"]), "a shape entry is not a non-negative JSON integer")
+        check(e["name"] not in names, f"tensor {e['name']!r} is listed twice")
+        names.add(e["name"])
+    T = h.num_tokens
+    if d["layout"] == "stacked":
+        check(len(tensors) == 1 and tensors[0]["shape"] == [h.L, 2, T, H, D], "stacked tensor shape is wrong")
+    else:
+        check(len(tensors) == 2 * h.L, "per-layer: not 2 x num_layers tensors")
+        slots = set()
+        for e in tensors:
+            m = PER_LAYER_NAME.fullmatch(e["name"])
+            check(m is not None, f"per-layer tensor name {e['name']!r} is not layers.{{i}}.key / .value")
+            slot = (int(m.group(1)), m.group(2))
+            check(slot[0] < h.L and slot not in slots, f"tensor {e['name']!r}: bad or repeated layer")
+            slots.add(slot)
+            check(e["shape"] in ([H, T, D], [1, H, T, D]), f"tensor {e['name']!r} has the wrong shape")
+    return d
+
+
+# ---------------------------------------------------------------- CDF codes and the range coder
+
+
+def cum_from_codes(codes) -> list[int]:
+    """"CDF codes": A 4-bit codes -> cum[0..A] (cum[A] = 32768), every freq >= 1."""
+    A = len(codes)
+    W = sum(CODE_WEIGHTS[c] for c in codes)
+    spare = PROB_TOTAL - A
+    freq = [1 + (CODE_WEIGHTS[c] * spare) // W if W else 1 for c in codes]
+    best = max(range(A), key=lambda s: (codes[s], -s))  # the first symbol with the highest code
+    freq[best] += PROB_TOTAL - sum(freq)
+    cum = [0]
+    for fr in freq:
+        cum.append(cum[-1] + fr)
+    return cum
+
+
+def nibbles(raw: bytes, count: int) -> list[int]:
+    """``count`` 4-bit codes, symbol 2i in the low nibble of byte i; a padding nibble MUST be zero."""
+    out = []
+    for b in raw:
+        out += [b & 15, b >> 4]
+    if count % 2:
+        check(out[count] == 0, "a padding nibble is not zero")
+    return out[:count]
+
+
+class RangeDecoder:
+    """"Streams and the range coder", decode side, on Python integers."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.pos = 4
+        self.code = int.from_bytes(data[:4].ljust(4, b"\0"), "big")  # bytes past the end read as 0
+        self.range = 0xFFFFFFFF
+
+    def symbol(self, cum: list[int]) -> int:
+        r = self.range >> PROB_BITS
+        q = min(self.code // r, PROB_TOTAL - 1)
+        s = bisect.bisect_right(cum, q) - 1  # cum[s] <= q < cum[s+1]
+        self.code -= r * cum[s]
+        self.range = r * (cum[s + 1] - cum[s])
+        while self.range < (1 << 24):
+            byte = self.data[self.pos] if self.pos < len(self.data) else 0
+            self.pos += 1
+            self.code = ((self.code << 8) | byte) & 0xFFFFFFFF
+            self.range <<= 8
+        return s
+
+
+def decode_stream(data: bytes, cums: list[list[int]], tokens: int) -> np.ndarray:
+    """A stream's symbols [tokens, len(cums)]: token by token, within a token channel by channel."""
+    dec = RangeDecoder(data)
+    out = np.empty((tokens, len(cums)), np.int64)
+    for t in range(tokens):
+        for c, cum in enumerate(cums):
+            out[t, c] = dec.symbol(cum)
+    return out
+
+
+# ---------------------------------------------------------------- value casts
+
+
+def bf16_to_f64(bits) -> np.ndarray:
+    """bfloat16 bit patterns -> their values (exact)."""
+    b = np.asarray(bits, np.uint32) << 16
+    return b.astype(np.uint32).view(np.float32).astype(np.float64)
+
+
+def to_dtype_words(x: np.ndarray, dtype: int) -> np.ndarray:
+    """float32 values -> the source dtype's words, rounded to nearest even and saturating:
+    a value the cast would turn into an infinity becomes the largest finite value, with its sign."""
+    x = np.ascontiguousarray(x, np.float32)
+    if dtype == 3:
+        y = np.where(np.isinf(x), np.copysign(np.float32(FLOAT32_MAX), x), x).astype(np.float32)
+        return y.view(np.uint32)
+    if dtype == 1:
+        with np.errstate(over="ignore"):
+            y = x.astype(np.float16)
+        y = np.where(np.isinf(y), np.copysign(np.float16(65504), y), y).astype(np.float16)
+        return y.view(np.uint16)
+    bits = x.view(np.uint32).astype(np.uint64)
+    check(not np.isnan(x).any(), "a decoded value is NaN")
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint32)
+    inf = (rounded & 0x7FFF) == 0x7F80
+    rounded = np.where(inf, (rounded & 0x8000) | 0x7F7F, rounded)
+    return rounded.astype(np.uint16)
+
+
+# ---------------------------------------------------------------- version 2: Params
+
+
+@dataclass
+class Table:
+    mode: int
+    lo: int
+    cum: list[int]
+
+
+@dataclass
+class Params:
+    calibration: bytes = bytes(32)
+    steps: np.ndarray | None = None  # float64 [L, 2]
+    offsets: np.ndarray | None = None  # float64 [L, 2, C]
+    sink: np.ndarray | None = None  # words [L, 2, S, C]
+    refine_tokens: int = 0
+    refine_bits: int = 0
+    tables: list = field(default_factory=list)  # [L][2][C] Table
+
+
+def parse_params(raw: bytes, h: Header) -> Params:
+    L, C, S, w = h.L, h.C, h.sink_tokens, h.word_bytes
+    p = Params()
+    o = 0
+    if h.method == 2:
+        fixed = 32 + 4 * L + 4 * L * C + 2 * L * S * C * w + (5 if h.flags & FLAG_REFINED else 0)
+        check(fixed <= len(raw), "the Params block is shorter than its fixed part")
+        p.calibration = raw[:32]
+        check((p.calibration != bytes(32)) == bool(h.flags & FLAG_ROTATED),
+              "the calibration hash is non-zero exactly when the rotation flag is set")
+        o = 32
+        steps = np.frombuffer(raw, "<u2", 2 * L, o).reshape(L, 2)
+        o += 4 * L
+        offsets = np.frombuffer(raw, "<u2", 2 * L * C, o).reshape(L, 2, C)
+        o += 4 * L * C
+        check(not ((steps & 0x8000) | (steps == 0)).any() and not ((steps & 0x7F80) == 0x7F80).any(),
+              "a step is not positive and finite")
+        check(not ((offsets & 0x7F80) == 0x7F80).any(), "an offset is not finite")
+        p.steps, p.offsets = bf16_to_f64(steps), bf16_to_f64(offsets)
+        p.sink = np.frombuffer(raw, f"<u{w}", L * 2 * S * C, o).reshape(L, 2, S, C)
+        o += 2 * L * S * C * w
+        if h.flags & FLAG_REFINED:
+            p.refine_tokens, p.refine_bits = struct.unpack_from("<IB", raw, o)
+            o += 5
+            check(1 <= p.refine_bits <= 8, "refine_bits out of range")
+            check(1 <= p.refine_tokens <= h.num_tokens - S, "refine_tokens out of range")
+        if h.flags & FLAG_ROTATED:
+            top = 128 * p.steps + np.abs(p.offsets).max(axis=2)
+            check(not (top > FLOAT32_MAX).any(), "128 x s + max |m| exceeds float32's range in a rotated file")
+    tables = []
+    for l in range(L):
+        planes = []
+        for kv in range(2):
+            row = []
+            for c in range(C):
+                check(o < len(raw), "the Params block ends inside the tables")
+                mode = raw[o]
+                if mode == 2:
+                    check(c > 0, "the first channel of a (layer, K/V) has no table to share")
+                    row.append(row[-1])
+                    o += 1
+                    continue
+                check(o + 3 <= len(raw), "the Params block ends inside a table")
+                lo, A = raw[o + 1], raw[o + 2] + 1
+                nb = (A + 1) // 2
+                check(o + 3 + nb <= len(raw), "the Params block ends inside a table's codes")
+                codes = nibbles(raw[o + 3 : o + 3 + nb], A)
+                o += 3 + nb
+                if h.method == 2:
+                    check(mode in (0, 1), f"unknown table mode {mode}")
+                    lo = lo - 256 if lo >= 128 else lo
+                    check(-127 <= lo and lo + A - 1 <= 127 and A <= 255, "a table exceeds method 2's levels")
+                else:
+                    check(mode == 0, f"table mode {mode} is not allowed for method 3")
+                    check(lo + A <= 256, "a table exceeds a byte")
+                row.append(Table(mode, lo, cum_from_codes(codes)))
+            planes.append(row)
+        tables.append(planes)
+    check(o == len(raw), "the tables do not end at the end of the Params block")
+    p.tables = tables
+    return p
+
+
+# ---------------------------------------------------------------- calibration files
+
+
+def read_safetensors(path: str) -> tuple[dict, dict, bytes]:
+    """(tensor entries, metadata, data bytes) of a safetensors file (its 8-byte length, JSON header, data)."""
+    with open(path, "rb") as fh:
+        blob = fh.read()
+    check(len(blob) >= 8, f"{path}: not a safetensors file")
+    (n,) = struct.unpack_from("<Q", blob, 0)
+    check(8 + n <= len(blob), f"{path}: not a safetensors file")
+    head = json.loads(blob[8 : 8 + n].decode("utf-8"))
+    meta = head.pop("__metadata__", {}) or {}
+    return head, meta, blob[8 + n :]
+
+
+def load_rotation(path: str, h: Header, want_sha: bytes) -> np.ndarray:
+    """The calibration's rotation float32 [L, 2, C, C], checked against the file's SHA-256."""
+    head, meta, data = read_safetensors(path)
+    check(meta.get("format") == "cachegen-calibration", f"{path}: not a cachegen calibration file")
+    e = head.get("rotation")
+    check(isinstance(e, dict) and e.get("dtype") == "F32" and e.get("shape") == [h.L, 2, h.C, h.C],
+          f"{path}: no float32 rotation [{h.L}, 2, {h.C}, {h.C}]")
+    a, b = e["data_offsets"]
+    check(b - a == 4 * h.L * 2 * h.C * h.C and b <= len(data), f"{path}: bad rotation data offsets")
+    raw = data[a:b]
+    check(hashlib.sha256(raw).digest() == want_sha, f"{path}: the calibration's SHA-256 is not the file's")
+    return np.frombuffer(raw, "<f4").reshape(h.L, 2, h.C, h.C)
+
+
+# ---------------------------------------------------------------- chunks
+
+
+@dataclass
+class ChunkSections:
+    index: int
+    first_token: int
+    tokens: int
+    sections: list  # bytes of each section, in order
+    end: int  # offset just past the chunk
+
+
+def read_chunk(f: Bytes, at: int, k: int, h: Header, expected_sizes: list[int | None], stream_count: int,
+               max_stream: int) -> ChunkSections:
+    """A chunk at offset ``at``: its header checked, its CRC verified, its sections cut."""
+    magic, index, first, count, s0, s1, s2, payload, reserved, crc = f.unpack("4sIIIIIIIII", at, f"chunk {k} header")
+    check(magic == CHUNK_MAGIC, f"chunk {k}: bad magic")
+    check(index == k and first == k * h.chunk_tokens, f"chunk {k}: wrong index or first token")
+    check(count == min(h.chunk_tokens, h.num_tokens - first), f"chunk {k}: wrong token count")
+    check(reserved == 0, f"chunk {k}: reserved field not zero")
+    sizes = [s0, s1, s2, payload]
+    for i, want in enumerate(expected_sizes):
+        if want is not None:
+            check(sizes[i] == want, f"chunk {k}: section {i + 1} has {sizes[i]} bytes, not {want}")
+    check(payload <= stream_count * max_stream, f"chunk {k}: payload too large")
+    body = f.take(at + 40, sum(sizes), f"chunk {k}")
+    check(crc32(f.take(at, 36, "chunk header"), body) == crc, f"chunk {k}: CRC mismatch")
+    sections, o = [], 0
+    for s in sizes:
+        sections.append(body[o : o + s])
+        o += s
+    return ChunkSections(k, first, count, sections, at + 40 + len(body))
+
+
+def stream_payloads(lengths_raw: bytes, payload: bytes, count: int, max_stream: int, k: int) -> list[bytes]:
+    lengths = struct.unpack(f"<{count}H", lengths_raw)
+    check(sum(lengths) == len(payload), f"chunk {k}: stream lengths do not add up to payload_size")
+    check(max(lengths, default=0) <= max_stream, f"chunk {k}: a stream is longer than 2 x (Tk x G) + 8 bytes")
+    out, o = [], 0
+    for n in lengths:
+        out.append(payload[o : o + n])
+        o += n
+    return out
+
+
+def group_channels(h: Header, g: int) -> range:
+    return range(g * h.G, min(h.C, (g + 1) * h.G))
+
+
+# ---------------------------------------------------------------- version 1
+
+
+def decode_v1_chunk(ch: ChunkSections, h: Header, bins: list[tuple[int, int]], out: np.ndarray) -> None:
+    scales_raw, codes_raw, lengths_raw, payload = ch.sections
+    Tk, L, C = ch.tokens, h.L, h.C
+    scales = np.frombuffer(scales_raw, "<u2").reshape(L, 2, Tk)
+    check(not (scales & 0x8000).any() and not ((scales & 0x7F80) == 0x7F80).any(),
+          f"chunk {ch.index}: a scale is negative or not finite")
+    streams = stream_payloads(lengths_raw, payload, L * 2 * h.groups, 2 * Tk * h.G + 8, ch.index)
+    o = 0
+    cums = {}
+    for l in range(L):
+        for kv in range(2):
+            A = 2 * ((bins[l][kv] - 1) // 2) + 1
+            nb = (A + 1) // 2
+            for c in range(C):
+                cums[l, kv, c] = cum_from_codes(nibbles(codes_raw[o : o + nb], A))
+                o += nb
+    for l in range(L):
+        for kv in range(2):
+            maxq = (bins[l][kv] - 1) // 2
+            s = bf16_to_f64(scales[l, kv])  # [Tk]
+            unit = (s / maxq).astype(np.float32)  # float32(s / maxq)
+            for g in range(h.groups):
+                chans = group_channels(h, g)
+                sym = decode_stream(streams[(l * 2 + kv) * h.groups + g], [cums[l, kv, c] for c in chans], Tk)
+                x = (sym - maxq).astype(np.float32) * unit[:, None]  # one float32 rounding
+                out[l, kv, ch.first_token : ch.first_token + Tk, chans.start : chans.stop] = to_dtype_words(x, h.dtype)
+
+
+# ---------------------------------------------------------------- version 2
+
+
+def unpack_bits(raw: bytes, count: int, bits: int) -> np.ndarray:
+    """``count`` indices of ``bits`` bits each, least significant bit first; padding bits MUST be zero."""
+    all_bits = np.unpackbits(np.frombuffer(raw, np.uint8), bitorder="little")
+    check(not all_bits[count * bits :].any(), "refinement padding bits are not zero")
+    weights = 1 << np.arange(bits, dtype=np.int64)
+    return (all_bits[: count * bits].reshape(count, bits).astype(np.int64) * weights).sum(axis=1)
+
+
+def decode_v2_chunk(ch: ChunkSections, h: Header, p: Params, rotation: np.ndarray | None, out: np.ndarray) -> None:
+    raw, _, lengths_raw, payload = ch.sections
+    Tk, L, C, t0 = ch.tokens, h.L, h.C, ch.first_token
+    streams = stream_payloads(lengths_raw, payload, L * 2 * h.groups, 2 * Tk * h.G + 8, ch.index)
+    levels = np.empty((L, 2, Tk, C), np.int64)
+    for l in range(L):
+        for kv in range(2):
+            for g in range(h.groups):
+                chans = group_channels(h, g)
+                tabs = [p.tables[l][kv][c] for c in chans]
+                sym = decode_stream(streams[(l * 2 + kv) * h.groups + g], [t.cum for t in tabs], Tk)
+                v = sym + np.array([t.lo for t in tabs], np.int64)
+                delta = np.array([t.mode == 1 for t in tabs])
+                # mode 1: q[t] = q[t-1] + v[t] within the chunk; its first token is q itself
+                v[:, delta] = np.cumsum(v[:, delta], axis=0)
+                levels[l, kv, :, chans.start : chans.stop] = v
+    if h.method == 3:
+        check(levels.min(initial=0) >= 0 and levels.max(initial=0) <= 255, f"chunk {ch.index}: a level is outside [0, 255]")
+        nraw = h.word_bytes - 1
+        check(len(raw) == L * 2 * Tk * C * nraw, "raw section size")
+        low = np.frombuffer(raw, np.uint8).reshape(L, 2, Tk, C, nraw).astype(np.uint64)
+        top = ((levels >> 1) | ((levels & 1) << 7)).astype(np.uint64)  # undo the sign-bit move
+        word = top << np.uint64(8 * nraw)
+        for i in range(nraw):
+            word |= low[..., i] << np.uint64(8 * i)
+        out[:, :, t0 : t0 + Tk] = word.astype(out.dtype)
+        return
+    check(levels.min(initial=0) >= -127 and levels.max(initial=0) <= 127, f"chunk {ch.index}: a level is outside [-127, 127]")
+    q = levels.astype(np.float64)
+    refine_start = h.num_tokens - p.refine_tokens
+    n_ref = max(0, t0 + Tk - max(t0, refine_start)) if p.refine_tokens else 0
+    if n_ref:
+        b = p.refine_bits
+        n = 1 << b
+        j = unpack_bits(raw, L * 2 * n_ref * C, b).reshape(L, 2, n_ref, C)
+        q[:, :, Tk - n_ref :] += (j - n // 2 + 1) / n  # q' = q + (j - n/2 + 1) / n, exact
+    else:
+        check(len(raw) == 0, f"chunk {ch.index}: a raw section without refined tokens")
+    # z = float32(q x s + m): q x s exact in float64, then one float64 addition, then float32
+    z = (q * p.steps[:, :, None, None] + p.offsets[:, :, None, :]).astype(np.float32)
+    if rotation is not None:
+        acc = np.zeros(z.shape, np.float64)
+        R = rotation.astype(np.float64)  # [L, 2, C(c), C(d)]
+        zz = z.astype(np.float64)
+        for d in range(C):  # x'[c] = sum over d = 0..C-1, in that order, of z[d] x R[c, d]
+            acc += zz[:, :, :, d : d + 1] * R[:, :, None, :, d]
+        z = acc.astype(np.float32)
+    words = to_dtype_words(z, h.dtype)
+    S = h.sink_tokens
+    if t0 < S:  # the first S tokens are the sink words, verbatim
+        words[:, :, : min(S, t0 + Tk) - t0] = p.sink[:, :, t0 : min(S, t0 + Tk)]
+    out[:, :, t0 : t0 + Tk] = words
+
+
+# ---------------------------------------------------------------- the file
+
+
+@dataclass
+class Decoded:
+    header: Header
+    descriptor: dict
+    cache: np.ndarray  # words [L, 2, num_tokens, C]
+    tensors: dict  # name -> (dtype name, words in the tensor's shape), in the Descriptor's order
+
+
+def decode(blob: bytes, calibration: str | None = None) -> Decoded:
+    """Decode a whole .cgen file (bytes), checking it as docs/format.md requires."""
+    f = Bytes(blob)
+    h = parse_file_header(f)
+    o = 64
+    bins = []
+    if h.version == 1:
+        bins_raw = f.take(o, 2 * h.L, "BinsTable")
+        o += 2 * h.L
+        desc_raw = f.take(o, h.descriptor_size, "Descriptor")
+        o += h.descriptor_size
+        check(crc32(f.take(0, 60, "FileHeader"), bins_raw, desc_raw) == h.crc, "header CRC mismatch")
+        bins = [(bins_raw[2 * l], bins_raw[2 * l + 1]) for l in range(h.L)]
+        check(all(3 <= b <= 255 for pair in bins for b in pair), "bins out of range 3..255")
+        params_raw = b""
+    else:
+        desc_raw = f.take(o, h.descriptor_size, "Descriptor")
+        o += h.descriptor_size
+        params_raw = f.take(o, h.params_size, "Params block")
+        o += h.params_size
+        check(crc32(f.take(0, 60, "FileHeader"), desc_raw, params_raw) == h.crc, "header CRC mismatch")
+    descriptor = parse_descriptor(desc_raw, h)
+    params = parse_params(params_raw, h) if h.version == 2 else None
+    header_end = o
+
+    # Trailer: the file's last 16 bytes; the Index right before it, right after the last chunk.
+    check(len(f) >= header_end + 16 + 12 + 8 * h.num_chunks, "the file is too short for its Index and Trailer")
+    index_offset, tmagic = f.unpack("Q8s", len(f) - 16, "Trailer")
+    check(tmagic == TRAILER_MAGIC, "no Trailer at the end of the file")
+    index_size = 12 + 8 * h.num_chunks
+    check(index_offset >= header_end and index_offset + index_size + 16 == len(f),
+          "the Index does not end where the Trailer starts (or bytes follow the Trailer)")
+    index_raw = f.take(index_offset, index_size, "Index")
+    check(index_raw[:4] == INDEX_MAGIC, "bad Index magic")
+    check(crc32(index_raw[:-4]) == struct.unpack_from("<I", index_raw, index_size - 4)[0], "Index CRC mismatch")
+    check(struct.unpack_from("<I", index_raw, 4)[0] == h.num_chunks, "the Index's num_chunks differs from the header's")
+    offsets = struct.unpack_from(f"<{h.num_chunks}Q", index_raw, 8)
+
+    # Before allocating: can the bytes between the header and the Index hold the announced chunks?
+    streams = h.L * 2 * h.groups
+    T = h.num_tokens
+    if h.version == 1:
+        cdf_size = h.C * sum((2 * ((b - 1) // 2) + 1 + 1) // 2 for pair in bins for b in pair)
+        need = h.num_chunks * (40 + cdf_size + 2 * streams) + h.L * 2 * T * 2
+    else:
+        need = h.num_chunks * (40 + 2 * streams) + h.L * 2 * T * h.C * (h.word_bytes - 1 if h.method == 3 else 0)
+        if h.flags & FLAG_REFINED:
+            need += h.L * 2 * params.refine_tokens * h.C * params.refine_bits // 8
+    check(header_end + need <= index_offset, "the file is too short for the chunks its header announces")
+
+    word_type = np.uint32 if h.word_bytes == 4 else np.uint16
+    cache = np.zeros((h.L, 2, T, h.C), word_type)
+    rotation = None
+    if h.version == 2 and h.flags & FLAG_ROTATED:
+        check(calibration is not None, "a rotated file needs its calibration file (--calibration)")
+        rotation = load_rotation(calibration, h, params.calibration)
+    at = header_end
+    for k in range(h.num_chunks):
+        check(offsets[k] == at, f"chunk {k} does not start where the previous one ends (Index offset {offsets[k]})")
+        Tk = min(h.chunk_tokens, T - k * h.chunk_tokens)
+        max_stream = 2 * Tk * h.G + 8
+        if h.version == 1:
+            sizes = [2 * h.L * 2 * Tk, cdf_size, 2 * streams, None]
+        else:
+            raw_size = 0
+            if h.method == 3:
+                raw_size = h.L * 2 * Tk * h.C * (h.word_bytes - 1)
+            elif h.flags & FLAG_REFINED:
+                first = k * h.chunk_tokens
+                n_ref = max(0, first + Tk - max(first, T - params.refine_tokens))
+                raw_size = -(-h.L * 2 * n_ref * h.C * params.refine_bits // 8)
+            sizes = [raw_size, 0, 2 * streams, None]
+        ch = read_chunk(f, at, k, h, sizes, streams, max_stream)
+        if h.version == 1:
+            decode_v1_chunk(ch, h, bins, cache)
+        else:
+            decode_v2_chunk(ch, h, params, rotation, cache)
+        at = ch.end
+    check(at == index_offset, "bytes between the last chunk and the Index")
+    return Decoded(h, descriptor, cache, to_tensors(cache, descriptor, h.dtype_name))
+
+
+def to_tensors(cache: np.ndarray, descriptor: dict, dtype_name: str) -> dict:
+    """The Descriptor's tensors from the cache [L, 2, T, C]: channel c = head x head_dim + dim."""
+    L, _, T, C = cache.shape
+    H, D = descriptor["num_kv_heads"], descriptor["head_dim"]
+    out = {}
+    for e in descriptor["tensors"]:
+        if descriptor["layout"] == "stacked":
+            words = cache.reshape(L, 2, T, H, D)
+        else:
+            m = PER_LAYER_NAME.fullmatch(e["name"])
+            layer, kv = int(m.group(1)), 0 if m.group(2) == "key" else 1
+            words = cache[layer, kv].reshape(T, H, D).transpose(1, 0, 2).reshape(e["shape"])
+        out[e["name"]] = (dtype_name, np.ascontiguousarray(words))
+    return out
+
+
+# ---------------------------------------------------------------- outputs
+
+
+def write_safetensors(path: str, decoded: Decoded) -> None:
+    """The tensors as safetensors (names sorted, the Descriptor's metadata), written atomically."""
+    st_dtype = DTYPES[decoded.header.dtype][2]
+    head, parts, o = {}, [], 0
+    meta = decoded.descriptor.get("metadata") or {}
+    if meta:
+        head["__metadata__"] = dict(sorted(meta.items()))
+    for name in sorted(decoded.tensors):
+        words = decoded.tensors[name][1]
+        data = words.astype(words.dtype.newbyteorder("<")).tobytes()
+        head[name] = {"dtype": st_dtype, "shape": list(words.shape), "data_offsets": [o, o + len(data)]}
+        parts.append(data)
+        o += len(data)
+    text = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    _write_atomic(path, [struct.pack("<Q", len(text)), text] + parts)
+
+
+def write_npz(path: str, decoded: Decoded) -> None:
+    """float16 / float32 arrays; bfloat16 values widened (exactly) to float32."""
+    arrays = {}
+    for name, (_, words) in decoded.tensors.items():
+        if decoded.header.dtype == 1:
+            arrays[name] = words.view(np.float16)
+        elif decoded.header.dtype == 3:
+            arrays[name] = words.view(np.float32)
+        else:
+            arrays[name] = (words.astype(np.uint32) << 16).view(np.float32)
+    import io
+
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    _write_atomic(path, [buf.getvalue()])
+
+
+def _write_atomic(path: str, parts: list[bytes]) -> None:
+    """Write ``parts`` to ``path``: a regular file through a temporary file in the same folder
+    (renamed over it once complete, removed on any error or signal), a special file (a FIFO,
+    /dev/stdout) directly."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        with open(path, "wb") as fh:
+            for p in parts:
+                fh.write(p)
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".cgen_reference.", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            for p in parts:
+                fh.write(p)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as open() would create it (mkstemp makes it 0600)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _exit_on_signal(signum, frame) -> None:
+    # SIGTERM / SIGHUP unwind like Ctrl-C, so the temporary output is removed
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Decode a .cgen file with the reference decoder (docs/format.md).")
+    ap.add_argument("file", help="the .cgen file")
+    ap.add_argument("--calibration", help="the calibration file a rotated file was encoded with")
+    ap.add_argument("-o", "--output", required=True, help="OUT.safetensors or OUT.npz")
+    args = ap.parse_args(argv)
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit_on_signal)
+    if not args.output.endswith((".safetensors", ".npz")):
+        print("error: the output must end in .safetensors or .npz", file=sys.stderr)
+        return 1
+    if os.path.abspath(args.output) == os.path.abspath(args.file):
+        print("error: the output would overwrite the input", file=sys.stderr)
+        return 1
+    try:
+        with open(args.file, "rb") as fh:
+            blob = fh.read()
+        decoded = decode(blob, args.calibration)
+        (write_npz if args.output.endswith(".npz") else write_safetensors)(args.output, decoded)
+    except (FormatViolation, OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    h = decoded.header
+    print(f"{args.file}: format version {h.version}, method {h.method}, {h.L} layers, {h.num_tokens} tokens, "
+          f"{h.C} channels, {h.dtype_name} -> {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,343 @@
+"""reference/cgen_reference.py, the decoder written from docs/format.md alone, against cachegen.
+
+Both decoders are defined by the spec's exact (integer and IEEE) arithmetic, so they must
+agree bit for bit: every golden file and a set of freshly encoded files (every --quality,
+--preset lmcache, lossless, rotation, refinement, token delta, the three dtypes, both
+layouts, odd token counts, several chunks, narrower last channel groups) are decoded by
+both and compared through the values' bit patterns and dtypes.  A disagreement means the
+spec, the reference or cachegen is wrong; the spec is the one that decides.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import struct
+import sys
+import threading
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import cachegen_cli as cg
+from cachegen_cli.methods import calibration as calib
+from cachegen_cli.methods.config import TransformConfig
+
+from conftest import SAMPLE_STACKED, per_layer, realistic_kv
+
+ROOT = Path(__file__).resolve().parent.parent
+REFERENCE = ROOT / "reference" / "cgen_reference.py"
+GOLDEN = ROOT / "tests" / "data" / "golden"
+MANIFEST = json.loads((GOLDEN / "manifest.json").read_text())
+sys.path.insert(0, str(REFERENCE.parent))
+
+import cgen_reference as ref  # noqa: E402
+
+TORCH_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def assert_same_values(blob: bytes, calibration=None) -> ref.Decoded:
+    """Decode ``blob`` with both decoders and compare every tensor's name, dtype, shape and bits."""
+    mine = ref.decode(blob, None if calibration is None else str(calibration))
+    theirs = cg.decode(blob, device="cpu", calibration=calibration)
+    assert list(theirs) == list(mine.tensors), "tensor names and order"
+    for name, (dtype_name, words) in mine.tensors.items():
+        t = theirs[name].detach().cpu().contiguous()
+        assert TORCH_DTYPE_NAMES[t.dtype] == dtype_name, name
+        assert list(t.shape) == list(words.shape), name
+        bits = t.view(torch.int16 if t.element_size() == 2 else torch.int32).numpy().view(words.dtype)
+        differ = int((bits != words).sum())
+        assert differ == 0, f"{name}: {differ} of {words.size} values differ"
+    return mine
+
+
+# ---------------------------------------------------------------- golden files
+
+
+GOLDEN_FILES = [("golden_v1.cgen", None)] + [
+    (f"golden/{c['file']}", c.get("calibration")) for _, c in sorted(MANIFEST.items())]
+
+
+@pytest.mark.parametrize("name, calibration", GOLDEN_FILES, ids=[n for n, _ in GOLDEN_FILES])
+def test_golden_file_decodes_to_the_same_values(name, calibration):
+    blob = (ROOT / "tests" / "data" / name).read_bytes()
+    decoded = assert_same_values(blob, GOLDEN / calibration if calibration else None)
+    assert decoded.cache.size > 0
+
+
+@pytest.mark.parametrize("name", sorted(MANIFEST))
+def test_golden_file_decodes_to_its_pinned_digests(name):
+    """The reference reproduces the SHA-256 manifest.json pins (make_golden.tensor_digest's
+    rule: the little-endian words of each tensor), without cachegen."""
+    import hashlib
+
+    case = MANIFEST[name]
+    cal = str(GOLDEN / case["calibration"]) if case.get("calibration") else None
+    decoded = ref.decode((GOLDEN / case["file"]).read_bytes(), cal)
+    got = {n: {"dtype": d, "shape": list(w.shape), "sha256": hashlib.sha256(w.astype(w.dtype.newbyteorder("<")).tobytes()).hexdigest()}
+           for n, (d, w) in decoded.tensors.items()}
+    assert got == case["decoded"]
+
+
+# ---------------------------------------------------------------- freshly encoded files
+
+
+def _stacked(dtype=torch.bfloat16, tokens=21, heads=2, head_dim=8, layers=3, seed=0):
+    kv = realistic_kv(layers=layers, tokens=max(tokens, 1), heads=heads, head_dim=head_dim, dtype=dtype, seed=seed)
+    return kv[:, :, :tokens].contiguous()
+
+
+def _refined(bits: int, tokens: int = 7, **kw) -> TransformConfig:
+    return TransformConfig("transform", (0.5,), (0.7,), recent_tokens=tokens, recent_bits=bits, **kw)
+
+
+#: id -> (tensors, encode() keyword arguments)
+CASES = {
+    **{f"quality-{q}-{d}": (lambda q=q, dt=dt: (_stacked(dt), dict(quality=q)))
+       for q in ("lossless", "high", "balanced", "small")
+       for d, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32))},
+    **{f"lmcache-{d}": (lambda dt=dt: (_stacked(dt), dict(preset="lmcache")))
+       for d, dt in (("bf16", torch.bfloat16), ("fp16", torch.float16), ("fp32", torch.float32))},
+    "bins-16": (lambda: (_stacked(), dict(bins=16))),
+    "bins-17-per-layer": (lambda: (per_layer(_stacked(), batch=False), dict(bins=17))),
+    "bins-3": (lambda: (_stacked(), dict(bins=3))),
+    "lmcache-one-token": (lambda: (_stacked(tokens=1), dict(preset="lmcache"))),
+    "lmcache-zero-tokens": (lambda: (_stacked(tokens=0), dict(preset="lmcache"))),
+    "balanced-zero-tokens": (lambda: (_stacked(tokens=0), dict(quality="balanced"))),
+    "lossless-zero-tokens": (lambda: (_stacked(tokens=0), dict(quality="lossless"))),
+    "balanced-one-token": (lambda: (_stacked(tokens=1), dict(quality="balanced"))),
+    "per-layer-batch": (lambda: (per_layer(_stacked()), dict(quality="balanced"))),
+    "per-layer-lossless-fp32": (lambda: (per_layer(_stacked(torch.float32), batch=False), dict(quality="lossless"))),
+    "no-delta": (lambda: (_stacked(), dict(quantization=TransformConfig("transform", (0.5,), (0.5,), token_delta=False)))),
+    "delta-sinks-3": (lambda: (_stacked(), dict(quantization=TransformConfig("transform", (1.5,), (1.5,), sink_tokens=3)))),
+    "sinks-span-chunks": (lambda: (_stacked(), dict(quantization=TransformConfig("transform", (0.5,), (0.5,), sink_tokens=11)))),
+    "sinks-all-tokens": (lambda: (_stacked(tokens=5), dict(quantization=TransformConfig("transform", (0.5,), (0.5,), sink_tokens=5)))),
+    "dead-zone": (lambda: (_stacked(), dict(quantization=TransformConfig("transform", (0.4,), (0.4,), rounding=0.7)))),
+    "per-layer-steps": (lambda: (_stacked(), dict(quantization=TransformConfig("transform", (0.3, 0.6, 0.9), (1.0, 2.0, 0.2))))),
+    **{f"refined-{b}bits": (lambda b=b: (_stacked(), dict(quantization=_refined(b)))) for b in (1, 2, 3, 8)},
+    "refined-all-but-sink-fp16": (lambda: (_stacked(torch.float16), dict(quantization=_refined(3, tokens=20)))),
+    "refined-fp32-no-delta": (lambda: (_stacked(torch.float32), dict(quantization=_refined(2, token_delta=False)))),
+    # C = 24 in chunks of 100 tokens: v2 streams of 20 channels, v1 of 10, so the last group is narrower
+    "narrow-last-group-v2": (lambda: (_stacked(tokens=230, heads=3, layers=2), dict(quality="small"))),
+    "narrow-last-group-v1": (lambda: (_stacked(tokens=230, heads=3, layers=2), dict(preset="lmcache"))),
+    "narrow-last-group-lossless": (lambda: (_stacked(torch.float16, tokens=230, heads=3, layers=1), dict(quality="lossless"))),
+}
+CHUNK_TOKENS = {"narrow-last-group-v2": 100, "narrow-last-group-v1": 100, "narrow-last-group-lossless": 100}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fresh_file_decodes_to_the_same_values(case):
+    tensors, kw = CASES[case]()
+    blob = cg.encode(tensors, chunk_tokens=CHUNK_TOKENS.get(case, 8), device="cpu", metadata={"case": case}, **kw)
+    assert_same_values(blob)
+
+
+@pytest.fixture(scope="module")
+def calibration_file(tmp_path_factory):
+    cal = calib.fit([realistic_kv(layers=3, tokens=64, heads=2, head_dim=8, seed=7).reshape(3, 2, 64, 16)])
+    path = tmp_path_factory.mktemp("cal") / "cal.safetensors"
+    calib.save(cal, path)
+    with_sensitivity = path.with_name("cal_sens.safetensors")
+    calib.save(cal.with_sensitivity(np.array([[1.0, 2.0], [0.5, 1.0], [3.0, 0.25]])), with_sensitivity)
+    return path, with_sensitivity
+
+
+@pytest.mark.parametrize("case", ["balanced", "high-fp16", "refined-fp32", "sensitivity", "no-sinks-per-layer"])
+def test_rotated_file_decodes_to_the_same_values(case, calibration_file):
+    plain, sens = calibration_file
+    kv, kw, cal = _stacked(), dict(quality="balanced"), plain
+    if case == "high-fp16":
+        kv, kw = _stacked(torch.float16), dict(quality="high")
+    elif case == "refined-fp32":
+        kv, kw = _stacked(torch.float32), dict(quantization=_refined(3))
+    elif case == "sensitivity":
+        cal = sens
+    elif case == "no-sinks-per-layer":
+        kv, kw = per_layer(_stacked()), dict(quantization=TransformConfig("transform", (0.5,), (0.5,), sink_tokens=0))
+    blob = cg.encode(kv, chunk_tokens=8, device="cpu", calibration=cal, **kw)
+    assert blob[47] & 1, "a rotated file"
+    assert_same_values(blob, cal)
+    with pytest.raises(ref.FormatViolation, match="calibration"):
+        ref.decode(blob)  # a rotated file needs its calibration
+
+
+def test_real_sample_slice_decodes_to_the_same_values():
+    """A slice of the real SmolLM2 cache (outliers, sinks and all): 2 layers, 64 tokens, every head."""
+    from safetensors.torch import load_file
+
+    kv = load_file(str(SAMPLE_STACKED))["kv"][[0, 29], :, :64].contiguous()
+    for kw in (dict(quality="balanced"), dict(preset="lmcache"), dict(quality="lossless")):
+        assert_same_values(cg.encode(kv, chunk_tokens=32, device="cpu", **kw))
+
+
+def test_float16_saturation_decodes_to_the_same_values():
+    """Values at the top of float16: decoded levels round past 65504 and saturate (both versions)."""
+    kv = _stacked(torch.float32, seed=3)
+    kv = (kv / kv.abs().max() * 65504).to(torch.float16)
+    kv[0, 0, 2, 0, :] = 65504
+    kv[1, 1, 3, 1, :] = -65504
+    for kw in (dict(preset="lmcache"), dict(quality="small"), dict(bins=3), dict(quality="lossless")):
+        decoded = assert_same_values(cg.encode(kv, chunk_tokens=8, device="cpu", **kw))
+        assert not np.isinf(decoded.tensors["kv"][1].view(np.float16)).any()
+
+
+# ---------------------------------------------------------------- the reference's own rules and CLI
+
+
+def test_reference_imports_nothing_from_cachegen():
+    """Only the standard library and numpy: the reference is independent of the package."""
+    allowed = {"__future__", "argparse", "bisect", "hashlib", "io", "json", "math", "os", "re", "signal", "struct", "sys",
+               "tempfile", "zlib", "dataclasses", "numpy"}
+    found = set()
+    for node in ast.walk(ast.parse(REFERENCE.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "no relative imports"
+            found.add(node.module.split(".")[0])
+    assert found <= allowed, found - allowed
+    assert "cachegen" not in REFERENCE.read_text().replace("cachegen-calibration", "").split('"""', 2)[2].split("import")[0]
+
+
+def test_crc_parameters_describe_zlib():
+    """docs/format.md gives the CRC-32's parameters; computed from them bit by bit, it is zlib's."""
+    for data in (b"", b"123456789", bytes(range(256)), (GOLDEN / "v2_transform.cgen").read_bytes()[:300]):
+        assert ref.crc32_from_parameters(data) == zlib.crc32(data)
+    assert ref.crc32_from_parameters(b"123456789") == 0xCBF43926  # the CRC-32 check value
+    text = (ROOT / "docs" / "format.md").read_text()
+    assert "0xEDB88320" in text and "0x04C11DB7" in text
+
+
+def test_cdf_weights_are_the_listed_ones():
+    """The 15 weights: the formula, the reference's table and the list on the page agree."""
+    formula = [0] + [int(round(16 * 2 ** (0.6 * (k - 1)))) for k in range(1, 16)]
+    assert list(ref.CODE_WEIGHTS) == formula
+    text = (ROOT / "docs" / "format.md").read_text()
+    listed = re.search(r"weight\(1\) \.\. weight\(15\) = ([0-9, ]+)", text)
+    assert listed, "docs/format.md lists the weights"
+    assert [int(x) for x in listed.group(1).split(",")] == formula[1:]
+
+
+def test_cli_writes_what_cachegen_decode_writes(tmp_path):
+    """The reference CLI's safetensors output equals `cachegen decode`'s file, byte for byte."""
+    for name, cal in (("golden/v2_rotated.cgen", GOLDEN / "calibration_c16.safetensors"),
+                      ("golden/v2_delta_shared.cgen", None), ("golden_v1.cgen", None)):
+        src = ROOT / "tests" / "data" / name
+        out = tmp_path / (src.stem + ".safetensors")
+        args = [str(src), "-o", str(out)] + (["--calibration", str(cal)] if cal else [])
+        assert ref.main(args) == 0
+        want = cg.decode_file(src, tmp_path / (src.stem + ".cachegen.safetensors"), device="cpu", calibration=cal)
+        assert out.read_bytes() == want.read_bytes(), name
+        assert out.stat().st_mode & 0o777 == want.stat().st_mode & 0o777, "the umask's permissions"
+    npz = tmp_path / "v.npz"
+    assert ref.main([str(ROOT / "tests" / "data" / "golden" / "v2_fp16.cgen"), "-o", str(npz)]) == 0
+    want = cg.decode((GOLDEN / "v2_fp16.cgen").read_bytes(), device="cpu")
+    with np.load(npz) as z:
+        assert sorted(z.files) == sorted(want)
+        for k in z.files:
+            assert z[k].dtype == np.float16 and np.array_equal(z[k].view(np.uint16), want[k].view(torch.int16).numpy().view(np.uint16))
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".cgen_reference")] == []
+    assert ref.main([str(GOLDEN / "v2_sinks.cgen"), "-o", str(tmp_path / "no" / "x.safetensors")]) == 1  # no such folder
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)
+    got = {}
+    reader = threading.Thread(target=lambda: got.update(data=fifo.read_bytes()))
+    reader.start()
+    assert ref.main([str(GOLDEN / "v2_sinks.cgen"), "-o", str(fifo)]) == 0  # written into, not replaced
+    reader.join(30)
+    assert got["data"] == cg.decode_file(GOLDEN / "v2_sinks.cgen", tmp_path / "s.safetensors", device="cpu").read_bytes()
+
+
+def test_cli_reports_a_bad_file_in_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.cgen"
+    blob = bytearray((GOLDEN / "v2_transform.cgen").read_bytes())
+    blob[-30] ^= 0xFF  # inside the Index: its CRC fails
+    bad.write_bytes(bytes(blob))
+    out = tmp_path / "x.safetensors"
+    assert ref.main([str(bad), "-o", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and not out.exists()
+    assert ref.main([str(bad), "-o", str(tmp_path / "x.txt")]) == 1
+
+
+def _variants(blob: bytes) -> dict[str, bytes]:
+    """Broken copies of a valid file that both decoders must refuse."""
+    out = {"byte after the trailer": blob + b"\0", "truncated": blob[:-1], "bad magic": b"\x88" + blob[1:]}
+    flipped = bytearray(blob)
+    (index_offset,) = struct.unpack_from("<Q", blob, len(blob) - 16)
+    flipped[index_offset - 1] ^= 0x01  # the last chunk's payload: its CRC fails
+    out["chunk crc"] = bytes(flipped)
+    header = bytearray(blob)
+    header[70] ^= 0x01  # inside the Descriptor: the header CRC fails
+    out["header crc"] = bytes(header)
+    return out
+
+
+@pytest.mark.parametrize("name", ["golden_v1.cgen", "golden/v2_refined.cgen", "golden/v2_lossless_bf16.cgen"])
+def test_both_decoders_refuse_broken_files(name):
+    blob = (ROOT / "tests" / "data" / name).read_bytes()
+    for what, bad in _variants(blob).items():
+        with pytest.raises(ref.FormatViolation):
+            ref.decode(bad)
+        with pytest.raises(cg.CacheGenError):
+            cg.decode(bad, device="cpu")
+
+
+def _with_params(blob: bytes, params: bytes) -> bytes:
+    """A version 2 file with another Params block of the same size (header CRC fixed)."""
+    desc_size, params_size = struct.unpack_from("<I", blob, 12)[0], struct.unpack_from("<I", blob, 48)[0]
+    assert len(params) == params_size
+    head = bytearray(blob[:64])
+    desc = blob[64 : 64 + desc_size]
+    struct.pack_into("<I", head, 60, zlib.crc32(bytes(head[:60]) + desc + params))
+    return bytes(head) + desc + params + blob[64 + desc_size + params_size :]
+
+
+def _crafted() -> dict[str, bytes]:
+    """Files with valid CRCs that break a rule of docs/format.md, keyed by the reference's message."""
+    from test_hardening import _ramp, _shift_delta_tables, with_descriptor
+
+    out = {"outside \\[-127, 127\\]": _shift_delta_tables(
+        cg.encode(_ramp(), quality="high", chunk_tokens=64, device="cpu"), 10)}
+    lossless = (GOLDEN / "v2_lossless_bf16.cgen").read_bytes()
+    desc_size = struct.unpack_from("<I", lossless, 12)[0]
+    params = bytearray(lossless[64 + desc_size : 64 + desc_size + struct.unpack_from("<I", lossless, 48)[0]])
+    assert params[0] == 0
+    params[0] = 1  # method 3's first table in token-delta mode
+    out["mode 1 is not allowed for method 3"] = _with_params(lossless, bytes(params))
+
+    v1 = bytearray((ROOT / "tests" / "data" / "golden_v1.cgen").read_bytes())
+    L, desc_size = struct.unpack_from("<I", v1, 24)[0], struct.unpack_from("<I", v1, 12)[0]
+    at = 64 + 2 * L + desc_size  # chunk 0
+    sizes = struct.unpack_from("<4I", v1, at + 16)
+    struct.pack_into("<H", v1, at + 40, 0x8000)  # its first scale: -0.0
+    struct.pack_into("<I", v1, at + 36, zlib.crc32(bytes(v1[at : at + 36]) + bytes(v1[at + 40 : at + 40 + sum(sizes)])))
+    out["a scale is negative"] = bytes(v1)
+
+    v2 = (GOLDEN / "v2_delta_shared.cgen").read_bytes()
+    desc = json.loads(v2[64 : 64 + struct.unpack_from("<I", v2, 12)[0]])
+    twice = json.loads(json.dumps(desc))
+    for e in twice["tensors"]:
+        if e["name"] == "layers.1.key":
+            e["name"] = "layers.00.key"  # layer 0's key twice, layer 1's key missing
+    out["bad or repeated layer"] = with_descriptor(v2, json.dumps(twice).encode())
+    boolean = json.loads(json.dumps(desc))
+    assert boolean["tensors"][0]["shape"][0] == 1
+    boolean["tensors"][0]["shape"][0] = True  # == 1 in Python, not a JSON integer
+    out["not a non-negative JSON integer"] = with_descriptor(v2, json.dumps(boolean).encode())
+    deep = dict(desc, extra=json.loads("[" * 16 + "]" * 16))  # the object + 16 arrays
+    out["nests more than 16 deep"] = with_descriptor(v2, json.dumps(deep).encode())
+    return out
+
+
+def test_both_decoders_refuse_files_that_break_a_rule():
+    for message, bad in _crafted().items():
+        with pytest.raises(ref.FormatViolation, match=message):
+            ref.decode(bad)
+        with pytest.raises(cg.CacheGenError):
+            cg.decode(bad, device="cpu")
