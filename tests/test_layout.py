@@ -117,7 +117,10 @@ def _top_level_names(path: Path) -> set[str]:
 
 #: The package's stages, lowest first: a module imports only from its own stage or lower ones
 #: ("package" is cachegen_cli/__init__.py, the public API, which model/ and cli/ import).
-STAGES = ("errors", "kernels", "storage", "format", "methods", "pipeline", "api", "package", "model", "cli")
+#: "integrations" (plug-ins for other systems, e.g. LMCache's serde) sits next to the CLI at
+#: the top: test_nothing_imports_the_integrations keeps the two apart.
+STAGES = ("errors", "kernels", "storage", "format", "methods", "pipeline", "api", "package", "model", "cli",
+          "integrations")
 
 
 def _stage(module: str) -> str:
@@ -131,6 +134,17 @@ def test_imports_go_down_the_stages():
     up = sorted(f"{a} -> {b}" for a, p in mods.items() for b in _imports(a, p, mods)
                 if STAGES.index(_stage(b)) > STAGES.index(_stage(a)))
     assert not up, "imports of a higher stage:\n" + "\n".join(up)
+
+
+def test_nothing_imports_the_integrations():
+    """The plug-ins build on the library (the API and the stages below it); the library, the
+    model tools and the CLI never import them (they need packages the library does not)."""
+    mods = _modules()
+    assert "cachegen_cli.integrations.lmcache_serde" in mods
+    bad = sorted(f"{a} -> {b}" for a, p in mods.items() for b in _imports(a, p, mods)
+                 if (_stage(b) == "integrations") != (_stage(a) == "integrations")
+                 and (_stage(b) == "integrations" or _stage(b) in ("model", "cli")))
+    assert not bad, "imports across the integrations boundary:\n" + "\n".join(bad)
 
 
 def test_every_import_of_the_package_resolves():

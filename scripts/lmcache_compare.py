@@ -1,0 +1,237 @@
+"""Bytes and quality of LMCache's serdes on the same KV chunks: cachegen's (every quality and
+the lmcache preset) against LMCache's fp8 and TurboQuant serdes and its legacy CacheGen.
+
+The chunks are a real cache cut into LMCache's chunk layout [2, layers, tokens, hidden]
+(full chunks of --chunk-tokens tokens, as LMCache stores them).  Each serde runs through
+LMCache's own code: the serde registry (create_serde_processor) and AsyncSerdeProcessor for
+cachegen, fp8 and TurboQuant; the legacy CacheGen through its encode_function /
+decode_function_gpu / do_dequantize (LMCache's CPU fallbacks of its CUDA kernels run them
+on a machine without a GPU).  A serde that cannot run here is listed with the reason.
+
+Quality: the relative squared error of the cache (sum (x' - x)^2 / sum x^2) and the
+model-free attention-output error of `cachegen tune` (model/tune.py AttentionMeasure: RMS
+over layers of ||O' - O|| / ||O|| with the cache's own keys as queries), on the chunks put
+back together.
+
+    python scripts/lmcache_compare.py sample_data/smollm2_pydoc_520.safetensors [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import select
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from cachegen_cli.storage import kvio  # noqa: E402
+
+
+def _lmcache():
+    import lmcache.v1.distributed.serde as serde
+    from lmcache.v1.distributed.api import MemoryLayoutDesc
+    from lmcache.v1.memory_management import MemoryFormat, TensorMemoryAllocator
+    from lmcache.v1.platform import consume_fd
+
+    import cachegen_cli.integrations.lmcache_serde  # noqa: F401  (registers "cachegen")
+
+    return serde, MemoryLayoutDesc, MemoryFormat, TensorMemoryAllocator, consume_fd
+
+
+class _Runner:
+    """Serialize / deserialize chunks through an LMCache SerdeProcessor, as its serde wrapper does."""
+
+    def __init__(self, kind: str, kwargs: dict) -> None:
+        serde, self.Desc, self.Fmt, Alloc, self.consume = _lmcache()
+        self.proc = serde.create_serde_processor(serde.SerdeConfig(kind, dict(kwargs)))
+        self.alloc = Alloc(torch.empty(256 << 20, dtype=torch.uint8))
+
+    def _wait(self, fd, query, task) -> bool:
+        while True:
+            if select.select([fd], [], [], 1.0)[0]:
+                self.consume(fd)
+            done = query(task)
+            if done is not None:
+                return done
+
+    def roundtrip(self, chunk: torch.Tensor) -> tuple[int, int, torch.Tensor]:
+        """(stored bytes, estimate, decoded chunk)."""
+        p = self.proc
+        src = self.alloc.allocate([chunk.shape], [chunk.dtype], fmt=self.Fmt.KV_2LTD)
+        src.tensor.copy_(chunk)
+        estimate = p.estimate_serialized_size(self.Desc([chunk.shape], [chunk.dtype]))
+        tmp = self.alloc.allocate([torch.Size([estimate])], [torch.uint8], fmt=self.Fmt.BINARY_BUFFER)
+        if not self._wait(p.get_serialize_event_fd(), p.query_serialize_result, p.submit_serialize([src], [tmp])):
+            try:  # the processor only reports False: call its serializer once more for the reason
+                p._serializer.serialize(src, tmp)
+            finally:
+                src.ref_count_down()
+                tmp.ref_count_down()
+            raise RuntimeError("serialize failed")
+        stored = bytes(tmp.byte_array)  # narrowed to the bytes written (set_used_size): what L2 stores
+        load = self.alloc.allocate([torch.Size([estimate])], [torch.uint8], fmt=self.Fmt.BINARY_BUFFER)
+        load.tensor[: len(stored)].copy_(torch.frombuffer(bytearray(stored), dtype=torch.uint8))
+        out = self.alloc.allocate([chunk.shape], [chunk.dtype], fmt=self.Fmt.KV_2LTD)
+        if not self._wait(p.get_deserialize_event_fd(), p.query_deserialize_result, p.submit_deserialize([load], [out])):
+            raise RuntimeError("deserialize failed (see LMCache's log above)")
+        decoded = out.tensor.clone()
+        for obj in (src, tmp, load, out):
+            obj.ref_count_down()
+        return len(stored), estimate, decoded
+
+    def close(self) -> None:
+        self.proc.close()
+
+
+def legacy_cachegen(chunk: torch.Tensor, num_kv_heads: int, head_dim: int) -> tuple[int, int, torch.Tensor]:
+    """LMCache's legacy CacheGen (lmcache/storage_backend/serde), with the bins table its
+    CacheGenConfig gives a model of this many layers (32 bins for K layers < 10 and V layers < 2,
+    16 above), as CacheGenSerializer.serialize / CacheGenDeserializer.deserialize call it.
+    (Its v1 wrapper's module imports every storage backend: redis, aiofile, ...)"""
+    from lmcache.storage_backend.serde.cachegen_basics import CacheGenConfig, CacheGenGPUEncoderOutput, QuantizationSpec
+    from lmcache.storage_backend.serde.cachegen_decoder import decode_function_gpu, do_dequantize
+    from lmcache.storage_backend.serde.cachegen_encoder import encode_function
+
+    _, L, T, C = chunk.shape
+    small = L < 10
+    cfg = CacheGenConfig(
+        nlayers=L,
+        kspecs=[QuantizationSpec(start_layer=0, end_layer=L, bins=32)] if small else
+        [QuantizationSpec(start_layer=0, end_layer=10, bins=32), QuantizationSpec(start_layer=10, end_layer=L, bins=16)],
+        vspecs=[QuantizationSpec(start_layer=0, end_layer=L, bins=32)] if small else
+        [QuantizationSpec(start_layer=0, end_layer=2, bins=32), QuantizationSpec(start_layer=2, end_layer=L, bins=16)])
+
+    def bins(specs):
+        table = torch.zeros(L)
+        for s in specs:
+            table[s.start_layer : s.end_layer] = s.bins
+        return table
+
+    kb, vb = bins(cfg.kspecs), bins(cfg.vspecs)
+    x = chunk.view(2, L, T, num_kv_heads, head_dim).permute(1, 0, 2, 3, 4)
+    blob = encode_function(x, cfg, kb, vb, T).to_bytes()
+    out = CacheGenGPUEncoderOutput.from_bytes(blob)
+    ntok = out.max_tensors_key.shape[1]
+    buffer = torch.zeros((ntok, 2 * L * C), dtype=torch.uint8)
+    k, v = decode_function_gpu(out.cdf, out.data_chunks, out.max_tensors_key.shape[0], ntok, buffer)
+    k = do_dequantize(k, kb, out.max_tensors_key)
+    v = do_dequantize(v, vb, out.max_tensors_value)
+    decoded = torch.stack([k, v]).reshape(2, L, ntok, C).to(chunk.dtype)
+    return len(blob), len(blob), decoded
+
+
+METHODS = [
+    ("cachegen quality=lossless", "cachegen", {"quality": "lossless"}),
+    ("cachegen quality=high", "cachegen", {"quality": "high"}),
+    ("cachegen quality=balanced", "cachegen", {"quality": "balanced"}),
+    ("cachegen quality=small", "cachegen", {"quality": "small"}),
+    ("cachegen preset=lmcache", "cachegen", {"preset": "lmcache"}),
+    ("LMCache fp8 (float8_e4m3fn)", "fp8", {}),
+    ("LMCache fp8 (float8_e5m2)", "fp8", {"fp8_dtype": "float8_e5m2"}),
+    ("LMCache turboquant (turboquant_k8v4)", "turboquant", {"preset": "turboquant_k8v4", "head_dim": None}),
+    ("LMCache turboquant (turboquant_4bit_nc)", "turboquant", {"preset": "turboquant_4bit_nc", "head_dim": None}),
+    ("LMCache legacy CacheGen", "legacy", {}),
+]
+
+
+def compare(path: Path, chunk_tokens: int = 256, log=print) -> dict:
+    from cachegen_cli.model.tune import AttentionMeasure
+
+    cache = kvio.read_safetensors(path)
+    L, T, C, H, D = cache.num_layers, cache.num_tokens, cache.num_channels, cache.num_kv_heads, cache.head_dim
+    whole = (T // chunk_tokens) * chunk_tokens
+    if whole == 0:
+        raise SystemExit(f"{path}: {T} tokens, fewer than one chunk of {chunk_tokens}")
+    internal = cache.data[:, :, :whole]  # [L, 2, T, C]
+    lm = internal.permute(1, 0, 2, 3).contiguous()  # LMCache's [2, L, T, C]
+    chunks = [lm[:, :, t : t + chunk_tokens].contiguous() for t in range(0, whole, chunk_tokens)]
+    raw = internal.numel() * internal.element_size()
+    x = internal.double()
+    measure = AttentionMeasure(internal, H, D)
+    rows = []
+    for label, kind, kwargs in METHODS:
+        t0 = time.perf_counter()
+        try:
+            if kind == "legacy":
+                parts = [legacy_cachegen(c, H, D) for c in chunks]
+            else:
+                if kwargs.get("head_dim", 0) is None:
+                    kwargs = dict(kwargs, head_dim=D)
+                runner = _Runner(kind, kwargs)
+                try:
+                    parts = [runner.roundtrip(c) for c in chunks]
+                finally:
+                    runner.close()
+        except Exception as exc:  # a serde that cannot run here: say why
+            rows.append({"method": label, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"})
+            log(f"{label}: cannot run: {rows[-1]['error']}")
+            continue
+        seconds = time.perf_counter() - t0
+        stored = sum(p[0] for p in parts)
+        estimate = sum(p[1] for p in parts)
+        decoded = torch.cat([p[2] for p in parts], dim=2).permute(1, 0, 2, 3).contiguous()  # [L, 2, T, C]
+        y = decoded.double()
+        rows.append({
+            "method": label,
+            "bytes": stored,
+            "estimate": estimate,
+            "ratio": raw / stored,
+            "bits_per_value": 8 * stored / internal.numel(),
+            "rel_mse": float((y - x).pow(2).sum() / x.pow(2).sum()),
+            "attention_error": measure.value(measure.cost(decoded)),
+            "seconds": seconds,
+        })
+        log(f"{label}: {stored:,} bytes, {seconds:.1f} s")
+    return {"file": str(path), "chunks": len(chunks), "chunk_tokens": chunk_tokens, "shape": [2, L, whole, C],
+            "raw_bytes": raw, "rows": rows}
+
+
+def _versions() -> str:
+    from importlib.metadata import version
+
+    return ", ".join(f"{p} {version(p)}" for p in ("lmcache", "torch", "numba"))
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        f"{result['chunks']} chunks of {result['chunk_tokens']} tokens, LMCache layout {result['shape']} "
+        f"(bf16, {result['raw_bytes']:,} bytes) from `{result['file']}`",
+        "",
+        "| serde | stored bytes | estimate (buffer) | ratio vs bf16 | bits/value | cache rel. sq. error | "
+        "attention-output error |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in result["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['method']} | cannot run here: {r['error']} | | | | | |")
+            continue
+        lines.append(f"| {r['method']} | {r['bytes']:,} | {r['estimate']:,} | {r['ratio']:.2f}x | "
+                     f"{r['bits_per_value']:.2f} | {r['rel_mse']:.2e} | {r['attention_error']:.2e} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("cache", type=Path, help="a KV safetensors file (either cachegen layout)")
+    ap.add_argument("--chunk-tokens", type=int, default=256, help="LMCache's chunk size (256)")
+    ap.add_argument("--markdown", action="store_true", help="print a markdown table")
+    args = ap.parse_args()
+    result = compare(args.cache, args.chunk_tokens, log=lambda m: print(m, file=sys.stderr))
+    print(f"date {datetime.date.today().isoformat()}; {platform.machine()}, {os.cpu_count()} cores, "
+          f"{'CUDA ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}; {_versions()}")
+    if args.markdown:
+        print(markdown(result))
+        return
+    for r in result["rows"]:
+        print(r)
+
+
+if __name__ == "__main__":
+    main()
