@@ -116,8 +116,9 @@ def _top_level_names(path: Path) -> set[str]:
 
 
 #: The package's stages, lowest first: a module imports only from its own stage or lower ones
-#: ("package" is cachegen_cli/__init__.py, the public API, which model/ and cli/ import).
-STAGES = ("errors", "kernels", "storage", "format", "methods", "pipeline", "api", "package", "model", "cli")
+#: ("package" is cachegen_cli/__init__.py, the public API, which model/ and cli/ import; "batch"
+#: runs the API's file functions over many files, for cli/).
+STAGES = ("errors", "kernels", "storage", "format", "methods", "pipeline", "api", "package", "batch", "model", "cli")
 
 
 def _stage(module: str) -> str:
