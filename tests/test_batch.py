@@ -268,3 +268,9 @@ def test_without_ray_the_backend_says_what_to_install(caches, tmp_path, monkeypa
     assert r.exit_code == 1
     assert one_line(r) == "error: --backend ray needs Ray: pip install 'cachegen[ray]'"
     assert not (tmp_path / "out").exists()
+
+
+def test_ray_refuses_tasks_no_node_can_run(caches, tmp_path, ray_local):
+    r = cli("encode", caches / "sub", "--output-dir", tmp_path / "out", "--backend", "ray", "--device", "cuda")
+    assert r.exit_code == 2
+    assert "no room for a task of 1 GPU(s)" in one_line(r)

@@ -66,7 +66,13 @@ def run_ray(items: list[BatchItem], settings: BatchSettings, on_result: Callable
     if num_gpus:
         slots = int(resources.get("GPU", 0) // num_gpus)
     else:
-        slots = int(resources.get("CPU", 1) // max(num_cpus, 1e-9))
+        slots = int(resources.get("CPU", 0) // max(num_cpus, 1e-9))
+    if slots < 1:  # Ray would wait for ever for resources no node has
+        from ..errors import ConfigError
+
+        what = f"{num_gpus} GPU(s)" if num_gpus else f"{num_cpus} CPU(s)"
+        raise ConfigError(f"the Ray cluster has no room for a task of {what} (it has "
+                          f"{resources.get('GPU', 0):g} GPU(s), {resources.get('CPU', 0):g} CPU(s))")
     task_settings = dataclasses.replace(settings, threads=int(num_cpus) if not num_gpus else settings.threads)
     step = per_task or files_per_task(len(items), slots)
     remote = ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_retries=max_retries, retry_exceptions=False,
