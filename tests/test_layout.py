@@ -116,10 +116,11 @@ def _top_level_names(path: Path) -> set[str]:
 
 
 #: The package's stages, lowest first: a module imports only from its own stage or lower ones
-#: ("package" is cachegen_cli/__init__.py, the public API, which model/ and cli/ import).
+#: ("package" is cachegen_cli/__init__.py, the public API, which model/ and cli/ import; "batch"
+#: runs the API's file functions over many files, for cli/).
 #: "integrations" (plug-ins for other systems, e.g. LMCache's serde) sits next to the CLI at
 #: the top: test_nothing_imports_the_integrations keeps the two apart.
-STAGES = ("errors", "kernels", "storage", "format", "methods", "pipeline", "api", "package", "model", "cli",
+STAGES = ("errors", "kernels", "storage", "format", "methods", "pipeline", "api", "package", "batch", "model", "cli",
           "integrations")
 
 

@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .. import __version__
+from . import batch as _batch
 from .common import _errors, _escape, _fail, _human, err, out
 
 app = typer.Typer(
@@ -218,6 +219,10 @@ def encode(
     layout: Layout = typer.Option(Layout.auto, "--layout", help="Input layout."),
     device: Device = typer.Option(Device.auto, "--device", help="Where the kernels run: auto picks the GPU when one is present."),
     threads: int = typer.Option(0, "-T", "--threads", min=0, help="CPU threads for the kernels \\[default: 0, all cores]."),
+    output_dir: Optional[Path] = typer.Option(None, "--output-dir", help=_batch.OUTPUT_DIR_HELP, show_default=False),
+    recursive: bool = typer.Option(False, "--recursive", "-r", help=_batch.RECURSIVE_HELP),
+    workers: int = typer.Option(0, "-j", "--workers", min=0, help=_batch.WORKERS_HELP, show_default=False),
+    backend: _batch.Backend = typer.Option(_batch.Backend.local, "--backend", help=_batch.BACKEND_HELP),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output; write to a terminal."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success (errors still)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Also print the method, sizes in bytes and the time taken."),
@@ -228,7 +233,9 @@ def encode(
     Examples: [bold]cachegen encode kv.safetensors -o kv.cgen[/] (balanced quality),
     [bold]cachegen encode a.safetensors b.safetensors --quality lossless[/],
     [bold]cachegen encode - -c < kv.safetensors > kv.cgen[/],
-    [bold]cachegen encode kv.safetensors --preset lmcache --device cuda[/]
+    [bold]cachegen encode kv.safetensors --preset lmcache --device cuda[/],
+    [bold]cachegen encode caches/ -r --output-dir out/ -j 4[/] (a batch: a rerun skips complete outputs;
+    --backend ray runs it on a Ray cluster; docs/scale.md)
     """
     import time
 
@@ -241,8 +248,12 @@ def encode(
                                        ("--bins", bins)) if v is not None]
         if len(chosen) > 1:
             raise_config(f"give only one of {', '.join(chosen)}")
-        jobs = _jobs(inputs, output, stdout, default_encoded_path, "encode")
-        _check_terminals(jobs, force, "compressed data", reads_compressed=False)
+        batch = _batch.is_batch(inputs, output_dir, recursive, workers, backend)
+        if batch:
+            _batch.check_batch_options(output, stdout, inputs)
+        else:
+            jobs = _jobs(inputs, output, stdout, default_encoded_path, "encode")
+            _check_terminals(jobs, force, "compressed data", reads_compressed=False)
         if config is not None:
             from ..methods.config import load_config_file
 
@@ -254,8 +265,15 @@ def encode(
 
         if chunk_tokens is None:
             chunk_tokens = DEFAULT_CHUNK_TOKENS
-        show = _printer(jobs)
         _kernels_note(quiet or as_json, device.value)
+        if batch:
+            _batch.run("encode", inputs, output_dir=output_dir, recursive=recursive, backend=backend, workers=workers,
+                       device=device.value, threads=threads, force=force, quiet=quiet, verbose=verbose,
+                       as_json=as_json, options=dict(preset=preset, bins=bins, quantization=quantization,
+                                                     quality=quality_name, calibration=calibration,
+                                                     chunk_tokens=chunk_tokens, layout=layout.value))
+            return
+        show = _printer(jobs)
 
     def work(job: _Job) -> None:
         from ..api import encode_file
@@ -329,6 +347,10 @@ def decode(
     calibration: Optional[Path] = typer.Option(None, "--calibration", help="The calibration file the .cgen was encoded with, if any."),
     device: Device = typer.Option(Device.auto, "--device", help="Where the kernels run: auto picks the GPU when one is present."),
     threads: int = typer.Option(0, "-T", "--threads", min=0, help="CPU threads for the kernels \\[default: 0, all cores]."),
+    output_dir: Optional[Path] = typer.Option(None, "--output-dir", help=_batch.OUTPUT_DIR_HELP, show_default=False),
+    recursive: bool = typer.Option(False, "--recursive", "-r", help=_batch.RECURSIVE_HELP),
+    workers: int = typer.Option(0, "-j", "--workers", min=0, help=_batch.WORKERS_HELP, show_default=False),
+    backend: _batch.Backend = typer.Option(_batch.Backend.local, "--backend", help=_batch.BACKEND_HELP),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output; use a terminal."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Print nothing on success (errors still)."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="Also print the sizes and the time taken."),
@@ -340,15 +362,26 @@ def decode(
     """Decompress .cgen files to .safetensors, in the original layout, names and dtype.  Inputs are always kept; '-' reads stdin.
 
     Examples: [bold]cachegen decode kv.cgen -o kv.safetensors[/], [bold]cachegen decode a.cgen b.cgen[/],
-    [bold]cachegen decode -c kv.cgen > kv.safetensors[/]
+    [bold]cachegen decode -c kv.cgen > kv.safetensors[/],
+    [bold]cachegen decode out/ -r --output-dir decoded/[/] (a batch; docs/scale.md)
     """
     import time
 
     with _errors():
         from ..api import default_decoded_path
 
-        jobs = _jobs(inputs, output, stdout, default_decoded_path, "decode")
+        batch = _batch.is_batch(inputs, output_dir, recursive, workers, backend)
+        if batch:
+            _batch.check_batch_options(output, stdout, inputs)
+        else:
+            jobs = _jobs(inputs, output, stdout, default_decoded_path, "decode")
         limit = parse_size(max_output_size or DEFAULT_MAX_OUTPUT_SIZE, "--max-output-size")
+        if batch:
+            _kernels_note(quiet or as_json, device.value)
+            _batch.run("decode", inputs, output_dir=output_dir, recursive=recursive, backend=backend, workers=workers,
+                       device=device.value, threads=threads, force=force, quiet=quiet, verbose=verbose,
+                       as_json=as_json, options=dict(calibration=calibration, max_output_size=limit))
+            return
         _check_terminals(jobs, force, "binary safetensors data", reads_compressed=True)
         show = _printer(jobs)
         _kernels_note(quiet or as_json, device.value)

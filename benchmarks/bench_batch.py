@@ -1,0 +1,142 @@
+"""Batch throughput: files/s and GB/s of a batch of Llama-shaped caches, local and Ray backends.
+
+Builds N caches (Llama-3.1-8B-shaped by default: 32 layers x 8 KV heads x 128 dims, bf16)
+by tiling the real SmolLM2 sample as benchmarks/bench.py does (file k starts k * 37 tokens
+further into the sample, so the files differ), writes them to --dir, then times:
+
+- the disk: reading every input and writing as many bytes (fsync'ed), the floor of a batch;
+- each backend x pool asked for: an encode of the whole batch into a fresh output folder
+  (--force), then a decode of those outputs.  A warm-up batch of --warmup files runs first:
+  it compiles or loads the kernels in this process and starts Ray's workers, which later
+  batches reuse; each local batch starts its own worker processes (as one `cachegen` run
+  does), so their start is in the local process pool's time.
+
+GB/s counts the uncompressed bytes (the encode's input, the decode's output).
+
+    python benchmarks/bench_batch.py --files 100 --tokens 8192 --backends local,ray --device cuda
+    python benchmarks/bench_batch.py --files 8 --tokens 256 --layers 4 --pools thread,process   # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def build_files(folder: Path, files: int, tokens: int, layers: int, heads: int, head_dim: int) -> list[Path]:
+    import torch
+    from safetensors.torch import save_file
+
+    from bench import build_cache
+
+    folder.mkdir(parents=True, exist_ok=True)
+    base = build_cache(tokens + 37 * files, layers, heads, head_dim)  # tokens beyond 520 wrap round the sample
+    paths = []
+    for k in range(files):
+        path = folder / f"cache{k:05d}.safetensors"
+        if not path.exists():
+            save_file({"kv": base[:, :, 37 * k : 37 * k + tokens].contiguous()}, str(path))
+        paths.append(path)
+    del base, torch
+    return paths
+
+
+def disk_speed(paths: list[Path], scratch: Path) -> dict:
+    """Read every input (from the page cache if it is there: as the batch would) and write as
+    many bytes to scratch, each file fsync'ed: bytes read + written per second."""
+    scratch.mkdir(parents=True, exist_ok=True)
+    t = time.perf_counter()
+    moved = 0
+    for k, path in enumerate(paths):
+        data = path.read_bytes()
+        out = scratch / f"copy{k}"
+        with open(out, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        moved += 2 * len(data)
+    took = time.perf_counter() - t
+    shutil.rmtree(scratch)
+    return {"seconds": round(took, 3), "read_write_GBps": round(moved / took / 1e9, 3)}
+
+
+def run(paths, op, out_dir, backend, pool, workers, device, threads, extra) -> dict:
+    from cachegen_cli.batch import run_batch
+
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    t = time.perf_counter()
+    results = run_batch([str(p) for p in paths], op, output_dir=out_dir, backend=backend, pool=pool, workers=workers,
+                        device=device, threads=threads, force=True, **extra)
+    took = time.perf_counter() - t
+    failed = [r for r in results if r.status != "done"]
+    if failed:
+        raise SystemExit(f"{len(failed)} file(s) failed, e.g. {failed[0].input}: {failed[0].error}")
+    raw = sum(r.input_bytes if op == "encode" else r.output_bytes for r in results)
+    return {"op": op, "backend": backend, "pool": pool if backend == "local" else None, "files": len(results),
+            "seconds": round(took, 3), "files_per_s": round(len(results) / took, 3),
+            "GBps": round(raw / took / 1e9, 4), "devices": sorted({r.device for r in results if r.device})}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--files", type=int, default=100)
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--dir", type=Path, default=ROOT / "build" / "bench_batch")
+    p.add_argument("--backends", default="local", help="comma-separated: local, ray")
+    p.add_argument("--pools", default="process", help="local pools, comma-separated: process, thread")
+    p.add_argument("--workers", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--quality", default=None)
+    p.add_argument("--preset", default=None, help="e.g. lmcache (format v1)")
+    p.add_argument("--warmup", type=int, default=2, help="files of a warm-up batch before each backend's timing")
+    p.add_argument("--ray-cpus", type=int, default=None, help="num_cpus of a local Ray instance")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+
+    paths = build_files(args.dir / "inputs", args.files, args.tokens, args.layers, args.heads, args.head_dim)
+    size = sum(x.stat().st_size for x in paths)
+    report = {
+        "date": time.strftime("%Y-%m-%d"), "host": platform.node(), "cpus": os.cpu_count(),
+        "cpu": next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
+                    platform.machine()),
+        "files": args.files, "shape": [args.layers, 2, args.tokens, args.heads, args.head_dim], "bytes": size,
+        "disk": disk_speed(paths, args.dir / "disk_scratch"), "runs": [],
+    }
+    print(json.dumps({k: report[k] for k in ("date", "cpus", "cpu", "files", "shape", "bytes", "disk")}), flush=True)
+    extra = {k: v for k, v in (("quality", args.quality), ("preset", args.preset)) if v is not None}
+    for backend in args.backends.split(","):
+        if backend == "ray":
+            import ray
+
+            ray.init(num_cpus=args.ray_cpus, log_to_driver=False)
+        for pool in (args.pools.split(",") if backend == "local" else ["-"]):
+            if args.warmup:
+                run(paths[: args.warmup], "encode", args.dir / "warm", backend, pool, args.workers, args.device,
+                    args.threads, extra)
+            enc = run(paths, "encode", args.dir / "encoded", backend, pool, args.workers, args.device, args.threads, extra)
+            dec = run(sorted((args.dir / "encoded").glob("*.cgen")), "decode", args.dir / "decoded", backend, pool,
+                      args.workers, args.device, args.threads, {})
+            for row in (enc, dec):
+                report["runs"].append(row)
+                print(json.dumps(row), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
