@@ -461,17 +461,33 @@ def read_safetensors(path: str) -> tuple[dict, dict, bytes]:
 
 
 def load_rotation(path: str, h: Header, want_sha: bytes) -> np.ndarray:
-    """The calibration's rotation float32 [L, 2, C, C], checked against the file's SHA-256."""
+    """The calibration's rotation as the full float32 [L, 2, C, C] matrices (a version 2 file's
+    diagonal blocks [L, 2, H, D, D] placed on the diagonal), checked against the file's SHA-256."""
     head, meta, data = read_safetensors(path)
     check(meta.get("format") == "cachegen-calibration", f"{path}: not a cachegen calibration file")
+    version = meta.get("version")
+    check(version in ("1", "2"), f"{path}: calibration version {version!r} is not 1 or 2")
     e = head.get("rotation")
-    check(isinstance(e, dict) and e.get("dtype") == "F32" and e.get("shape") == [h.L, 2, h.C, h.C],
-          f"{path}: no float32 rotation [{h.L}, 2, {h.C}, {h.C}]")
+    shape = e.get("shape") if isinstance(e, dict) else None
+    if version == "1":
+        ok = shape == [h.L, 2, h.C, h.C]
+    else:
+        ok = (isinstance(shape, list) and len(shape) == 5 and shape[:2] == [h.L, 2] and shape[3] == shape[4]
+              and all(isinstance(v, int) and v > 0 for v in shape[2:]) and shape[2] * shape[3] == h.C)
+    check(ok and e.get("dtype") == "F32", f"{path}: no float32 rotation for {h.L} layers x {h.C} channels")
+    n = int(np.prod(shape))
     a, b = e["data_offsets"]
-    check(b - a == 4 * h.L * 2 * h.C * h.C and b <= len(data), f"{path}: bad rotation data offsets")
+    check(b - a == 4 * n and b <= len(data), f"{path}: bad rotation data offsets")
     raw = data[a:b]
     check(hashlib.sha256(raw).digest() == want_sha, f"{path}: the calibration's SHA-256 is not the file's")
-    return np.frombuffer(raw, "<f4").reshape(h.L, 2, h.C, h.C)
+    if version == "1":
+        return np.frombuffer(raw, "<f4").reshape(h.L, 2, h.C, h.C)
+    H, D = shape[2], shape[3]
+    blocks = np.frombuffer(raw, "<f4").reshape(h.L, 2, H, D, D)
+    full = np.zeros((h.L, 2, h.C, h.C), np.float32)
+    for g in range(H):
+        full[:, :, g * D : (g + 1) * D, g * D : (g + 1) * D] = blocks[:, :, g]
+    return full
 
 
 # ---------------------------------------------------------------- chunks

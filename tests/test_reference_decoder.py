@@ -144,13 +144,19 @@ def calibration_file(tmp_path_factory):
     calib.save(cal, path)
     with_sensitivity = path.with_name("cal_sens.safetensors")
     calib.save(cal.with_sensitivity(np.array([[1.0, 2.0], [0.5, 1.0], [3.0, 0.25]])), with_sensitivity)
-    return path, with_sensitivity
+    per_head = path.with_name("cal_head.safetensors")  # calibration version 2: one block per head
+    calib.save(calib.fit([realistic_kv(layers=3, tokens=64, heads=2, head_dim=8, seed=7).reshape(3, 2, 64, 16)],
+                         blocks=2), per_head)
+    return path, with_sensitivity, per_head
 
 
-@pytest.mark.parametrize("case", ["balanced", "high-fp16", "refined-fp32", "sensitivity", "no-sinks-per-layer"])
+@pytest.mark.parametrize("case", ["balanced", "high-fp16", "refined-fp32", "sensitivity", "no-sinks-per-layer",
+                                  "per-head"])
 def test_rotated_file_decodes_to_the_same_values(case, calibration_file):
-    plain, sens = calibration_file
+    plain, sens, per_head = calibration_file
     kv, kw, cal = _stacked(), dict(quality="balanced"), plain
+    if case == "per-head":
+        cal = per_head
     if case == "high-fp16":
         kv, kw = _stacked(torch.float16), dict(quality="high")
     elif case == "refined-fp32":
