@@ -374,7 +374,7 @@ def analyse(
         shown = ", ".join(_tname(n) for n in list(tensors)[:3]) + (", ..." if len(tensors) > 3 else "")
         raise LayoutError(f"no tensor in a known KV layout among {shown}: expected {SCHEME_HELP} "
                           "(or say how yours are named with --names)")
-    planes = _planes(entries, kept, claimed)
+    planes = _planes(entries, kept, claimed, naming)
     for p in planes:  # which tensor holds NaN / Inf, before any work
         _check_finite(entries[p.tensor]["name"], plane_values(kept[p.tensor], entries[p.tensor]["form"], p.select))
     groups = _group(planes, entries, hints)
@@ -388,7 +388,7 @@ def _check_finite(name: str, x: torch.Tensor) -> None:
     raise NonFiniteError(f"tensor {_tname(name)} holds {' and '.join(kinds)} values; cachegen encodes finite values only")
 
 
-def _planes(entries: list[dict], tensors: list[torch.Tensor], claimed: list[int]) -> list[Plane]:
+def _planes(entries: list[dict], tensors: list[torch.Tensor], claimed: list[int], naming: Naming) -> list[Plane]:
     planes: list[Plane] = []
     slots: dict[tuple[int, int, str], str] = {}
     for i in claimed:
@@ -416,24 +416,47 @@ def _planes(entries: list[dict], tensors: list[torch.Tensor], claimed: list[int]
                                   f"{'' if not seq else f'sequence {seq} '}layer {layer}'s {kind}")
             slots[slot] = e["name"]
             planes.append(Plane(i, tuple(sel), seq, layer, kind, T, C, e["dtype"]))
+    # a layer's key and value come in the same batch
+    by_name = {entries[i]["name"]: entries[i] for i in claimed}
+    for (seq, layer, kind), name in slots.items():
+        partner = slots.get((seq, layer, "value")) if kind == "key" else None
+        if partner is not None and _batch(by_name[name]) != _batch(by_name[partner]):
+            raise ShapeError(f"tensor {_tname(name)} has batch size {_batch(by_name[name])} but {_tname(partner)} "
+                             f"{_batch(by_name[partner])}")
+    for (seq, layer, kind), name in slots.items():
+        if kind != "key" or (seq, layer, "value") in slots:
+            continue
+        for (s2, l2, k2), other in slots.items():
+            if (l2, k2) == (layer, "value") and _batch(by_name[other]) != _batch(by_name[name]):
+                raise ShapeError(f"tensor {_tname(name)} has batch size {_batch(by_name[name])} but {_tname(other)} "
+                                 f"{_batch(by_name[other])}")
     # every layer holds a K and a V, or a latent
     for (seq, layer, kind), name in slots.items():
         other = {"key": "value", "value": "key"}.get(kind)
         if other is not None and (seq, layer, other) not in slots:
-            raise LayoutError(f"tensor {_tname(name)} has no {other}: {_missing_name(name, kind, other)} is missing")
+            raise LayoutError(f"tensor {_tname(name)} has no {other}: {_missing_name(naming, name, layer, other)} "
+                              "is missing")
         if kind == "latent" and ((seq, layer, "key") in slots or (seq, layer, "value") in slots):
             raise LayoutError(f"tensor {_tname(name)} is layer {layer}'s latent, but the layer has a key or value too")
     return planes
 
 
-def _missing_name(name: str, kind: str, other: str) -> str:
-    """The partner's name, by the same scheme (layers.1.key -> layers.1.value)."""
-    swaps = {("key", "value"): (("key", "value"), (".0", ".1"), ("k", "v")),
-             ("value", "key"): (("value", "key"), (".1", ".0"), ("v", "k"))}[(kind, other)]
-    for a, b in swaps:
-        if a in name:
-            i = name.rfind(a)
-            return name[:i] + b + name[i + len(a):]
+def _missing_name(naming: Naming, name: str, layer: int, other: str) -> str:
+    """The partner's name by the same scheme (layers.1.key -> layers.1.value, past_key_values.0.1
+    -> past_key_values.0.0), or 'its key' / 'its value' when no simple swap gives one."""
+    words = {"value": ("value", "v", "1", "values"), "key": ("key", "k", "0", "keys")}
+    mine = words["key" if other == "value" else "value"]
+    for a, b in zip(mine, words[other]):
+        at = name.find(a)
+        while at >= 0:
+            candidate = name[:at] + b + name[at + len(a):]
+            try:
+                hit = naming.match(candidate)
+            except LayoutError:
+                hit = None
+            if hit is not None and hit[1:] == (layer, other):
+                return candidate
+            at = name.find(a, at + 1)
     return f"its {other}"
 
 
