@@ -498,3 +498,19 @@ def test_cli_corrupt_v3_file_is_one_line(tmp_path):
         assert r.exit_code == 1 and "Traceback" not in r.output
         assert r.stderr.strip().startswith("error:") and "CRC" in r.stderr, r.output
     assert not (tmp_path / "bad.decoded.safetensors").exists()
+
+
+def test_a_cache_object_with_linear_attention_states_is_refused():
+    transformers = pytest.importorskip("transformers")
+    from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+
+    cache = transformers.DynamicCache()
+    full, linear = DynamicLayer(), LinearAttentionLayer()
+    full.update(_t(1, 2, 4, 8), _t(1, 2, 4, 8, seed=1))
+    linear.conv_states[0] = torch.zeros(1, 4, 3)
+    cache.layers = [full, linear]
+    with pytest.raises(LayoutError, match="layer 1 of the DynamicCache holds linear-attention"):
+        cg.encode(cache, device="cpu")
+    cache.layers = [full]  # without it: a regular per-layer cache, rebuilt by as_cache
+    back = cg.decode(cg.encode(cache, quality="lossless", device="cpu"), device="cpu", as_cache=True)
+    assert torch.equal(back.layers[0].keys, full.keys) and torch.equal(back.layers[0].values, full.values)

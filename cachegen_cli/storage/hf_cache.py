@@ -31,11 +31,13 @@ def tensors_of(cache) -> tuple[dict[str, torch.Tensor], dict | None]:
     windowed = False
     for i, layer in enumerate(layers):
         k, v = getattr(layer, "keys", None), getattr(layer, "values", None)
+        states = [x for name in ("conv_states", "recurrent_states")
+                  for x in (getattr(layer, name, None) or {}).values() if x is not None]
+        if states:  # they would be lost: refuse rather than drop them
+            raise LayoutError(f"layer {i} of the {type(cache).__name__} holds linear-attention (conv / recurrent) "
+                              "states: cachegen encodes attention K / V only")
         if not isinstance(k, torch.Tensor) or not isinstance(v, torch.Tensor):
-            if hasattr(layer, "conv_states") or hasattr(layer, "recurrent_states"):
-                raise LayoutError(f"layer {i} of the {type(cache).__name__} is a linear-attention layer "
-                                  "(conv / recurrent states): cachegen encodes attention K / V only")
-            continue  # an empty layer (a KV-sharing consumer, or not yet run)
+            continue  # an empty layer (a KV-sharing consumer, a linear-attention layer not yet run)
         if k.numel() == 0 and k.dim() == 1:
             continue
         tensors[f"layers.{i}.key"], tensors[f"layers.{i}.value"] = k, v
