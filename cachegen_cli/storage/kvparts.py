@@ -153,7 +153,7 @@ class Naming:
                 continue
             groups = m.groupdict()
             layer_text = groups.get("layer") or ""
-            if not layer_text.isascii() or not layer_text.isdigit():
+            if not layer_text.isdecimal():  # int() reads any decimal digits, as kvio's \d+ does
                 raise LayoutError(f"tensor {_tname(name)}: layer {layer_text[:20]!r} is not a number")
             if len(layer_text) > 9 or int(layer_text) > MAX_LAYER_INDEX:
                 raise LayoutError(f"tensor {_tname(name)}: layer number out of range (at most {MAX_LAYER_INDEX})")
@@ -164,7 +164,7 @@ class Naming:
             seq_text = groups.get("seq")
             seq = 0
             if seq_text is not None:
-                if not seq_text.isascii() or not seq_text.isdigit() or len(seq_text) > 6 or int(seq_text) >= MAX_BATCH:
+                if not seq_text.isdecimal() or len(seq_text) > 6 or int(seq_text) >= MAX_BATCH:
                     raise LayoutError(f"tensor {_tname(name)}: sequence {seq_text[:20]!r} is not a number below {MAX_BATCH}")
                 seq = int(seq_text)
             return seq, int(layer_text), kind
