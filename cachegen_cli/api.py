@@ -43,6 +43,8 @@ def encode(
     layout: str = "auto",
     metadata: Mapping[str, str] | None = None,
     device: str = "auto",
+    names: str | None = None,
+    extras: str = "keep",
 ) -> bytes:
     """Compress a KV cache to the bytes of a .cgen file.
 
@@ -53,8 +55,23 @@ def encode(
     ``calibration`` (a file or Calibration) adds the rotation of the transform
     qualities.  ``device``: "auto" (the GPU when one is present), "cpu" or "cuda";
     every method runs on either with the same bytes.
+
+    Caches of any other shape (docs/shapes.md) — windowed layers with fewer tokens, K and V of
+    different sizes, MLA latents, a batch, other naming schemes, extra tensors such as
+    input_ids — and a transformers ``Cache`` (e.g. DynamicCache) are written as a multi-part
+    file (format version 3).  ``names``: a regular expression naming the K / V / latent
+    tensors (groups ``layer``, ``kind``, ``seq``); ``extras``: "keep" (stored exactly) or
+    "drop" the tensors that are not K / V / latent.
     """
-    cache = kvio.from_tensors(kv, layout, metadata)
+    cache, parts = _analyse(kv, layout, metadata, names, extras)
+    if parts is not None:
+        quant = resolve_quantization(parts.model_layers, quantization=quantization, preset_name=preset, bins=bins,
+                                     quality=quality)
+        buf = _Collector()
+        from .pipeline import parts as parts_codec
+
+        parts_codec.encode_parts(parts, buf, quant, chunk_tokens, None, device, _calibration(calibration))
+        return buf.getvalue()
     quant = resolve_quantization(cache.num_layers, quantization=quantization, preset_name=preset, bins=bins,
                                  quality=quality)
     cal = _calibration(calibration)
@@ -67,6 +84,37 @@ def encode(
     buf = _Collector()
     codec.encode_to_stream(cache, buf, quant, chunk_tokens, device=device, calibration=cal)
     return buf.getvalue()
+
+
+def _analyse(kv, layout: str, metadata, names, extras: str, hints=None):
+    """(KVCache, None) for a cache in one of the regular layouts (encoded as today: format v1 /
+    v2, the same bytes), else (None, PartsCache) for the multi-part format (version 3)."""
+    from .errors import DTypeError, LayoutError, ShapeError
+    from .storage import kvparts
+
+    if _is_hf_cache(kv):
+        from .storage import hf_cache
+
+        kv, cache_hints = hf_cache.tensors_of(kv)
+        if cache_hints is not None:  # windowed layers: their windows and positions go into the file
+            return None, kvparts.analyse(kv, metadata, names, extras, cache_hints)
+    if names is None:
+        try:
+            return kvio.from_tensors(kv, layout, metadata), None
+        except (LayoutError, ShapeError, DTypeError):
+            if layout != "auto":
+                raise
+    elif layout != "auto":
+        from .errors import ConfigError
+
+        raise ConfigError("names applies to layout 'auto'", cli="--names applies to --layout auto")
+    tensors = {"kv": kv} if isinstance(kv, torch.Tensor) else kv
+    return None, kvparts.analyse(tensors, metadata, names, extras, hints)
+
+
+def _is_hf_cache(kv) -> bool:
+    """A transformers Cache object (DynamicCache and kin), without importing transformers."""
+    return any(c.__module__.startswith("transformers.") and c.__name__.endswith("Cache") for c in type(kv).__mro__)
 
 
 def _device_resident(cache: kvio.KVCache, quant, calibration) -> bool:
@@ -164,7 +212,7 @@ def _calibration(calibration: Calibration | str | Path | None) -> Calibration | 
 
 def decode(data: bytes | bytearray | memoryview | torch.Tensor | str | os.PathLike, *, device: str = "auto",
            calibration: Calibration | str | Path | None = None,
-           max_output_size: int | None = None) -> dict[str, torch.Tensor]:
+           max_output_size: int | None = None, as_cache: bool = False, config=None):
     """Decompress .cgen bytes to the original tensor names, shapes and dtype.
 
     ``data``: the bytes, a one-dimensional uint8 tensor holding them (e.g. from
@@ -173,7 +221,20 @@ def decode(data: bytes | bytearray | memoryview | torch.Tensor | str | os.PathLi
     CPU.  ``calibration``: the calibration file a rotated file was encoded with.
     ``max_output_size``: refuse (OutputTooLargeError) a file whose decoded tensors would take
     more than this many bytes, from its 64-byte header, before anything is allocated; None
-    (the default): no limit beyond the format's own checks (pass one for untrusted input)."""
+    (the default): no limit beyond the format's own checks (pass one for untrusted input).
+    ``as_cache=True``: a transformers DynamicCache instead of the tensors, ready for
+    ``model.generate(past_key_values=...)`` (windowed layers as DynamicSlidingWindowLayer;
+    ``config``: a model config whose layer types to use)."""
+    tensors, entries = _decode_tensors(data, device, calibration, max_output_size)
+    if not as_cache:
+        return tensors
+    from .storage import hf_cache
+
+    return hf_cache.to_cache(tensors, entries, config)
+
+
+def _decode_tensors(data, device: str, calibration, max_output_size):
+    """(named tensors, their manifest-style entries) of .cgen bytes (decode's arguments)."""
     from .errors import FormatError, InputError, InputNotFoundError
 
     if isinstance(data, (str, os.PathLike)):
@@ -191,6 +252,15 @@ def decode(data: bytes | bytearray | memoryview | torch.Tensor | str | os.PathLi
     if max_output_size is not None:  # host-side, also for bytes on the GPU: 64 bytes copied
         head = bytes(data[:64].cpu().numpy()) if isinstance(data, torch.Tensor) else bytes(memoryview(data)[:64])
         check_decoded_size(head, max_output_size)
+    if _version(data) == 3:  # a multi-part file: its groups decode through the paths below
+        from .pipeline import parts as parts_codec
+
+        buf = memoryview(data.cpu().numpy()) if isinstance(data, torch.Tensor) else data
+        resolved = codec.resolve_device(device)
+        manifest, tensors = parts_codec.decode_parts(buf, resolved, cal)
+        if resolved == "cuda":
+            tensors = {k: v.to("cuda") for k, v in tensors.items()}
+        return tensors, _with_positions(manifest)
     if codec.resolve_device(device) == "cuda":
         from .pipeline import lmcache_device as gpu_codec
 
@@ -204,17 +274,53 @@ def decode(data: bytes | bytearray | memoryview | torch.Tensor | str | os.PathLi
                     tensor = device_pipeline.decode(blob, header, offsets, size, cal)
                     if codec.saturates(header):
                         codec.saturate_(tensor)
-                    return kvio.to_tensors(tensor, header.descriptor)
+                    return kvio.to_tensors(tensor, header.descriptor), _entries(header.descriptor)
             else:
                 header, tensor = gpu_codec.decode_device(blob)
                 if header.dtype == "float16":  # a file from before the encoder's clamp (codec.fp16_headroom)
                     codec.saturate_(tensor)
-                return kvio.to_tensors(tensor, header.descriptor)
+                return kvio.to_tensors(tensor, header.descriptor), _entries(header.descriptor)
     if isinstance(data, torch.Tensor):
         data = memoryview(data.cpu().numpy())
     reader, _ = codec.open_input(data)
     header, tensor = codec.decode_from_stream(reader, device=device, calibration=cal)
-    return kvio.to_tensors(tensor, header.descriptor)
+    return kvio.to_tensors(tensor, header.descriptor), _entries(header.descriptor)
+
+
+def _version(data) -> int | None:
+    """The format version the bytes announce (None when they do not start with the magic)."""
+    import struct
+
+    from .format.container import MAGIC
+
+    head = bytes(data[:10].cpu().numpy()) if isinstance(data, torch.Tensor) else bytes(memoryview(data)[:10])
+    return struct.unpack_from("<H", head, 8)[0] if len(head) == 10 and head[:8] == MAGIC else None
+
+
+def _entries(descriptor: dict) -> list[dict]:
+    """A v1 / v2 descriptor's tensors as manifest-style entries (for as_cache)."""
+    if descriptor["layout"] == "stacked":
+        (e,) = descriptor["tensors"]
+        return [{"name": e["name"], "role": "kv", "form": "L2THD", "shape": e["shape"]}]
+    import re
+
+    out = []
+    for e in descriptor["tensors"]:
+        m = re.match(r"^layers\.(\d+)\.(key|value)$", e["name"])
+        out.append({"name": e["name"], "role": "kv", "form": "HTD" if len(e["shape"]) == 3 else "BHTD",
+                    "layer": int(m.group(1)), "kind": m.group(2), "seq": 0, "shape": e["shape"]})
+    return out
+
+
+def _with_positions(manifest: dict) -> list[dict]:
+    """The manifest's tensor entries, each K / V with the position of its first token (from its group)."""
+    entries = [dict(e) for e in manifest["tensors"]]
+    for g in manifest["groups"]:
+        for member, first in zip(g["members"], g["first_positions"]):
+            for ref in member:
+                if len(ref) == 1 or ref[1:] == [0]:
+                    entries[ref[0]].setdefault("first_position", first)
+    return entries
 
 
 def _check_limit(max_output_size) -> None:
@@ -305,17 +411,33 @@ def encode_file(
     device: str = "auto",
     progress: codec.ProgressFn | None = None,
     threads: int | None = None,
-) -> codec.EncodeSummary:
+    names: str | None = None,
+    extras: str = "keep",
+):
     """Compress a safetensors KV file to a .cgen file (atomically; never over the input).
 
     The input is read a slab (a run of whole chunks) at a time and the chunks are written as
     they are coded, so memory stays a few slabs whatever the cache's size.  ``threads``: numba
-    and torch threads for the call (None or 0: all cores)."""
+    and torch threads for the call (None or 0: all cores).  A cache of any other shape (see
+    encode: ``names``, ``extras``) is read whole and written as a multi-part file (format
+    version 3); its summary is then a pipeline.parts.PartsSummary."""
+    from .errors import DTypeError, LayoutError, ShapeError
+
     src = Path(src)
     dst = Path(dst) if dst is not None else default_encoded_path(src)
     check_input(src)
     with using_threads(threads):
-        with kvio.SafetensorsSource(src, layout) as source:  # the input is checked before the output
+        source = None
+        if names is None:
+            try:
+                source = kvio.SafetensorsSource(src, layout)
+            except (LayoutError, ShapeError, DTypeError):
+                if layout != "auto":
+                    raise
+        if source is None:
+            return _encode_parts_file(src, dst, force, names, extras, quantization, preset, bins, quality,
+                                      calibration, chunk_tokens, progress, device)
+        with source:  # the input is checked before the output
             check_output(dst, [src], force)
             cal = _calibration(calibration)
             quant = resolve_quantization(source.cache.num_layers, quantization=quantization, preset_name=preset,
@@ -323,6 +445,53 @@ def encode_file(
             with atomic_output(dst) as tmp, open(tmp, "wb") as out:
                 summary = codec.encode_to_stream(source, out, quant, chunk_tokens, progress, device, cal)
     return summary
+
+
+def _encode_parts_file(src: Path, dst: Path, force: bool, names, extras, quantization, preset, bins, quality,
+                       calibration, chunk_tokens, progress, device):
+    from .pipeline import parts as parts_codec
+    from .storage import kvparts
+
+    tensors, metadata = kvio.read_tensors(src)
+    pc = kvparts.analyse(tensors, metadata, names, extras)  # the input is checked before the output
+    check_output(dst, [src], force)
+    cal = _calibration(calibration)
+    quant = resolve_quantization(pc.model_layers, quantization=quantization, preset_name=preset, bins=bins,
+                                 quality=quality)
+    with atomic_output(dst) as tmp, open(tmp, "wb") as out:
+        return parts_codec.encode_parts(pc, out, quant, chunk_tokens, progress, device, cal)
+
+
+def _file_version(path: Path) -> int | None:
+    with open(path, "rb") as f:
+        return _version(f.read(10))
+
+
+def _decode_parts_file(src: Path, dst: Path, force: bool, device: str, calibration, progress, max_output_size) -> None:
+    from .format import parts as parts_format
+    from .pipeline import parts as parts_codec
+    from .storage import kvparts
+
+    reader, closer = codec.open_input(src)
+    try:
+        pf = parts_format.PartsFile(reader.view if hasattr(reader, "view") else reader.read())
+        check_decoded_size(bytes(pf.view[:64]), max_output_size, str(src))
+        cal = _calibration(calibration)
+        check_output(dst, [src], force)
+        m = pf.manifest
+        data = [parts_codec.decode_group(pf, i, device, cal) for i in range(len(m["groups"]))]
+        extras = [bytes(pf.part(i)) for i in range(len(m["groups"]), len(pf.parts))]
+        tensors = kvparts.tensors_from_groups(m, data, extras)
+        del data
+        with atomic_output(dst) as tmp, open(tmp, "wb") as out:
+            for piece in kvparts.safetensors_parts(tensors, m["metadata"]):
+                out.write(piece)
+        if progress:
+            progress(1, 1)
+    finally:
+        del reader
+        pf = None
+        _close_quietly(closer)
 
 
 def decode_file(
@@ -347,6 +516,15 @@ def decode_file(
     dst = Path(dst) if dst is not None else default_decoded_path(src)
     _check_limit(max_output_size)
     check_input(src)
+    if src.is_file() and _file_version(src) == 3:
+        with using_threads(threads):
+            try:
+                _decode_parts_file(src, dst, force, device, calibration, progress, max_output_size)
+            except FormatError as exc:  # the message names the file
+                if str(src) in str(exc):
+                    raise
+                raise type(exc)(f"{src}: {exc}") from None
+        return dst
     with using_threads(threads):
         # Plain reads, not a mapping: the decoder holds one slab of the input at a time.
         reader, closer = codec.open_input(src, mapped=False)
@@ -386,6 +564,20 @@ def test_file(
     src = _as_path(src, "test_file")
     if not src.is_file():
         raise InputNotFoundError(f"no such file: {src}")
+    if _file_version(src) == 3:
+        from .pipeline import parts as parts_codec
+
+        with using_threads(threads):
+            cal = _calibration(calibration)
+            reader, closer = codec.open_input(src)
+            try:
+                info = parts_codec.test_parts(reader.view if hasattr(reader, "view") else reader.read(), device, cal,
+                                              progress)
+            finally:
+                del reader
+                _close_quietly(closer)
+        info["compressed_bytes"] = src.stat().st_size
+        return info
     with using_threads(threads):
         cal = _calibration(calibration)
         reader, closer = codec.open_input(src, mapped=False)

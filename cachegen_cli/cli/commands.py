@@ -217,6 +217,8 @@ def encode(
     config: Optional[Path] = typer.Option(None, "--config", help="TOML or JSON file: a quality, steps per layer (`cachegen tune` writes one) or bins ranges (docs/config.md)."),
     chunk_tokens: Optional[int] = typer.Option(None, "--chunk-tokens", help="Tokens per chunk \\[default: 256]."),
     layout: Layout = typer.Option(Layout.auto, "--layout", help="Input layout."),
+    names: Optional[str] = typer.Option(None, "--names", metavar="REGEX", help="How the K / V / latent tensors are named, if not by a built-in scheme: a regular expression with groups (?P<layer>...), (?P<kind>key|value|...) and optionally (?P<seq>...); see docs/shapes.md."),
+    drop_extras: bool = typer.Option(False, "--drop-extras", help="Leave out the tensors that are not K / V / latent (input_ids, attention_mask, ...) instead of storing them exactly."),
     device: Device = typer.Option(Device.auto, "--device", help="Where the kernels run: auto picks the GPU when one is present."),
     threads: int = typer.Option(0, "-T", "--threads", min=0, help="CPU threads for the kernels \\[default: 0, all cores]."),
     output_dir: Optional[Path] = typer.Option(None, "--output-dir", help=_batch.OUTPUT_DIR_HELP, show_default=False),
@@ -230,12 +232,16 @@ def encode(
 ) -> None:
     """Compress KV caches (.safetensors) to .cgen files.  Inputs are always kept; '-' reads stdin.
 
+    Any cache shape (docs/shapes.md): windowed layers, K and V of different sizes, MLA latents,
+    batches, other naming schemes and extra tensors are written as a multi-part file.
+
     Examples: [bold]cachegen encode kv.safetensors -o kv.cgen[/] (balanced quality),
     [bold]cachegen encode a.safetensors b.safetensors --quality lossless[/],
     [bold]cachegen encode - -c < kv.safetensors > kv.cgen[/],
     [bold]cachegen encode kv.safetensors --preset lmcache --device cuda[/],
     [bold]cachegen encode caches/ -r --output-dir out/ -j 4[/] (a batch: a rerun skips complete outputs;
     --backend ray runs it on a Ray cluster; docs/scale.md)
+    [bold]cachegen encode gguf_kv.safetensors --names 'blk\\.(?P<layer>\\d+)\\.attn_(?P<kind>k|v)'[/]
     """
     import time
 
@@ -271,7 +277,8 @@ def encode(
                        device=device.value, threads=threads, force=force, quiet=quiet, verbose=verbose,
                        as_json=as_json, options=dict(preset=preset, bins=bins, quantization=quantization,
                                                      quality=quality_name, calibration=calibration,
-                                                     chunk_tokens=chunk_tokens, layout=layout.value))
+                                                     chunk_tokens=chunk_tokens, layout=layout.value, names=names,
+                                                     extras="drop" if drop_extras else "keep"))
             return
         show = _printer(jobs)
 
@@ -283,9 +290,13 @@ def encode(
             summary = encode_file(
                 src, dst, force=force or job.to_stdout, preset=preset, bins=bins, quantization=quantization,
                 quality=quality_name, calibration=calibration, chunk_tokens=chunk_tokens, layout=layout.value,
-                device=device.value, progress=progress, threads=threads,
+                device=device.value, progress=progress, threads=threads, names=names,
+                extras="drop" if drop_extras else "keep",
             )
         took = time.perf_counter() - t
+        if getattr(summary, "version", None) == 3:
+            _parts_summary(job, summary, took, show, quiet or as_json, verbose)
+            return
         h = summary.header
         values = h.num_layers * 2 * h.num_tokens * h.num_channels
         original = values * {"float16": 2, "bfloat16": 2, "float32": 4}[h.dtype]
@@ -309,6 +320,34 @@ def encode(
 
     code = _each(jobs, work, quiet)
     _finish(jobs, code, as_json, any(j.to_stdout for j in jobs))
+
+
+def _parts_summary(job: _Job, summary, took: float, show, silent: bool, verbose: bool) -> None:
+    """encode's lines for a multi-part file (format v3): sizes over the K / V / latent values."""
+    values = summary.num_values
+    bits = 8 * summary.file_bytes / values if values else None
+    job.result.update(original_bytes=summary.original_bytes, compressed_bytes=summary.file_bytes,
+                      ratio=summary.original_bytes / summary.file_bytes, bits_per_value=bits,
+                      num_tokens=summary.num_tokens, num_chunks=summary.num_chunks, chunk_tokens=summary.chunk_tokens,
+                      format_version=3, groups=len(summary.groups), extras=summary.extras, dropped=summary.dropped,
+                      seconds=round(took, 3))
+    if silent:
+        return
+    bits_text = f"{bits:.3f} bits/value" if bits is not None else "no values"
+    extra = f", {_plural(len(summary.extras), 'extra tensor')} kept" if summary.extras else ""
+    extra += f", {_plural(len(summary.dropped), 'tensor')} dropped" if summary.dropped else ""
+    show.print(
+        f"{_escape(job.name)} -> {_escape(job.result['output'])}: {_human(summary.original_bytes)} -> "
+        f"{_human(summary.file_bytes)} ({summary.original_bytes / summary.file_bytes:.2f}x, {bits_text}, "
+        f"{_plural(len(summary.groups), 'group')}{extra})"
+    )
+    if verbose:
+        for i, s in enumerate(summary.groups):
+            h = s.header
+            show.print(f"  group {i}: format v{h.version}, {h.num_layers} layers x {h.num_channels} channels x "
+                       f"{h.num_tokens} tokens, {h.dtype}: {s.file_bytes:,} B")
+        show.print(f"  {summary.original_bytes:,} B -> {summary.file_bytes:,} B (payload {summary.payload_bytes:,} B, "
+                   f"side {summary.side_bytes:,} B) in {took:.2f} s")
 
 
 #: --max-output-size's default.  A fixed size, so that a file decodes or not alike on every
@@ -476,7 +515,41 @@ def stats(
         _print_stats(s)
 
 
+def _print_parts_stats(s: dict) -> None:
+    """stats of a multi-part file (format v3): the whole file, then one row per group."""
+    out.print(f"[bold]{_escape(s['file'])}[/]  cgen v3 (multi-part), {_plural(s['num_tensors'], 'tensor')} "
+              f"in {_plural(len(s['groups']), 'group')}" + (f" and {_plural(len(s['extras']), 'extra tensor')}"
+                                                            if s["extras"] else ""))
+    out.print(
+        f"original {_human(s['original_bytes'])} ({s['original_bytes']:,} B)  ->  compressed {_human(s['compressed_bytes'])} "
+        f"({s['compressed_bytes']:,} B); ratio [bold]{s['ratio']:.2f}x[/], [bold]{s['bits_per_value']:.3f}[/] bits/value"
+    )
+    table = Table(box=box.SIMPLE_HEAD, header_style="bold", pad_edge=False, padding=(0, 1))
+    cols = ["group", "kind", "layers", "tokens", "channels", "dtype", "format", "KB", "bits"]
+    error = s.get("error")
+    if error:
+        cols += ["rMSE", "max|err|"]
+    for col in cols:
+        table.add_column(col, justify="right", no_wrap=True)
+    for g in s["groups"]:
+        cells = [str(g["group"]), g["kind"], _escape(g["layers"]), str(g["tokens"]), str(g["channels"]), g["dtype"],
+                 f"v{g['format_version']} {g['method']}", f"{g['compressed_bytes'] / 1000:.1f}",
+                 f"{g['bits_per_value']:.2f}"]
+        if error:
+            e = error["groups"][g["group"]]
+            cells += [f"{e['rel_mse']:.1e}", f"{e['max_abs']:.3g}"]
+        table.add_row(*cells)
+    out.print(table)
+    if error:
+        out.print(f"reconstruction vs {_escape(s['reference'])}: relative MSE {error['rel_mse']:.3e}, "
+                  f"max |error| {error['max_abs']:.4g}; extra tensors "
+                  f"{'identical' if error['extras_identical'] else '[bold red]differ[/]'}")
+
+
 def _print_stats(s: dict) -> None:
+    if s["format_version"] == 3:
+        _print_parts_stats(s)
+        return
     out.print(f"[bold]{_escape(s['file'])}[/]  cgen v{s['format_version']}, {_escape(s['method'])}, {s['layout']} layout, {s['dtype']}")
     out.print(
         f"{_plural(s['num_layers'], 'layer')} x {_plural(s['num_kv_heads'], 'KV head')} x {_plural(s['head_dim'], 'dim')}, "

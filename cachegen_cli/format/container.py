@@ -672,6 +672,8 @@ def decoded_size(head: bytes) -> int | None:
     (the usual checks then say why).  Nothing past byte 64 is needed, so a reader can refuse a
     decompression bomb before reading, let alone allocating, anything else."""
     head = bytes(head[:64])
+    if len(head) >= 32 and head[:8] == MAGIC and struct.unpack_from("<H", head, 8)[0] == 3:
+        return struct.unpack_from("<Q", head, 24)[0]  # version 3 (format/parts.py): the header says it
     if len(head) < 64 or head[:8] != MAGIC:
         return None
     num_tokens, num_layers, num_channels = struct.unpack_from("<QII", head, 16)

@@ -505,12 +505,17 @@ def capture_kv(
         raise TextError(f"text is too short: it has {len(ids)} tokens, {num_tokens} requested")
     ids = ids[:num_tokens]
     layers = prefill(model, ids)
+    if not is_regular(layers, num_tokens):
+        # The cache the model really keeps: windowed layers hold only their last tokens, an MLA
+        # layer a latent (K) and a rope part (V) of different sizes.  Only the per-layer layout
+        # holds layers of different shapes (encoded as a multi-part file, docs/shapes.md).
+        layout = "per-layer"
     tensors = layers_to_tensors(layers, layout, torch.bfloat16)
 
     # Guard against silently saving a truncated or padded cache.
-    # The token axis is dim 2 in both layouts.
+    # The token axis is dim 2 in both layouts (a windowed layer keeps at most the context).
     for name, tensor in tensors.items():
-        if tensor.shape[2] != num_tokens:
+        if tensor.shape[2] > num_tokens or (tensor.shape[2] != num_tokens and is_regular(layers, num_tokens)):
             raise RuntimeError(f"{name} has {tensor.shape[2]} tokens, expected {num_tokens}")
 
     metadata = {
@@ -522,6 +527,12 @@ def capture_kv(
         "captured_with": "cachegen_cli.capture",
     }
     return tensors, metadata
+
+
+def is_regular(layers: list[tuple[torch.Tensor, torch.Tensor]], num_tokens: int) -> bool:
+    """True when every layer's K and V have one shape [1, H, num_tokens, D] (the stacked layout holds it)."""
+    shapes = {tuple(t.shape) for kv in layers for t in kv}
+    return len(shapes) == 1 and next(iter(shapes))[-2] == num_tokens
 
 
 def layers_to_tensors(
@@ -639,6 +650,7 @@ def capture_file(
     with atomic_output(output) as tmp:
         tmp.write_bytes(blob)
     first = next(iter(tensors.values()))
+    layout = metadata["layout"]
     return {
         "output": str(output),
         "model": metadata["model"],

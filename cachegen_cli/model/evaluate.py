@@ -55,7 +55,7 @@ from .capture import (
     text_sha256,
     tokenize,
 )
-from ..errors import InputError, InputNotFoundError
+from ..errors import FormatError, InputError, InputNotFoundError
 
 _ITEMSIZE = {torch.float16: 2, torch.bfloat16: 2, torch.float32: 4}
 
@@ -227,19 +227,25 @@ def score(ref: Reference, data: torch.Tensor) -> dict[str, Any]:
     layers = ref_layers(ref, data.cpu())
     logits = teacher_forced_logits(ref.model, layers, ref.continuation_ids[:-1], ref.num_tokens)
     lp = torch.log_softmax(logits.double(), dim=-1)
+    t1 = time.perf_counter()
+    gen = greedy(ref.model, layers, ref.continuation_ids[0], ref.num_tokens, ref.generate)
+    t2 = time.perf_counter()
+    return _metrics(ref, lp, gen, ref.cache.double(), data.cpu().double(), t1 - t0, t2 - t1)
+
+
+def _metrics(ref, lp: torch.Tensor, gen: list[int], x: torch.Tensor, y: torch.Tensor, score_s: float,
+             generate_s: float) -> dict[str, Any]:
+    """The quality fields of a candidate: its log-probabilities ``lp`` and greedy tokens ``gen``
+    against the reference's, and its values ``y`` against the reference's ``x`` (float64)."""
     t = ref.targets
     idx = torch.arange(len(t))
     nll_o, nll_d = ref.nll, -lp[idx, t]
     p_o = ref.logprobs.exp()
     kl = (p_o * (ref.logprobs - lp)).sum(dim=-1).clamp_min(0.0)
     top1 = (ref.logprobs.argmax(dim=-1) == lp.argmax(dim=-1)).double()
-    t1 = time.perf_counter()
-    gen = greedy(ref.model, layers, ref.continuation_ids[0], ref.num_tokens, ref.generate)
-    t2 = time.perf_counter()
     n = ref.generate
     same = [a == b for a, b in zip(ref.greedy_tokens, gen)]
     first_div = next((i for i, s in enumerate(same) if not s), None)
-    x, y = ref.cache.double(), data.cpu().double()
     ref2 = float(x.pow(2).sum())
     err2 = float((y - x).pow(2).sum())
     ppl_o, ppl_d = math.exp(float(nll_o.mean())), math.exp(float(nll_d.mean()))
@@ -260,7 +266,7 @@ def score(ref: Reference, data: torch.Tensor) -> dict[str, Any]:
         "greedy_decoded": gen,
         "cache_rel_mse": err2 / ref2 if ref2 > 0 else err2,
         "cache_max_abs_error": float((y - x).abs().max()) if x.numel() else 0.0,
-        "seconds": {"score": t1 - t0, "generate": t2 - t1},
+        "seconds": {"score": score_s, "generate": generate_s},
     }
 
 
@@ -392,7 +398,17 @@ def evaluate_file(
         raise ConfigError(f"--generate must be 0 or more, got {generate}")
     t_start = time.perf_counter()
     text = read_text(text_path)
-    kv = read_kv_file(kv_path)
+    try:
+        kv = read_kv_file(kv_path)
+        layered = kv.data.shape[2] != len(_token_ids(kv.path, kv.metadata))
+    except (InputError, FormatError) as exc:
+        if isinstance(exc, (NoTokenIdsError, InputNotFoundError)) or (isinstance(exc, FormatError)
+                                                                       and not _is_parts(kv_path)):
+            raise
+        layered = True
+    if layered:  # windowed layers, MLA, extras ...: the model's own cache class, layer by layer
+        return _evaluate_layered(read_kv_layers(kv_path), text, text_path, model_path, continuation, generate,
+                                 loaded, log, t_start)
     ids = context_of(kv)
     want = kv.metadata.get("text_sha256")
     got = text_sha256(text)
@@ -468,3 +484,220 @@ def evaluate_file(
 def tensors_to_internal(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
     """Named tensors in either layout (what ``cachegen_cli.decode`` returns) -> [L, 2, T, H*D]."""
     return kvio.from_tensors(dict(tensors)).data
+
+
+# --- caches of any shape (windowed layers, MLA, extra tensors) -----------------------
+
+
+def _is_parts(path) -> bool:
+    from ..format import parts as parts_format
+
+    try:
+        with open(path, "rb") as f:
+            return parts_format.is_parts_file(f.read(10))
+    except OSError:
+        return False
+
+
+def _token_ids(path: Path, metadata: Mapping[str, str]) -> list[int]:
+    import json
+
+    raw = metadata.get("token_ids")
+    if raw is None:
+        raise NoTokenIdsError(
+            f"{path} carries no token ids in its metadata; eval needs a cache made by "
+            "`cachegen capture` (and encoded with `cachegen encode`, which keeps the metadata)"
+        )
+    try:
+        return [int(i) for i in json.loads(raw)]
+    except (ValueError, TypeError):
+        raise NoTokenIdsError(f"{path}: the token_ids metadata is not a JSON list of integers") from None
+
+
+@dataclass
+class LayeredKV:
+    """A KV file of any shape, as the (key, value) [1, heads, tokens, head_dim] of each layer."""
+
+    path: Path
+    kind: str  # "cgen" or "safetensors"
+    layers: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    metadata: dict[str, str]
+    file_bytes: int
+
+    @property
+    def values(self) -> int:
+        return sum(int(k.numel() + v.numel()) for k, v in self.layers.values())
+
+    @property
+    def original_bytes(self) -> int:
+        return sum(int(k.numel() * k.element_size() + v.numel() * v.element_size()) for k, v in self.layers.values())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(iter(self.layers.values()))[0].dtype
+
+
+def read_kv_layers(path: str | Path) -> LayeredKV:
+    """A .cgen file of any format version (decoded on the CPU) or a KV .safetensors of any
+    shape, layer by layer (batch 1; latent-only files have no transformers cache)."""
+    from ..api import _decode_tensors, _version
+    from ..format import container, parts as parts_format
+    from ..storage import hf_cache, kvparts
+    from ..storage.outputs import check_input
+
+    path = Path(path)
+    check_input(path)
+    with open(path, "rb") as f:
+        magic = f.read(8)
+    if magic == container.MAGIC or path.suffix == ".cgen":
+        blob = path.read_bytes()
+        tensors, entries = _decode_tensors(blob, "cpu", None, None)
+        if _version(blob) == 3:
+            metadata = parts_format.PartsFile(blob).manifest["metadata"]
+        else:
+            from ..pipeline import codec
+
+            metadata = codec.read_header_and_index(container.BufferReader(blob))[0].descriptor.get("metadata", {})
+        kind = "cgen"
+    else:
+        tensors, metadata = kvio.read_tensors(path)
+        entries = kvparts.analyse(tensors, metadata).entries
+        kind = "safetensors"
+    layers = {}
+    for layer, (k, v, _, _) in hf_cache.layer_tensors(tensors, entries).items():
+        if k is None or v is None or k.shape[0] != 1:
+            raise InputError(f"{path}: layer {layer} is not one sequence's key and value; eval scores batch-1 caches")
+        layers[layer] = (k, v)
+    return LayeredKV(path, kind, layers, dict(metadata), path.stat().st_size)
+
+
+def make_layered_cache(model: Any, layers: list[tuple[torch.Tensor, torch.Tensor]], seen: int) -> Any:
+    """The model's own cache class (DynamicCache from its config: windowed layers as
+    DynamicSlidingWindowLayer) holding ``layers``, each layer counting ``seen`` tokens."""
+    from transformers import DynamicCache
+
+    dtype = next(model.parameters()).dtype
+    cache = DynamicCache(config=model.config)
+    for i, (k, v) in enumerate(layers):
+        cache.update(k.to(dtype), v.to(dtype), i)
+    for layer in cache.layers:
+        if isinstance(getattr(layer, "cumulative_length", None), int):
+            layer.cumulative_length = seen
+    return cache
+
+
+def _layered_logits(model: Any, layers, ids: list[int], start: int) -> torch.Tensor:
+    return _forward(model, make_layered_cache(model, layers, start), ids, start)
+
+
+def _layered_greedy(model: Any, layers, first: int, start: int, n: int) -> list[int]:
+    cache = make_layered_cache(model, layers, start)
+    out: list[int] = []
+    token = first
+    for i in range(n):
+        token = int(_forward(model, cache, [token], start + i)[-1].argmax())
+        out.append(token)
+    return out
+
+
+@dataclass
+class LayeredReference:
+    """Reference of a cache of any shape: the model's own cache, rounded like the capture."""
+
+    model: Any
+    context_ids: list[int]
+    continuation_ids: list[int]
+    generate: int
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # in the storage dtype
+    logprobs: torch.Tensor
+    greedy_tokens: list[int]
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    num_tokens = property(lambda self: len(self.context_ids))
+    targets = property(lambda self: torch.tensor(self.continuation_ids[1:], dtype=torch.long))
+    nll = property(lambda self: -self.logprobs[torch.arange(len(self.targets)), self.targets])
+
+
+def build_layered_reference(model: Any, context_ids: list[int], continuation_ids: list[int], generate: int,
+                            storage_dtype: torch.dtype) -> LayeredReference:
+    seconds = {}
+    t0 = time.perf_counter()
+    layers = [(k.to(storage_dtype), v.to(storage_dtype)) for k, v in prefill(model, context_ids)]
+    seconds["prefill"] = time.perf_counter() - t0
+    ref = LayeredReference(model, list(context_ids), list(continuation_ids), generate, layers, torch.empty(0), [], seconds)
+    t0 = time.perf_counter()
+    logits = _layered_logits(model, layers, ref.continuation_ids[:-1], ref.num_tokens)
+    ref.logprobs = torch.log_softmax(logits.double(), dim=-1)
+    seconds["score"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    ref.greedy_tokens = _layered_greedy(model, layers, ref.continuation_ids[0], ref.num_tokens, generate)
+    seconds["generate"] = time.perf_counter() - t0
+    return ref
+
+
+def score_layered(ref: LayeredReference, layers: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    logits = _layered_logits(ref.model, layers, ref.continuation_ids[:-1], ref.num_tokens)
+    lp = torch.log_softmax(logits.double(), dim=-1)
+    t1 = time.perf_counter()
+    gen = _layered_greedy(ref.model, layers, ref.continuation_ids[0], ref.num_tokens, ref.generate)
+    t2 = time.perf_counter()
+    flat = lambda ls: torch.cat([t.reshape(-1).double() for kv in ls for t in kv])  # noqa: E731
+    return _metrics(ref, lp, gen, flat(ref.layers), flat(layers), t1 - t0, t2 - t1)
+
+
+def _evaluate_layered(kv: LayeredKV, text: str, text_path, model_path, continuation: int, generate: int, loaded,
+                      log: Log, t_start: float) -> dict[str, Any]:
+    ids = _token_ids(kv.path, kv.metadata)
+    want = kv.metadata.get("text_sha256")
+    got = text_sha256(text)
+    if want is not None and want != got:
+        raise TextError(f"{text_path} is not the text {kv.path.name} was captured from (its sha256 is {got[:12]}..., "
+                        f"the file's metadata says {want[:12]}...)")
+    resolved = resolve_model_path(model_path)
+    if loaded is None:
+        log(f"loading the model {resolved.name}")
+    model, tokenizer = _resolve_loaded(loaded, resolved, log)
+    mid = model_id(model)
+    warnings = []
+    if kv.metadata.get("model") and kv.metadata["model"] != mid:
+        warnings.append(f"the cache was captured with {kv.metadata['model']}, this is {mid}")
+    all_ids = tokenize(tokenizer, text)
+    T = len(ids)
+    if all_ids[:T] != ids:
+        raise ModelError(f"the model's tokenizer does not split {Path(text_path).name} into the file's token ids: "
+                         "is this the model the cache was captured with?")
+    after = len(all_ids) - T
+    if after < continuation + 1:
+        raise TextError(f"{Path(text_path).name} has {after} tokens after the {T}-token context; --continuation "
+                        f"{continuation} needs {continuation + 1}")
+    log(f"rebuilding the original cache ({T} tokens) and scoring {continuation} tokens")
+    ref = build_layered_reference(model, ids, all_ids[T:T + continuation + 1], generate, kv.dtype)
+    if sorted(kv.layers) != list(range(len(ref.layers))):
+        raise ModelError(f"the cache holds layers {sorted(kv.layers)[:8]}..., the model {mid} keeps "
+                         f"{len(ref.layers)}: it is not this model's cache")
+    for l, (k, v) in enumerate(ref.layers):
+        dk, dv = kv.layers[l]
+        if dk.shape != k.shape or dv.shape != v.shape:
+            raise ModelError(f"layer {l} of the cache holds K {list(dk.shape)} and V {list(dv.shape)}, the model "
+                             f"{mid} keeps K {list(k.shape)} and V {list(v.shape)}: it is not this model's cache")
+    log("scoring the decoded cache")
+    result = score_layered(ref, [kv.layers[l] for l in range(len(ref.layers))])
+    if kv.kind == "cgen":
+        size = {"file_bytes": kv.file_bytes, "bits_per_value": 8 * kv.file_bytes / kv.values,
+                "ratio": kv.original_bytes / kv.file_bytes}
+    else:
+        size = {"file_bytes": kv.file_bytes, "bits_per_value": 8.0 * _ITEMSIZE[kv.dtype], "ratio": 1.0}
+    out = {
+        "file": str(kv.path), "kind": kv.kind, "text": str(text_path), "model": mid,
+        "captured_with_model": kv.metadata.get("model"), "dtype": str(kv.dtype).replace("torch.", ""),
+        "num_layers": len(kv.layers), "layer_tokens": [int(kv.layers[l][0].shape[-2]) for l in sorted(kv.layers)],
+        "original_bytes": kv.original_bytes, **size, **result,
+        "greedy_original_text": tokenizer.decode(result["greedy_original"]),
+        "greedy_decoded_text": tokenizer.decode(result["greedy_decoded"]),
+        "warnings": warnings,
+    }
+    out["seconds"] = {"reference_prefill": ref.seconds["prefill"], "reference_score": ref.seconds["score"],
+                      "reference_generate": ref.seconds["generate"], "decoded_score": result["seconds"]["score"],
+                      "decoded_generate": result["seconds"]["generate"], "total": time.perf_counter() - t_start}
+    return out

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..format import parts as parts_format
 from ..pipeline import codec
 from ..storage import kvio
 from ..errors import InputError
@@ -24,6 +25,9 @@ def file_stats(path: str | Path, reference: str | Path | None = None, device: st
     from ..storage.outputs import check_input
 
     check_input(path)
+    with open(path, "rb") as fh:
+        if parts_format.is_parts_file(fh.read(10)):
+            return parts_stats(path, reference, device, calibration)
     f, closer = codec.open_input(path)
     h, header_end, offsets, size = codec.read_header_and_index(f)
     L = h.num_layers
@@ -139,3 +143,87 @@ def reconstruction_error(path: Path, reference: str | Path, device: str = "cpu",
         "max_abs": float(maxabs.max()) if maxabs.numel() else 0.0,
         "layers": layers,
     }
+
+
+def _layer_ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2,5,7-8'."""
+    out, i = [], 0
+    while i < len(layers):
+        j = i
+        while j + 1 < len(layers) and layers[j + 1] == layers[j] + 1:
+            j += 1
+        out.append(str(layers[i]) if i == j else f"{layers[i]}-{layers[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def parts_stats(path: Path, reference: str | Path | None = None, device: str = "cpu", calibration=None) -> dict:
+    """stats of a multi-part file (format v3): per group, its shape, method and bytes; with a
+    reference (the original .safetensors), the error per group and whether the extras are identical."""
+    from ..format.container import BufferReader, read_header_and_index
+    from ..storage import kvparts
+
+    blob = Path(path).read_bytes()
+    pf = parts_format.PartsFile(blob)
+    m = pf.manifest
+    groups = []
+    for i, g in enumerate(m["groups"]):
+        part = pf.part(i)
+        h = read_header_and_index(BufferReader(part))[0]
+        values = len(g["members"]) * (2 if g["kind"] == "kv" else 1) * g["tokens"] * g["channels"]
+        layers = sorted({m["tensors"][ref[0]].get("layer", ref[1] if len(ref) > 1 else 0)
+                         for member in g["members"] for ref in member})
+        groups.append({"group": i, "kind": g["kind"], "sequence": g["seq"], "layers": _layer_ranges(layers),
+                       "num_layers": len(g["members"]), "tokens": g["tokens"], "channels": g["channels"],
+                       "dtype": g["dtype"], "format_version": h.version,
+                       "method": {1: "abs-max", 2: "transform", 3: "lossless"}[h.method],
+                       "compressed_bytes": len(part), "values": values,
+                       "bits_per_value": 8 * len(part) / values if values else 0.0})
+    kv = [e for e in m["tensors"] if e["role"] == "kv"]
+    values = sum(kvparts._numel(e["shape"]) for e in kv)
+    size = len(blob)
+    out = {
+        "file": str(path), "format_version": 3, "num_tensors": len(m["tensors"]),
+        "extras": [e["name"] for e in m["tensors"] if e["role"] == "extra"],
+        "original_bytes": pf.decoded_bytes, "compressed_bytes": size,
+        "ratio": pf.decoded_bytes / size if size else 0.0, "bits_per_value": 8 * size / values if values else 0.0,
+        "groups": groups, "metadata_keys": sorted(m["metadata"]),
+    }
+    if reference is not None:
+        out["reference"] = str(reference)
+        out["error"] = _parts_error(blob, m, reference, device, calibration)
+    return out
+
+
+def _parts_error(blob: bytes, m: dict, reference, device: str, calibration) -> dict:
+    from ..api import _calibration, decode
+
+    ref_tensors, _ = kvio.read_tensors(reference)
+    decoded = decode(blob, device=device, calibration=_calibration(calibration))
+    for e in m["tensors"]:
+        r = ref_tensors.get(e["name"])
+        if r is None or list(r.shape) != e["shape"]:
+            raise InputError(f"the reference has no tensor {e['name'][:60]!r} of shape {e['shape']}: "
+                             "is it the file this .cgen was encoded from?")
+    from ..storage import kvparts
+
+    per_group = []
+    tot_err = tot_ref = 0.0
+    worst = 0.0
+    for g in m["groups"]:
+        err = ref2 = mx = 0.0
+        for member in g["members"]:
+            for ref in member:
+                e = m["tensors"][ref[0]]
+                x = kvparts.plane_values(ref_tensors[e["name"]], e["form"], tuple(ref[1:])).double()
+                y = kvparts.plane_values(decoded[e["name"]].cpu(), e["form"], tuple(ref[1:])).double()
+                d = y - x
+                err += float(d.pow(2).sum())
+                ref2 += float(x.pow(2).sum())
+                mx = max(mx, float(d.abs().max()) if d.numel() else 0.0)
+        per_group.append({"rel_mse": err / ref2 if ref2 > 0 else err, "max_abs": mx})
+        tot_err, tot_ref, worst = tot_err + err, tot_ref + ref2, max(worst, mx)
+    extras_same = all(torch.equal(ref_tensors[e["name"]], decoded[e["name"]].cpu())
+                      for e in m["tensors"] if e["role"] == "extra")
+    return {"rel_mse": tot_err / tot_ref if tot_ref > 0 else tot_err, "max_abs": worst, "groups": per_group,
+            "extras_identical": extras_same}

@@ -312,6 +312,12 @@ class FiniteCheck:
 
 def read_safetensors(path: str | Path, layout: str = "auto") -> KVCache:
     """Read and validate a KV safetensors file."""
+    tensors, metadata = read_tensors(path)
+    return from_tensors(tensors, layout, metadata)
+
+
+def read_tensors(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Every tensor of a safetensors file (in the file's order) and its metadata, unchecked."""
     from safetensors import SafetensorError, safe_open
 
     path = Path(path)
@@ -329,7 +335,7 @@ def read_safetensors(path: str | Path, layout: str = "auto") -> KVCache:
     except (SafetensorError, OSError, ValueError, RuntimeError, TypeError) as exc:
         detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise NotSafetensorsError(f"{path} is not a readable safetensors file ({detail})") from None
-    return from_tensors(tensors, layout, metadata)
+    return tensors, metadata
 
 
 def to_tensors(data: torch.Tensor, descriptor: Mapping) -> dict[str, torch.Tensor]:

@@ -1,0 +1,189 @@
+"""Format version 3 on the host: a cache of any shape (storage/kvparts.py) encoded group by
+group with the existing codecs, and decoded back to its exact tensors.
+
+Each group is a regular cache [layers, 2, tokens, channels]; it is coded by
+codec.encode_to_stream exactly as a regular file (any --quality, preset or bins, chosen for
+the group's own layers: per-layer steps and bins follow the layer numbers), and the file is the
+multi-part container of format/parts.py around those group files and the extra tensors' bytes.
+A group is held in memory while it is coded, so memory is about the cache plus one group's
+file, not the slab of the regular path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import ConfigError, SizeError
+from ..format import parts as fmt
+from ..format.container import BufferReader
+from ..methods.config import QuantizationConfig, QuantizationSpec, TransformConfig
+from ..storage import kvio, kvparts
+from . import codec
+
+
+@dataclass(repr=False)
+class PartsSummary:
+    """What encode_parts wrote: the file's bytes, and each group's EncodeSummary."""
+
+    file_bytes: int
+    payload_bytes: int
+    side_bytes: int
+    original_bytes: int  # every tensor's bytes (K / V / latent and extras)
+    kv_bytes: int
+    num_values: int  # K / V / latent values
+    groups: list = field(default_factory=list)
+    extras: list[str] = field(default_factory=list)
+    dropped: list[str] = field(default_factory=list)
+    version: int = fmt.FORMAT_VERSION_3
+
+    @property
+    def num_chunks(self) -> int:
+        return sum(s.header.num_chunks for s in self.groups)
+
+    @property
+    def num_tokens(self) -> int:
+        return max((s.header.num_tokens for s in self.groups), default=0)
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.groups[0].header.chunk_tokens if self.groups else 0
+
+    def __repr__(self) -> str:
+        return (f"PartsSummary(format_version=3, groups={len(self.groups)}, extras={len(self.extras)}, "
+                f"file_bytes={self.file_bytes}, payload_bytes={self.payload_bytes}, side_bytes={self.side_bytes})")
+
+
+def group_quantization(quant, g: "kvparts.Group", model_layers: int):
+    """The settings of one group from those of the whole cache: per-layer bins or steps are
+    taken at the group's layer numbers; a "planes" group's two halves of a plane both get the
+    plane's K (key, latent) or V (value) setting."""
+    layers = g.layers()
+    cols = [0 if k in ("kv", "key", "latent") else 1 for k in g.plane_kinds()]
+    if isinstance(quant, TransformConfig):
+        table = quant.steps_table(model_layers)
+        if g.kind == "kv":
+            k, v = tuple(float(table[l, 0]) for l in layers), tuple(float(table[l, 1]) for l in layers)
+        else:
+            k = v = tuple(float(table[l, c]) for l, c in zip(layers, cols))
+        return dataclasses.replace(quant, key_step=k, value_step=v)
+    table = quant.bins_table(model_layers)
+    if g.kind == "kv":
+        kb, vb = [int(table[l, 0]) for l in layers], [int(table[l, 1]) for l in layers]
+    else:
+        kb = vb = [int(table[l, c]) for l, c in zip(layers, cols)]
+    spec = lambda bins: tuple(QuantizationSpec(j, j + 1, b) for j, b in enumerate(bins))  # noqa: E731
+    return QuantizationConfig(spec(kb), spec(vb), name=quant.name)
+
+
+def _group_cache(pc: "kvparts.PartsCache", g: "kvparts.Group") -> kvio.KVCache:
+    data = pc.group_data(g)
+    C2 = g.coded_channels
+    return kvio.KVCache(data, "stacked", 1, C2, [{"name": "group", "shape": [g.num_layers, 2, g.tokens, 1, C2]}], {})
+
+
+class _Parts:
+    """A write sink collecting one group's file (codec.encode_to_stream's ``out``)."""
+
+    def __init__(self) -> None:
+        self.parts: list = []
+        self.sealed = True
+
+    def write(self, part) -> int:
+        if not self.sealed:
+            self.parts = [b"".join(self.parts)]
+            self.sealed = True
+        self.parts.append(bytes(part) if isinstance(part, memoryview) else part)
+        return len(part)
+
+    def slab_done(self) -> None:
+        self.sealed = False
+
+    def getvalue(self) -> bytes:
+        return b"".join(self.parts)
+
+
+def encode_parts(pc: "kvparts.PartsCache", out, quant, chunk_tokens: int, progress=None, device: str = "cpu",
+                 calibration=None) -> PartsSummary:
+    """Write the version-3 file of ``pc`` to ``out`` (anything with write)."""
+    if calibration is not None:
+        raise ConfigError("a calibration applies to a cache of one shape; this cache is coded in "
+                          f"{len(pc.groups)} group(s) of different shapes",
+                          cli="--calibration applies to a cache of one shape (not to a multi-part file)")
+    model_layers = pc.model_layers
+    total_chunks = sum(-(-g.tokens // max(chunk_tokens, 1)) for g in pc.groups)
+    done = [0]
+    summaries, bodies = [], []
+    for g in pc.groups:
+        gq = group_quantization(quant, g, model_layers)
+        sink = _Parts()
+        base = done[0]
+        report = (lambda d, t, base=base: progress(base + d, total_chunks)) if progress else None
+        s = codec.encode_to_stream(_group_cache(pc, g), sink, gq, chunk_tokens, report, device)
+        done[0] += s.header.num_chunks
+        summaries.append(s)
+        bodies.append((fmt.PART_GROUP, sink.getvalue()))
+    extras = [(fmt.PART_RAW, kvparts.raw_bytes(t)) for e, t in zip(pc.entries, pc.tensors) if e["role"] == "extra"]
+    pieces = fmt.pack(fmt.manifest_of(pc), bodies + extras, pc.decoded_bytes())
+    size = 0
+    for p in pieces:
+        out.write(p)
+        size += len(p)
+    payload = sum(s.payload_bytes for s in summaries)
+    return PartsSummary(size, payload, size - payload, pc.decoded_bytes(), pc.kv_bytes(), pc.num_values(), summaries,
+                        pc.extras, pc.dropped)
+
+
+def _check_group_header(gi: int, g: dict, h) -> None:
+    coded = g["channels"] if g["kind"] == "kv" else -(-g["channels"] // 2)
+    if (h.num_layers, h.num_tokens, h.num_channels, h.dtype) != (len(g["members"]), g["tokens"], coded, g["dtype"]):
+        raise SizeError(f"group {gi}'s file holds {h.num_layers} layers x {h.num_tokens} tokens x "
+                        f"{h.num_channels} channels of {h.dtype}, the manifest says otherwise")
+
+
+def decode_group(pf: "fmt.PartsFile", gi: int, device: str = "cpu", calibration=None) -> torch.Tensor:
+    """Group ``gi``'s regular cache [layers, 2, tokens, coded channels], checked against the manifest."""
+    reader = BufferReader(pf.part(gi))
+    dec = codec.SlabDecoder(reader, device, calibration)
+    _check_group_header(gi, pf.manifest["groups"][gi], dec.header)
+    reader.seek(0)
+    _, data = codec.decode_from_stream(reader, device=device, calibration=calibration)
+    return data
+
+
+def decode_parts(buffer, device: str = "cpu", calibration=None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The manifest and the original named tensors (in file order, on the CPU) of a version-3 file."""
+    pf = fmt.PartsFile(buffer)
+    m = pf.manifest
+    data = [decode_group(pf, i, device, calibration) for i in range(len(m["groups"]))]
+    extras = [bytes(pf.part(i)) for i in range(len(m["groups"]), len(pf.parts))]
+    return m, kvparts.tensors_from_groups(m, data, extras)
+
+
+def test_parts(buffer, device: str = "cpu", calibration=None, progress=None) -> dict:
+    """Check a version-3 file as a decode does (every part's CRC, every group decoded), keeping nothing."""
+    pf = fmt.PartsFile(buffer)
+    m = pf.manifest
+    tokens = chunks = 0
+    for i in range(len(m["groups"])):
+        reader = BufferReader(pf.part(i))
+        dec = codec.SlabDecoder(reader, device, calibration)
+        _check_group_header(i, m["groups"][i], dec.header)
+        for _ in dec.blocks(progress):
+            pass
+        tokens = max(tokens, dec.header.num_tokens)
+        chunks += dec.header.num_chunks
+    for i in range(len(m["groups"]), len(pf.parts)):
+        pf.part(i)
+    return {"format_version": fmt.FORMAT_VERSION_3, "num_tokens": tokens, "num_chunks": chunks,
+            "num_groups": len(m["groups"]), "num_tensors": len(m["tensors"])}
+
+
+def group_versions(pf: "fmt.PartsFile") -> list[int]:
+    """The format version (1 or 2) of each group's file, from its header bytes."""
+    import struct
+
+    return [struct.unpack_from("<H", bytes(pf.view[o + 8:o + 10]))[0] for o, _, k, _ in pf.parts if k == fmt.PART_GROUP]
+
