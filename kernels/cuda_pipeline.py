@@ -11,8 +11,8 @@ touch adjacent memory.
 Who does what (host wrappers launch on ``stream`` without synchronising; V = channels per
 thread, as many as one 8-byte word holds, see ``lanes``):
   nonfinite_layers   one thread per 8-byte word of the cache: flags the layers with NaN / Inf
-  rotate_blocks      a block of threads per (64 tokens, layer, K/V, diagonal block, 64 outputs),
-                     4 x 4 outputs per thread: the rotation (float64 rows out) and, on
+  rotate_blocks      a block of threads per (128 tokens, layer, K/V, diagonal block, 128
+                     outputs), 8 x 8 outputs per thread: the rotation (float64 rows out) and, on
                      decoding, its inverse (float32 out)
   stats_partial      one thread per (layer, K/V, 256-token block, V channels): the block's sum
                      and sum of squares in token order (transform.STATS_BLOCK's tree)
@@ -220,7 +220,9 @@ def nonfinite_layers(words, per_layer, exponent_mask, itemsize, flags, stream=0)
 #: Rotation tiles: ROT_TM tokens x ROT_TN outputs per block, ROT_RM x ROT_RN outputs per
 #: thread (strided by the thread grid, so a warp's loads and stores are adjacent), ROT_TK
 #: inputs per shared-memory step.  (Small under the simulator, which runs every thread.)
-ROT_TM, ROT_TN, ROT_TK, ROT_RM, ROT_RN = (8, 8, 4, 2, 2) if SIM else (64, 64, 16, 4, 4)
+#: (128 x 128 tiles of 8 x 8: 1.6x the multiply-adds per second of 64 x 64 / 4 x 4 on the H200,
+#: benchmarks/profile_rotation.py; still only ~3 of its ~17 T float64 multiply-adds per second.)
+ROT_TM, ROT_TN, ROT_TK, ROT_RM, ROT_RN = (8, 8, 4, 2, 2) if SIM else (128, 128, 16, 8, 8)
 
 
 def _make_rotate(TM, TN, TK, RM, RN, wide):

@@ -96,9 +96,14 @@ class Calibration:
 
     @property
     def sha256(self) -> bytes:
-        """Identity of the rotation: SHA-256 of its little-endian float32 bytes."""
-        # Hashed through a buffer view: a tobytes() copy of a Llama-sized rotation costs more than the hash.
-        return hashlib.sha256(memoryview(np.ascontiguousarray(self.rotation, "<f4")).cast("B")).digest()
+        """Identity of the rotation: SHA-256 of its little-endian float32 bytes (computed once:
+        a full Llama-sized rotation is 268 MB, ~0.2 s of hashing per encode or decode)."""
+        digest = self.__dict__.get("_sha256")
+        if digest is None:
+            # Hashed through a buffer view: a tobytes() copy costs more than the hash.
+            digest = hashlib.sha256(memoryview(np.ascontiguousarray(self.rotation, "<f4")).cast("B")).digest()
+            object.__setattr__(self, "_sha256", digest)  # the rotation never changes (frozen)
+        return digest
 
     def with_sensitivity(self, sensitivity: np.ndarray, note: str = "") -> "Calibration":
         """This calibration with per-plane sensitivities [L, 2] (normalized here to a geometric mean of 1)."""

@@ -115,6 +115,28 @@ def _nb(t: torch.Tensor):
     return view
 
 
+#: Device copies of the last rotations used ((digest, device, transposed) -> tensor): a full
+#: Llama-sized rotation is 268 MB, whose upload (and, for decoding, transpose) would cost more
+#: than the rest of a call.
+_ROTATIONS: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+ROTATIONS_KEPT = 2
+
+
+def _device_rotation(rot: np.ndarray, digest: bytes, dev: torch.device, transposed: bool) -> torch.Tensor:
+    """rot ([L, 2, H, D, D] blocks) on ``dev``, each block transposed when ``transposed``."""
+    key = (digest, str(dev), transposed)
+    t = _ROTATIONS.get(key)
+    if t is None:
+        t = torch.from_numpy(rot).to(dev)
+        if transposed:
+            t = t.transpose(-1, -2).contiguous()
+        _ROTATIONS[key] = t
+        while len(_ROTATIONS) > ROTATIONS_KEPT:
+            _ROTATIONS.popitem(last=False)
+    _ROTATIONS.move_to_end(key)
+    return t
+
+
 def supports(cfg: TransformConfig, calibration) -> bool:
     """True when this pipeline encodes with ``cfg`` and ``calibration``: every quality, with or
     without a calibration (lossless with one is the caller's error)."""
@@ -204,7 +226,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
             # The rotated rows (float64) replace the cache's words as the kernels' values.
             x32 = x if x.dtype == torch.float32 else x.to(torch.float32)  # torch's conversion, as the CPU's
             y = _empty((L, 2, T, C), torch.float64, dev)
-            k.rotate_blocks(_nb(x32), _nb(torch.from_numpy(rot_h).to(dev)), sink, _nb(y))
+            k.rotate_blocks(_nb(x32), _nb(_device_rotation(rot_h, digest, dev, False)), sink, _nb(y))
             del x32
             vitem, fmt = 8, k.FMT_FLOAT64
             V = 1
@@ -396,7 +418,8 @@ def decode(blob: torch.Tensor, h: FileHeader, offsets: list[int], size: int, cal
 
     rot = check_calibration(h, calibration)
     with _LOCK:
-        out, failed = _decode(blob, h, offsets, size, rot)
+        rot_t = _device_rotation(rot, h.params.calibration, blob.device, True) if rot.size else None
+        out, failed = _decode(blob, h, offsets, size, rot_t)
     if failed:
         _raise_cpu_error(blob, calibration)
     return out
@@ -415,7 +438,7 @@ def _raise_cpu_error(blob: torch.Tensor, calibration=None) -> None:
 
 
 def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
-            rot: np.ndarray) -> tuple[torch.Tensor, bool]:
+            rot_t: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
 
     k = _k()
     k1 = _k1()
@@ -484,7 +507,7 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
     _mark("range decoding")
     lossless = h.method == METHOD_LOSSLESS
     nraw = h.raw_bytes_per_value
-    rotated = bool(rot.size)
+    rotated = rot_t is not None
     if lossless or (dtype == torch.bfloat16 and not rotated):
         words = _empty((L, 2, T, C), torch.int16 if ITEMSIZE[h.dtype] == 2 else torch.int32, dev)
     else:
@@ -506,7 +529,6 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
         data = words.view(dtype)
     elif rotated:
         # x = z R^T, block by block: the same product with each block transposed
-        rot_t = torch.from_numpy(np.ascontiguousarray(rot.transpose(0, 1, 2, 4, 3))).to(dev)
         data = _empty((L, 2, T, C), torch.float32, dev)
         k.rotate_blocks(_nb(words.view(torch.float32)), _nb(rot_t), S, _nb(data))
         del words
