@@ -13,7 +13,8 @@ from .work import BatchSettings, FileResult
 BACKENDS = ("local", "ray")
 
 #: Keyword arguments of the file functions a batch passes on.
-ENCODE_OPTIONS = {"preset", "bins", "quantization", "quality", "calibration", "chunk_tokens", "layout"}
+ENCODE_OPTIONS = {"preset", "bins", "quantization", "quality", "calibration", "chunk_tokens", "layout", "names",
+                  "extras"}
 DECODE_OPTIONS = {"calibration", "max_output_size"}
 
 
