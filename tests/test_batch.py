@@ -49,10 +49,18 @@ def marker(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def ray_local(marker):
+    import signal
+
     ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'cachegen[ray]')")
+    # ray.init installs its own handlers for terminating signals in this (the driver's) process and
+    # shutdown leaves them: put back what the other tests expect (storage/outputs only takes over
+    # signals left at their default action).
+    saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     ray.init(num_cpus=2, log_to_driver=False, include_dashboard=False)
     yield ray
     ray.shutdown()
+    for s, handler in saved.items():
+        signal.signal(s, handler)
 
 
 @pytest.fixture(scope="module")

@@ -74,10 +74,15 @@ def plan_batch(inputs: list[str | os.PathLike], op: str, output_dir: str | os.Pa
         if str(raw) == "-":
             raise ConfigError("a batch reads files, not stdin ('-')")
         if path.is_dir():
-            for src in _scan(path, op, recursive, skip):
+            found = _scan(path, op, recursive, skip)
+            for src in found:
                 rel = src.relative_to(path)
                 dst = (out_root / rel.parent if out_root is not None else src.parent) / output_name(op, src.name)
                 items.append(BatchItem(src, dst))
+            if not found:  # as zstd does, a directory that gives nothing to do is an error, not a silent success
+                kind = ".safetensors" if op == "encode" else ".cgen"
+                items.append(BatchItem(path, path, f"{path} is a directory with no {kind} files"
+                                       + ("" if recursive else " (-r also reads its subfolders)")))
         else:
             dst = (out_root if out_root is not None else path.parent) / output_name(op, path.name)
             problem = None if path.is_file() else (f"no such file: {path}" if not path.exists()
