@@ -529,3 +529,48 @@ def test_both_decoders_refuse_tampered_version_3_files():
             ref.decode(bad)
         with pytest.raises(cg.CacheGenError):
             cg.decode(bad, device="cpu")
+
+
+def _with_part(blob: bytes, i: int, data: bytes) -> bytes:
+    """The version 3 file with part ``i`` replaced by ``data`` (the Part table, file_size and CRCs made consistent)."""
+    manifest_size, count = struct.unpack_from("<II", blob, 16)
+    table_at = 48 + manifest_size
+    entries = [list(struct.unpack_from("<QQB3sI", blob, table_at + 24 * k)) for k in range(count)]
+    parts = [blob[o : o + n] for o, n, *_ in entries]
+    parts[i] = data
+    at = table_at + 24 * count
+    for e, p in zip(entries, parts):
+        e[0], e[1], e[4] = at, len(p), zlib.crc32(p)
+        at += len(p)
+    table = b"".join(struct.pack("<QQB3sI", *e) for e in entries)
+    head = bytearray(blob[:48])
+    struct.pack_into("<Q", head, 32, at)
+    manifest = blob[48:table_at]
+    struct.pack_into("<I", head, 44, zlib.crc32(bytes(head[:44]) + manifest + table))
+    return bytes(head) + manifest + table + b"".join(parts)
+
+
+def test_a_group_file_in_another_layout_gives_the_same_tensors():
+    """docs/format.md: a reader MAY accept a group file in the per-layer layout (the same
+    [layers, 2, tokens, channels] cache); both decoders do, and agree. A group file of
+    another size, or a version 3 file as a group, is refused by both."""
+    blob = _v3("windowed-lossless")
+    manifest_size = struct.unpack_from("<I", blob, 16)[0]
+    offset, size = struct.unpack_from("<QQ", blob, 48 + manifest_size)
+    group = cg.decode(blob[offset : offset + size], device="cpu")["group"]  # [2, 2, 5, 1, 16]
+    per_layer_group = cg.encode(per_layer(group), quality="lossless", device="cpu")
+    assert json.loads(per_layer_group[64 : 64 + struct.unpack_from("<I", per_layer_group, 12)[0]])["layout"] == "per-layer"
+    swapped = _with_part(blob, 0, per_layer_group)
+    assert swapped != blob
+    decoded = assert_same_values(swapped)
+    tensors, _ = V3_CASES["windowed-lossless"]()
+    t = tensors["layers.2.key"]
+    assert np.array_equal(decoded.tensors["layers.2.key"][1], t.view(torch.int16).numpy().view(np.uint16))
+    for what, bad, message in (
+            ("a group of 4 tokens", _with_part(blob, 0, cg.encode(group[:, :, :4].contiguous(), quality="lossless",
+                                                                   device="cpu")), "not the Manifest's"),
+            ("a version 3 group", _with_part(blob, 0, blob), "format version 3 is not 1 or 2")):
+        with pytest.raises(ref.FormatViolation, match=message):
+            ref.decode(bad)
+        with pytest.raises(cg.CacheGenError):
+            cg.decode(bad, device="cpu")
