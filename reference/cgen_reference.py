@@ -4,8 +4,9 @@
 It imports nothing from cachegen: plain Python, numpy and the standard library, one
 function per section of the spec, no speed tricks beyond numpy's element-wise arithmetic
 (the range coder runs symbol by symbol in Python, so a large file takes minutes).  It
-decodes format version 1 (method 1) and version 2 (methods 2 and 3, every flag) and
-checks what the spec's "Rules for readers" say a reader MUST check.  It is the spec's
+decodes format version 1 (method 1), version 2 (methods 2 and 3, every flag) and version 3
+(the multi-part container: its groups are version 1 / 2 files decoded as such, its extras raw
+bytes) and checks what the spec's "Rules for readers" say a reader MUST check.  It is the spec's
 conformance test: tests/test_reference_decoder.py decodes every golden file and every
 kind of file cachegen writes with both this module and cachegen, and compares the bits.
 
@@ -15,12 +16,12 @@ Usage::
     python reference/cgen_reference.py kv.cgen --calibration cal.safetensors -o kv.npz
 
 A `.safetensors` output holds the tensors as `cachegen decode` writes them (names, shapes,
-dtype, metadata); a `.npz` output holds float16 / float32 arrays, bfloat16 values widened
-(exactly) to float32.
+dtypes, metadata); a `.npz` output holds numpy arrays of the tensors' dtypes, bfloat16 and
+float8 values widened (exactly) to float32.
 
 Library use: ``decode(blob, calibration=path_or_None) -> Decoded`` (its ``tensors`` map
 each name to ``(dtype_name, words)``, ``words`` an unsigned-integer array of the values'
-bit patterns in the tensor's shape).
+bit patterns in the tensor's shape; a version 3 file's ``groups`` hold each group's Decoded).
 """
 
 from __future__ import annotations
@@ -831,6 +832,11 @@ def parse_parts_header(f: Bytes) -> PartsHeader:
     return h
 
 
+def is_name(v, names) -> bool:
+    """A JSON string among ``names`` (a list or an object there is not an error, but no name)."""
+    return isinstance(v, str) and v in names
+
+
 def is_int(v, lo: int, hi: int) -> bool:
     """A JSON integer (no fraction, no exponent, not true / false) in [lo, hi]."""
     return type(v) is int and lo <= v <= hi
@@ -858,11 +864,11 @@ def check_tensor_entry(i: int, e) -> int:
     role = e.get("role")
     if role == "extra":
         check(set(e) == {"name", "role", "dtype", "shape", "part"}, f"manifest tensor {i}: an extra's keys are wrong")
-        check(e["dtype"] in TENSOR_DTYPES, f"manifest tensor {i}: unknown extra dtype {e['dtype']!r}")
+        check(is_name(e["dtype"], TENSOR_DTYPES), f"manifest tensor {i}: unknown extra dtype {e['dtype']!r}")
     elif role == "kv":
         form = e.get("form")
-        check(form in FORM_RANKS and len(shape) == FORM_RANKS[form], f"manifest tensor {i}: unknown form or wrong rank")
-        check(e.get("dtype") in KV_DTYPE_CODES, f"manifest tensor {i}: a kv tensor is float16, bfloat16 or float32")
+        check(is_name(form, FORM_RANKS) and len(shape) == FORM_RANKS[form], f"manifest tensor {i}: unknown form or wrong rank")
+        check(is_name(e.get("dtype"), KV_DTYPE_CODES), f"manifest tensor {i}: a kv tensor is float16, bfloat16 or float32")
         keys = {"name", "role", "form", "dtype", "shape"}
         if form == "L2THD":
             check(shape[1] == 2 and 1 <= shape[0] <= MAX_GROUP_MEMBERS,
@@ -871,7 +877,7 @@ def check_tensor_entry(i: int, e) -> int:
             keys |= {"layer", "kind", "seq"}
             check(is_int(e.get("layer"), 0, MAX_LAYER_INDEX) and is_int(e.get("seq"), 0, MAX_BATCH - 1),
                   f"manifest tensor {i}: layer or seq out of range")
-            check(e.get("kind") in KIND_FORMS and form in KIND_FORMS[e["kind"]],
+            check(is_name(e.get("kind"), KIND_FORMS) and form in KIND_FORMS[e["kind"]],
                   f"manifest tensor {i}: kind {e.get('kind')!r} cannot have form {form}")
             if form in ("BHTD", "BTC"):
                 check(1 <= shape[0] <= MAX_BATCH, f"manifest tensor {i}: batch out of range 1 ..= 4096")
@@ -932,7 +938,7 @@ def parse_manifest(raw: bytes, h: PartsHeader) -> dict:
     seen = set()
     for gi, g in enumerate(groups):
         check(isinstance(g, dict) and set(g) == GROUP_KEYS, f"group {gi}: not an object of exactly its 8 keys")
-        check(g["kind"] in ("kv", "planes") and g["dtype"] in KV_DTYPE_CODES, f"group {gi}: bad kind or dtype")
+        check(is_name(g["kind"], ("kv", "planes")) and is_name(g["dtype"], KV_DTYPE_CODES), f"group {gi}: bad kind or dtype")
         check(is_int(g["seq"], 0, MAX_BATCH - 1) and is_int(g["tokens"], 0, MAX_TOKENS)
               and is_int(g["channels"], 1, MAX_CHANNELS), f"group {gi}: seq, tokens or channels out of range")
         check(is_int(g["part"], gi, gi) and h.parts[gi][2] == PART_GROUP, f"group {gi}: not in part {gi} of kind 1")

@@ -574,3 +574,28 @@ def test_a_group_file_in_another_layout_gives_the_same_tensors():
             ref.decode(bad)
         with pytest.raises(cg.CacheGenError):
             cg.decode(bad, device="cpu")
+
+
+def test_manifest_values_of_the_wrong_json_type_are_a_format_violation():
+    """Every key of a kv tensor, an extra and a group set to a JSON value of another type: both
+    decoders refuse the file, the reference with FormatViolation (never a TypeError or KeyError)."""
+    from test_shapes import _manifest, _resealed
+
+    blob = _v3("windowed-lossless")
+    m0 = _manifest(blob)
+    targets = [("tensors", 0), ("tensors", len(m0["tensors"]) - 1), ("groups", 0)]
+    tried = 0
+    for where, i in targets:
+        for key in sorted(m0[where][i]):
+            for value in ([], {}, None, "x", -1, [[]]):
+                m = json.loads(json.dumps(m0))
+                if m[where][i][key] == value or (key == "name" and value == "x"):  # "x" is a valid name
+                    continue
+                m[where][i][key] = value
+                bad = _resealed(blob, m)
+                with pytest.raises(ref.FormatViolation):
+                    ref.decode(bad)
+                with pytest.raises(cg.CacheGenError):
+                    cg.decode(bad, device="cpu")
+                tried += 1
+    assert tried > 100
