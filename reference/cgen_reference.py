@@ -4,8 +4,9 @@
 It imports nothing from cachegen: plain Python, numpy and the standard library, one
 function per section of the spec, no speed tricks beyond numpy's element-wise arithmetic
 (the range coder runs symbol by symbol in Python, so a large file takes minutes).  It
-decodes format version 1 (method 1) and version 2 (methods 2 and 3, every flag) and
-checks what the spec's "Rules for readers" say a reader MUST check.  It is the spec's
+decodes format version 1 (method 1), version 2 (methods 2 and 3, every flag) and version 3
+(the multi-part container: its groups are version 1 / 2 files decoded as such, its extras raw
+bytes) and checks what the spec's "Rules for readers" say a reader MUST check.  It is the spec's
 conformance test: tests/test_reference_decoder.py decodes every golden file and every
 kind of file cachegen writes with both this module and cachegen, and compares the bits.
 
@@ -15,12 +16,12 @@ Usage::
     python reference/cgen_reference.py kv.cgen --calibration cal.safetensors -o kv.npz
 
 A `.safetensors` output holds the tensors as `cachegen decode` writes them (names, shapes,
-dtype, metadata); a `.npz` output holds float16 / float32 arrays, bfloat16 values widened
-(exactly) to float32.
+dtypes, metadata); a `.npz` output holds numpy arrays of the tensors' dtypes, bfloat16 and
+float8 values widened (exactly) to float32.
 
 Library use: ``decode(blob, calibration=path_or_None) -> Decoded`` (its ``tensors`` map
 each name to ``(dtype_name, words)``, ``words`` an unsigned-integer array of the values'
-bit patterns in the tensor's shape).
+bit patterns in the tensor's shape; a version 3 file's ``groups`` hold each group's Decoded).
 """
 
 from __future__ import annotations
@@ -640,15 +641,25 @@ def decode_v2_chunk(ch: ChunkSections, h: Header, p: Params, rotation: np.ndarra
 
 @dataclass
 class Decoded:
-    header: Header
-    descriptor: dict
-    cache: np.ndarray  # words [L, 2, num_tokens, C]
-    tensors: dict  # name -> (dtype name, words in the tensor's shape), in the Descriptor's order
+    header: "Header | PartsHeader"
+    descriptor: dict  # version 3: the Manifest
+    cache: np.ndarray | None  # words [L, 2, num_tokens, C]; version 3: None (see groups)
+    tensors: dict  # name -> (dtype name, words in the tensor's shape), in the Descriptor's (Manifest's) order
+    groups: list = field(default_factory=list)  # version 3: each group's Decoded, in part order
 
 
 def decode(blob: bytes, calibration: str | None = None) -> Decoded:
-    """Decode a whole .cgen file (bytes), checking it as docs/format.md requires."""
+    """Decode a whole .cgen file (bytes) of any version, checking it as docs/format.md requires."""
     f = Bytes(blob)
+    magic, version = f.unpack("8sH", 0, "FileHeader")
+    check(magic == MAGIC, "bad magic: not a .cgen file")
+    if version == 3:
+        return decode_parts(f, calibration)
+    return decode_regular(f, calibration)
+
+
+def decode_regular(f: Bytes, calibration: str | None = None) -> Decoded:
+    """A version 1 or 2 file: one regular cache [layers, 2, tokens, channels]."""
     h = parse_file_header(f)
     o = 64
     bins = []
@@ -744,20 +755,282 @@ def to_tensors(cache: np.ndarray, descriptor: dict, dtype_name: str) -> dict:
     return out
 
 
+# ---------------------------------------------------------------- version 3: the multi-part container
+
+PARTS_HEADER_SIZE = 48
+PART_ENTRY_SIZE = 24
+PART_GROUP = 1  # a complete version 1 or 2 file
+PART_RAW = 2  # an extra tensor's bytes
+# Caps of "PartsHeader (48 bytes)" and "Manifest".
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_PARTS = 1 << 17
+MAX_MANIFEST_TENSORS = 1 << 17
+MAX_GROUPS = 1 << 16
+MAX_NAME_CHARS = 1 << 16
+MAX_RANK = 8
+MAX_DIM = 1 << 40
+MAX_TENSOR_BYTES = 1 << 50
+MAX_BATCH = 4096  # also: sequence numbers 0 ..= 4095
+MAX_LAYER_INDEX = 4095
+MAX_GROUP_MEMBERS = 4096
+MAX_WINDOW = 1 << 32
+
+#: an extra's dtype name -> (bytes per element, safetensors dtype)
+TENSOR_DTYPES = {
+    "bool": (1, "BOOL"), "uint8": (1, "U8"), "int8": (1, "I8"), "int16": (2, "I16"), "int32": (4, "I32"),
+    "int64": (8, "I64"), "uint16": (2, "U16"), "uint32": (4, "U32"), "uint64": (8, "U64"), "float16": (2, "F16"),
+    "bfloat16": (2, "BF16"), "float32": (4, "F32"), "float64": (8, "F64"), "float8_e4m3fn": (1, "F8_E4M3"),
+    "float8_e5m2": (1, "F8_E5M2")}
+KV_DTYPE_CODES = {name: code for code, (name, _, _) in DTYPES.items()}  # float16 1, bfloat16 2, float32 3
+#: form -> rank, and how many leading axes select a plane
+FORM_RANKS = {"HTD": 3, "BHTD": 4, "TC": 2, "BTC": 3, "L2THD": 5}
+FORM_SELECTORS = {"HTD": 0, "TC": 0, "BHTD": 1, "BTC": 1, "L2THD": 2}
+KIND_FORMS = {"key": ("HTD", "BHTD"), "value": ("HTD", "BHTD"), "latent": ("TC", "BTC", "BHTD")}
+GROUP_KEYS = {"kind", "seq", "tokens", "channels", "dtype", "part", "members", "first_positions"}
+
+
+@dataclass
+class PartsHeader:
+    version: int
+    manifest_size: int
+    part_count: int
+    decoded_bytes: int
+    file_size: int
+    crc: int
+    parts: list = field(default_factory=list)  # (offset, size, kind, crc32) of each part
+
+
+def parse_parts_header(f: Bytes) -> PartsHeader:
+    """"PartsHeader" and the Part table, in the order "Rules for readers, version 3" gives."""
+    (_, version, header_size, flags, manifest_size, part_count, decoded_bytes, file_size, reserved,
+     crc) = f.unpack("8sHHIIIQQII", 0, "PartsHeader")
+    check(version == 3, f"format version {version} is not 3")
+    check(header_size == PARTS_HEADER_SIZE, "header_size is not 48")
+    check(flags == 0, "PartsHeader flags are not zero")
+    check(reserved == 0, "the reserved PartsHeader field is not zero")
+    check(1 <= manifest_size <= MAX_MANIFEST_BYTES, "manifest_size out of range")
+    check(part_count <= MAX_PARTS, "part_count out of range")
+    check(file_size <= len(f), f"the file is truncated: {len(f)} bytes, its header says {file_size}")
+    check(file_size == len(f), f"the file holds {len(f)} bytes, its header says {file_size}")
+    table_at = PARTS_HEADER_SIZE + manifest_size
+    data_at = table_at + PART_ENTRY_SIZE * part_count
+    check(data_at <= len(f), "the file ends inside the Manifest or the Part table")
+    manifest_raw = f.take(PARTS_HEADER_SIZE, manifest_size, "Manifest")
+    table_raw = f.take(table_at, PART_ENTRY_SIZE * part_count, "Part table")
+    check(crc32(f.take(0, 44, "PartsHeader"), manifest_raw, table_raw) == crc, "PartsHeader CRC mismatch")
+    h = PartsHeader(version, manifest_size, part_count, decoded_bytes, file_size, crc)
+    at = data_at
+    for i in range(part_count):
+        offset, size, kind, pad, part_crc = struct.unpack_from("<QQB3sI", table_raw, i * PART_ENTRY_SIZE)
+        check(kind in (PART_GROUP, PART_RAW), f"part {i}: unknown kind {kind}")
+        check(pad == bytes(3), f"part {i}: reserved bytes are not zero")
+        check(offset == at and size <= file_size - offset, f"part {i} does not start where the previous one ends "
+              "or runs past the end of the file")
+        h.parts.append((offset, size, kind, part_crc))
+        at = offset + size
+    check(at == file_size, "the parts do not end at the end of the file")
+    return h
+
+
+def is_name(v, names) -> bool:
+    """A JSON string among ``names`` (a list or an object there is not an error, but no name)."""
+    return isinstance(v, str) and v in names
+
+
+def is_int(v, lo: int, hi: int) -> bool:
+    """A JSON integer (no fraction, no exponent, not true / false) in [lo, hi]."""
+    return type(v) is int and lo <= v <= hi
+
+
+def plane_dims(e: dict) -> tuple[int, int]:
+    """(tokens, channels) of each plane of kv tensor ``e``: its form's axes ("Manifest", the plane)."""
+    s, form = e["shape"], e["form"]
+    if form in ("BHTD", "BTC"):  # plane b is T[b]
+        s, form = s[1:], form[1:]
+    if form == "HTD":
+        return s[1], s[0] * s[2]
+    if form == "TC":
+        return s[0], s[1]
+    return s[2], s[3] * s[4]  # L2THD
+
+
+def check_tensor_entry(i: int, e) -> int:
+    """Tensor ``i`` of the Manifest checked; its decoded bytes."""
+    check(isinstance(e, dict) and isinstance(e.get("name"), str) and len(e["name"]) <= MAX_NAME_CHARS,
+          f"manifest tensor {i}: no name, or a name longer than 65536 characters")
+    shape = e.get("shape")
+    check(isinstance(shape, list) and len(shape) <= MAX_RANK and all(is_int(s, 0, MAX_DIM) for s in shape),
+          f"manifest tensor {i}: the shape is not at most 8 JSON integers 0 ..= 2^40")
+    role = e.get("role")
+    if role == "extra":
+        check(set(e) == {"name", "role", "dtype", "shape", "part"}, f"manifest tensor {i}: an extra's keys are wrong")
+        check(is_name(e["dtype"], TENSOR_DTYPES), f"manifest tensor {i}: unknown extra dtype {e['dtype']!r}")
+    elif role == "kv":
+        form = e.get("form")
+        check(is_name(form, FORM_RANKS) and len(shape) == FORM_RANKS[form], f"manifest tensor {i}: unknown form or wrong rank")
+        check(is_name(e.get("dtype"), KV_DTYPE_CODES), f"manifest tensor {i}: a kv tensor is float16, bfloat16 or float32")
+        keys = {"name", "role", "form", "dtype", "shape"}
+        if form == "L2THD":
+            check(shape[1] == 2 and 1 <= shape[0] <= MAX_GROUP_MEMBERS,
+                  f"manifest tensor {i}: an L2THD tensor is [1 ..= 4096 layers, 2, tokens, heads, head_dim]")
+        else:
+            keys |= {"layer", "kind", "seq"}
+            check(is_int(e.get("layer"), 0, MAX_LAYER_INDEX) and is_int(e.get("seq"), 0, MAX_BATCH - 1),
+                  f"manifest tensor {i}: layer or seq out of range")
+            check(is_name(e.get("kind"), KIND_FORMS) and form in KIND_FORMS[e["kind"]],
+                  f"manifest tensor {i}: kind {e.get('kind')!r} cannot have form {form}")
+            if form in ("BHTD", "BTC"):
+                check(1 <= shape[0] <= MAX_BATCH, f"manifest tensor {i}: batch out of range 1 ..= 4096")
+        check(keys <= set(e) <= keys | {"sliding_window"}, f"manifest tensor {i}: missing or unknown keys")
+        check("sliding_window" not in e or is_int(e["sliding_window"], 1, MAX_WINDOW),
+              f"manifest tensor {i}: sliding_window out of range")
+    else:
+        raise FormatViolation(f"manifest tensor {i}: unknown role {role!r}")
+    size = math.prod(shape) * TENSOR_DTYPES[e["dtype"]][0]
+    check(size <= MAX_TENSOR_BYTES, f"manifest tensor {i}: more than 2^50 bytes")
+    return size
+
+
+def check_plane_ref(ref_, tensors: list) -> tuple[tuple, str]:
+    """A plane reference [tensor index, selector...] checked; (its key, its kind)."""
+    check(isinstance(ref_, list) and len(ref_) >= 1 and is_int(ref_[0], 0, len(tensors) - 1),
+          "a plane reference names no tensor")
+    e = tensors[ref_[0]]
+    check(e["role"] == "kv", "a plane reference names an extra tensor")
+    sel = ref_[1:]
+    check(len(sel) == FORM_SELECTORS[e["form"]] and all(is_int(s, 0, e["shape"][a] - 1) for a, s in enumerate(sel)),
+          f"a plane reference to {e['name'][:60]!r}: selectors out of range")
+    kind = ("key", "value")[sel[1]] if e["form"] == "L2THD" else e["kind"]
+    return tuple(ref_), kind
+
+
+def parse_manifest(raw: bytes, h: PartsHeader) -> dict:
+    """"Manifest", checked against itself, the header and the Part table."""
+    check(json_depth(raw) <= MAX_DEPTH, "the Manifest nests more than 16 deep")
+    try:
+        m = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise FormatViolation(f"the Manifest is not UTF-8 JSON: {exc}") from None
+    check(isinstance(m, dict) and set(m) == {"tensors", "groups", "metadata"},
+          "the Manifest is not an object of exactly tensors, groups and metadata")
+    meta = m["metadata"]
+    check(isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values()),
+          "metadata does not map strings to strings")
+    tensors, groups = m["tensors"], m["groups"]
+    check(isinstance(tensors, list) and 1 <= len(tensors) <= MAX_MANIFEST_TENSORS, "1 ..= 131072 tensors")
+    check(isinstance(groups, list) and len(groups) <= MAX_GROUPS, "0 ..= 65536 groups")
+    names, total, planes_needed, extras = set(), 0, 0, []
+    for i, e in enumerate(tensors):
+        total += check_tensor_entry(i, e)
+        check(e["name"] not in names, f"tensor {e['name'][:60]!r} is listed twice")
+        names.add(e["name"])
+        if e["role"] == "extra":
+            extras.append(e)
+        else:
+            planes_needed += math.prod(e["shape"][: FORM_SELECTORS[e["form"]]])
+    check(total == h.decoded_bytes, f"the tensors take {total} bytes, the PartsHeader says {h.decoded_bytes}")
+    check(h.part_count == len(groups) + len(extras), "part_count is not the number of groups plus extras")
+    for k, e in enumerate(extras):
+        part = len(groups) + k
+        want = math.prod(e["shape"]) * TENSOR_DTYPES[e["dtype"]][0]
+        check(is_int(e["part"], part, part) and h.parts[part][2] == PART_RAW and h.parts[part][1] == want,
+              f"extra {e['name'][:60]!r}: its part is not raw part {part} of {want} bytes")
+    seen = set()
+    for gi, g in enumerate(groups):
+        check(isinstance(g, dict) and set(g) == GROUP_KEYS, f"group {gi}: not an object of exactly its 8 keys")
+        check(is_name(g["kind"], ("kv", "planes")) and is_name(g["dtype"], KV_DTYPE_CODES), f"group {gi}: bad kind or dtype")
+        check(is_int(g["seq"], 0, MAX_BATCH - 1) and is_int(g["tokens"], 0, MAX_TOKENS)
+              and is_int(g["channels"], 1, MAX_CHANNELS), f"group {gi}: seq, tokens or channels out of range")
+        check(is_int(g["part"], gi, gi) and h.parts[gi][2] == PART_GROUP, f"group {gi}: not in part {gi} of kind 1")
+        members, firsts = g["members"], g["first_positions"]
+        check(isinstance(members, list) and 1 <= len(members) <= MAX_GROUP_MEMBERS, f"group {gi}: 1 ..= 4096 members")
+        check(isinstance(firsts, list) and len(firsts) == len(members) and all(is_int(p, 0, MAX_TOKENS) for p in firsts),
+              f"group {gi}: first_positions are not one JSON integer 0 ..= 2^32 - 1 per member")
+        width = 2 if g["kind"] == "kv" else 1
+        for member in members:
+            check(isinstance(member, list) and len(member) == width, f"group {gi}: a member is not {width} plane(s)")
+            kinds = []
+            for r in member:
+                key, kind = check_plane_ref(r, tensors)
+                e = tensors[key[0]]
+                check((*plane_dims(e), e["dtype"]) == (g["tokens"], g["channels"], g["dtype"]),
+                      f"group {gi}: a plane of {e['name'][:60]!r} does not have the group's tokens, channels, dtype")
+                check(key not in seen, f"group {gi}: a plane of {e['name'][:60]!r} is listed twice")
+                seen.add(key)
+                kinds.append(kind)
+            check(width == 1 or kinds == ["key", "value"], f"group {gi}: a kv member is not [K plane, V plane]")
+    check(len(seen) == planes_needed, f"the groups hold {len(seen)} planes, the kv tensors {planes_needed}")
+    return m
+
+
+def part_bytes(f: Bytes, h: PartsHeader, i: int) -> bytes:
+    offset, size, _, want = h.parts[i]
+    raw = f.take(offset, size, f"part {i}")
+    check(crc32(raw) == want, f"part {i}: CRC mismatch")
+    return raw
+
+
+def put_plane(out: np.ndarray, e: dict, sel: list, x: np.ndarray) -> None:
+    """Plane ``x`` [tokens, channels] into its tensor: x[t, h * head_dim + d] = T[h, t, d] (HTD)."""
+    form = e["form"]
+    if form in ("BHTD", "BTC"):
+        out, form = out[sel[0]], form[1:]
+    if form == "HTD":
+        H, T, D = out.shape
+        out[...] = x.reshape(T, H, D).transpose(1, 0, 2)
+    elif form == "TC":
+        out[...] = x
+    else:  # L2THD
+        l, k = sel
+        out[l, k] = x.reshape(out[l, k].shape)
+
+
+def decode_parts(f: Bytes, calibration: str | None = None) -> Decoded:
+    """A version 3 file: every group decoded as the version 1 / 2 file it is, the kv tensors
+    rebuilt from their planes, the extras from their bytes."""
+    h = parse_parts_header(f)
+    m = parse_manifest(f.take(PARTS_HEADER_SIZE, h.manifest_size, "Manifest"), h)
+    tensors = m["tensors"]
+    out = {}
+    for e in tensors:
+        if e["role"] == "kv":
+            out[e["name"]] = np.zeros(e["shape"], np.uint32 if e["dtype"] == "float32" else np.uint16)
+    groups = []
+    for gi, g in enumerate(m["groups"]):
+        gf = Bytes(part_bytes(f, h, gi))
+        gh = parse_file_header(gf)  # a group is a version 1 or 2 file (never 3)
+        coded = g["channels"] if g["kind"] == "kv" else -(-g["channels"] // 2)
+        check((gh.L, gh.num_tokens, gh.C, gh.dtype) == (len(g["members"]), g["tokens"], coded, KV_DTYPE_CODES[g["dtype"]]),
+              f"group {gi}: its file's layers, tokens, channels or dtype are not the Manifest's")
+        d = decode_regular(gf, calibration)
+        for j, member in enumerate(g["members"]):
+            if g["kind"] == "kv":
+                planes = [d.cache[j, 0], d.cache[j, 1]]
+            else:  # channels 0 .. H-1 in the K slot, H .. C-1 in the V slot (an odd C's last V channel: padding)
+                planes = [np.concatenate([d.cache[j, 0], d.cache[j, 1, :, : g["channels"] - coded]], axis=1)]
+            for (ti, *sel), x in zip(member, planes):
+                put_plane(out[tensors[ti]["name"]], tensors[ti], sel, x)
+        groups.append(d)
+    extras = [e for e in tensors if e["role"] == "extra"]
+    for k, e in enumerate(extras):
+        size = TENSOR_DTYPES[e["dtype"]][0]
+        out[e["name"]] = np.frombuffer(part_bytes(f, h, len(m["groups"]) + k), f"<u{size}").reshape(e["shape"]).copy()
+    return Decoded(h, m, None, {e["name"]: (e["dtype"], out[e["name"]]) for e in tensors}, groups)
+
+
 # ---------------------------------------------------------------- outputs
 
 
 def write_safetensors(path: str, decoded: Decoded) -> None:
-    """The tensors as safetensors (names sorted, the Descriptor's metadata), written atomically."""
-    st_dtype = DTYPES[decoded.header.dtype][2]
+    """The tensors as safetensors (names sorted, the Descriptor's / Manifest's metadata), written atomically."""
     head, parts, o = {}, [], 0
     meta = decoded.descriptor.get("metadata") or {}
     if meta:
         head["__metadata__"] = dict(sorted(meta.items()))
     for name in sorted(decoded.tensors):
-        words = decoded.tensors[name][1]
+        dtype_name, words = decoded.tensors[name]
         data = words.astype(words.dtype.newbyteorder("<")).tobytes()
-        head[name] = {"dtype": st_dtype, "shape": list(words.shape), "data_offsets": [o, o + len(data)]}
+        head[name] = {"dtype": TENSOR_DTYPES[dtype_name][1], "shape": list(words.shape), "data_offsets": [o, o + len(data)]}
         parts.append(data)
         o += len(data)
     text = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
@@ -765,16 +1038,31 @@ def write_safetensors(path: str, decoded: Decoded) -> None:
     _write_atomic(path, [struct.pack("<Q", len(text)), text] + parts)
 
 
+def float8_e4m3fn_values() -> np.ndarray:
+    """The float32 value of each of the 256 float8_e4m3fn bit patterns (exact): 1 sign bit, 4
+    exponent bits (bias 7), 3 mantissa bits, subnormals at exponent 0, NaN at S.1111.111, no infinity."""
+    b = np.arange(256)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    e, mant = (b >> 3) & 15, b & 7
+    v = np.where(e == 0, mant / 8 * 2.0 ** -6, (1 + mant / 8) * 2.0 ** (e - 7)) * sign
+    return np.where((b & 0x7F) == 0x7F, np.nan, v).astype(np.float32)
+
+
+def npz_array(dtype_name: str, words: np.ndarray) -> np.ndarray:
+    """A tensor's words as numpy values: numpy's own dtype where it has one; bfloat16 and both
+    float8s widened (exactly) to float32."""
+    if dtype_name == "bfloat16":
+        return (words.astype(np.uint32) << 16).view(np.float32)
+    if dtype_name == "float8_e5m2":  # the top byte of a float16
+        return (words.astype(np.uint16) << 8).view(np.float16).astype(np.float32)
+    if dtype_name == "float8_e4m3fn":
+        return float8_e4m3fn_values()[words]
+    return words.view(np.dtype(dtype_name).newbyteorder("="))
+
+
 def write_npz(path: str, decoded: Decoded) -> None:
-    """float16 / float32 arrays; bfloat16 values widened (exactly) to float32."""
-    arrays = {}
-    for name, (_, words) in decoded.tensors.items():
-        if decoded.header.dtype == 1:
-            arrays[name] = words.view(np.float16)
-        elif decoded.header.dtype == 3:
-            arrays[name] = words.view(np.float32)
-        else:
-            arrays[name] = (words.astype(np.uint32) << 16).view(np.float32)
+    """Each tensor as a numpy array (npz_array: bfloat16 and float8 values widened to float32)."""
+    arrays = {name: npz_array(dtype_name, words) for name, (dtype_name, words) in decoded.tensors.items()}
     import io
 
     buf = io.BytesIO()
@@ -834,6 +1122,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     h = decoded.header
+    if h.version == 3:
+        print(f"{args.file}: format version 3, {len(decoded.groups)} groups (format versions "
+              f"{sorted({d.header.version for d in decoded.groups})}), {len(decoded.tensors)} tensors -> {args.output}")
+        return 0
     print(f"{args.file}: format version {h.version}, method {h.method}, {h.L} layers, {h.num_tokens} tokens, "
           f"{h.C} channels, {h.dtype_name} -> {args.output}")
     return 0

@@ -38,7 +38,8 @@ sys.path.insert(0, str(REFERENCE.parent))
 
 import cgen_reference as ref  # noqa: E402
 
-TORCH_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+#: element size -> the integer dtype whose view of a tensor gives its bit patterns
+BIT_VIEWS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def assert_same_values(blob: bytes, calibration=None) -> ref.Decoded:
@@ -48,9 +49,10 @@ def assert_same_values(blob: bytes, calibration=None) -> ref.Decoded:
     assert list(theirs) == list(mine.tensors), "tensor names and order"
     for name, (dtype_name, words) in mine.tensors.items():
         t = theirs[name].detach().cpu().contiguous()
-        assert TORCH_DTYPE_NAMES[t.dtype] == dtype_name, name
+        assert str(t.dtype).removeprefix("torch.") == dtype_name, name
         assert list(t.shape) == list(words.shape), name
-        bits = t.view(torch.int16 if t.element_size() == 2 else torch.int32).numpy().view(words.dtype)
+        assert words.dtype.itemsize == t.element_size(), name
+        bits = t.view(BIT_VIEWS[t.element_size()]).numpy().view(words.dtype)
         differ = int((bits != words).sum())
         assert differ == 0, f"{name}: {differ} of {words.size} values differ"
     return mine
@@ -347,3 +349,253 @@ def test_both_decoders_refuse_files_that_break_a_rule():
             ref.decode(bad)
         with pytest.raises(cg.CacheGenError):
             cg.decode(bad, device="cpu")
+
+
+# ---------------------------------------------------------------- format version 3 (the multi-part container)
+
+
+def _t(*shape, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * 2).to(dtype)
+
+
+def _windowed(layers=4, full=12, window=5, dtype=torch.bfloat16):
+    """Gemma-2 style: even layers keep the last ``window`` tokens, odd layers all, plus input_ids / attention_mask."""
+    from test_shapes import sliding
+
+    return sliding(layers=layers, full=full, window=window, dtype=dtype)
+
+
+def _extras_of_every_kind():
+    """A regular-looking cache plus extras of every stored dtype, a scalar and an empty one (so: version 3)."""
+    kv = per_layer(_stacked(tokens=9, layers=2))
+    kv["input_ids"] = torch.arange(9, dtype=torch.int64).unsqueeze(0) * 1000003
+    kv["attention_mask"] = torch.tensor([[True] * 7 + [False] * 2])
+    kv["position_ids"] = torch.arange(9, dtype=torch.int32)
+    kv["scale"] = torch.tensor(0.125, dtype=torch.float64)  # a scalar
+    kv["nothing"] = torch.zeros(0, 3, dtype=torch.int16)
+    kv["logits"] = _t(9, 5, dtype=torch.bfloat16, seed=5)
+    kv["bytes"] = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    kv["signed"] = torch.arange(-128, 128, dtype=torch.int32).to(torch.int8)
+    kv["half"] = _t(4, dtype=torch.float16, seed=6)
+    kv["single"] = _t(3, dtype=torch.float32, seed=7)
+    if hasattr(torch, "float8_e4m3fn"):
+        kv["f8a"] = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)  # every pattern
+        kv["f8b"] = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e5m2)
+    for name in ("uint16", "uint32", "uint64"):
+        if hasattr(torch, name):
+            kv[name] = torch.arange(5, dtype=torch.int64).to(getattr(torch, name))
+    return kv
+
+
+def _ragged_batch():
+    """One tensor per sequence, each its own length (--names with a seq group)."""
+    kv = {}
+    for s, T in enumerate((7, 13)):
+        for i in range(2):
+            kv[f"seq{s}.blk.{i}.attn_k"] = _t(2, T, 8, seed=10 * s + i)
+            kv[f"seq{s}.blk.{i}.attn_v"] = _t(2, T, 8, seed=10 * s + i + 5)
+    return kv, r"seq(?P<seq>\d+)\.blk\.(?P<layer>\d+)\.attn_(?P<kind>k|v)"
+
+
+#: id -> (tensors, encode() keyword arguments); every case is a version 3 file
+V3_CASES = {
+    **{f"windowed-{q}": (lambda q=q: (_windowed(), dict(quality=q))) for q in ("lossless", "balanced", "small")},
+    "windowed-lmcache-v1-groups": (lambda: (_windowed(), dict(preset="lmcache"))),
+    "windowed-fp16-bins-32": (lambda: (_windowed(dtype=torch.float16), dict(bins=32))),
+    "windowed-fp32-balanced": (lambda: (_windowed(dtype=torch.float32), dict(quality="balanced"))),
+    "windowed-drop-extras": (lambda: (_windowed(), dict(quality="high", extras="drop"))),
+    **{f"unequal-kv-{q}": (lambda q=q: ({f"layers.{i}.{k}": _t(1, 1, 11, c, seed=2 * i + (k == "value"))
+                                         for i in range(2) for k, c in (("key", 20), ("value", 7))}, dict(quality=q)))
+       for q in ("lossless", "balanced")},
+    "heads-differ-between-layers": (lambda: ({"layers.0.key": _t(2, 7, 8), "layers.0.value": _t(2, 7, 8, seed=1),
+                                             "layers.1.key": _t(1, 7, 16, seed=2), "layers.1.value": _t(4, 7, 16, seed=3)},
+                                            dict(quality="balanced"))),
+    **{f"latent-odd-channels-{q}": (lambda q=q: ({f"layers.{i}.latent": _t(10, 13, seed=i) for i in range(2)}, dict(quality=q)))
+       for q in ("lossless", "small")},
+    "latent-batch-BTC": (lambda: ({f"kv_latent.{i}": _t(2, 6, 10, seed=i) for i in range(2)}, dict(quality="balanced"))),
+    "batch-of-3-fp16": (lambda: ({f"past_key_values.{i}.{j}": _t(3, 2, 9, 4, dtype=torch.float16, seed=2 * i + j)
+                                  for i in range(2) for j in range(2)}, dict(quality="balanced"))),
+    **{f"ragged-batch-{q}": (lambda q=q: (_ragged_batch()[0], dict(quality=q, names=_ragged_batch()[1])))
+       for q in ("lossless", "balanced")},
+    "stacked-with-input-ids": (lambda: ({"kv": _stacked(tokens=10, layers=2), "input_ids": torch.arange(10)},
+                                        dict(preset="lmcache"))),
+    "extras-of-every-dtype-lossless": (lambda: (_extras_of_every_kind(), dict(quality="lossless"))),
+    "zero-tokens-in-a-layer": (lambda: ({"layers.0.key": _t(1, 2, 0, 8), "layers.0.value": _t(1, 2, 0, 8),
+                                         "layers.1.key": _t(1, 2, 3, 8), "layers.1.value": _t(1, 2, 3, 8, seed=1)},
+                                        dict(quality="balanced"))),
+}
+
+
+def _v3(case: str) -> bytes:
+    tensors, kw = V3_CASES[case]()
+    blob = cg.encode(tensors, chunk_tokens=8, device="cpu", metadata={"case": case}, **kw)
+    assert struct.unpack_from("<H", blob, 8)[0] == 3, "a multi-part file"
+    return blob
+
+
+@pytest.mark.parametrize("case", sorted(V3_CASES))
+def test_version_3_file_decodes_to_the_same_tensors(case):
+    """The reference rebuilds every named tensor (kv and extras) with cachegen's names, order,
+    dtypes, shapes and bits; lossless files also give back the input exactly."""
+    tensors, kw = V3_CASES[case]()
+    decoded = assert_same_values(_v3(case))
+    assert decoded.header.version == 3 and decoded.descriptor["metadata"] == {"case": case}
+    assert {d.header.version for d in decoded.groups} <= {1, 2} and decoded.groups
+    kept = [n for n in tensors if not (kw.get("extras") == "drop" and n in ("input_ids", "attention_mask"))]
+    assert list(decoded.tensors) == kept
+    if kw.get("quality") == "lossless":
+        for name in kept:
+            t = tensors[name].contiguous()
+            assert np.array_equal(decoded.tensors[name][1], t.view(BIT_VIEWS[t.element_size()]).numpy().view(
+                decoded.tensors[name][1].dtype)), name
+
+
+def test_version_3_cli_writes_what_cachegen_decode_writes(tmp_path):
+    """The reference CLI's safetensors output of a version 3 file equals `cachegen decode`'s, byte for byte;
+    its npz holds numpy's values (bfloat16 and float8 widened exactly to float32)."""
+    for case in ("windowed-balanced", "extras-of-every-dtype-lossless"):
+        src = tmp_path / f"{case}.cgen"
+        src.write_bytes(_v3(case))
+        out = tmp_path / f"{case}.safetensors"
+        assert ref.main([str(src), "-o", str(out)]) == 0
+        want = cg.decode_file(src, tmp_path / f"{case}.cachegen.safetensors", device="cpu")
+        assert out.read_bytes() == want.read_bytes(), case
+    npz = tmp_path / "x.npz"
+    assert ref.main([str(src), "-o", str(npz)]) == 0
+    want = cg.decode(src.read_bytes(), device="cpu")
+    with np.load(npz) as z:
+        assert sorted(z.files) == sorted(want)
+        for name in z.files:
+            t = want[name]
+            if t.dtype in (torch.bfloat16, getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)):
+                expect = t.float().numpy()
+            else:
+                expect = t.numpy()
+            assert z[name].dtype == expect.dtype and z[name].shape == expect.shape, name
+            assert np.array_equal(z[name], expect, equal_nan=True), name
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".cgen_reference")] == []
+
+
+def _v3_tampered() -> dict[str, tuple[bytes, str]]:
+    """Broken version 3 files, keyed by what is wrong: (bytes, the reference's message)."""
+    from test_shapes import _manifest, _resealed
+
+    blob = _v3("windowed-lossless")
+    out = {"truncated": (blob[:-1], "truncated"), "a byte after the end": (blob + b"\0", "its header says"),
+           "truncated in the header": (blob[:40], "ends inside the PartsHeader")}
+
+    def manifest(edit):
+        m = _manifest(blob)
+        edit(m)
+        return _resealed(blob, m)
+
+    out["a plane listed twice"] = (manifest(lambda m: m["groups"][0]["members"].__setitem__(1, m["groups"][0]["members"][0])),
+                                   "listed twice")
+    out["a plane missing"] = (manifest(lambda m: (m["groups"][0]["members"].pop(), m["groups"][0]["first_positions"].pop())),
+                              "the groups hold 6 planes, the kv tensors 8")
+    out["a K/V pair swapped"] = (manifest(lambda m: m["groups"][0]["members"][0].reverse()), "not \\[K plane, V plane\\]")
+    out["a float count"] = (manifest(lambda m: m["groups"][0].__setitem__("tokens", 5.0)), "out of range")
+    out["a bool seq"] = (manifest(lambda m: m["groups"][1].__setitem__("seq", True)), "out of range")
+    out["an unknown key"] = (manifest(lambda m: m["tensors"][0].__setitem__("x", 1)), "unknown keys")
+    out["an extra's part"] = (manifest(lambda m: m["tensors"][-1].__setitem__("part", 0)), "its part")
+    out["an extra's dtype"] = (manifest(lambda m: m["tensors"][-2].__setitem__("dtype", "int32")), "bytes")
+    out["a first position past 2^32 - 1"] = (manifest(lambda m: m["groups"][0]["first_positions"].__setitem__(0, 1 << 32)),
+                                             "first_positions")
+    out["two groups claiming 5 tokens"] = (manifest(lambda m: [g.__setitem__("tokens", 5) for g in m["groups"]]),
+                                           "does not have the group's tokens")
+    deep = _manifest(blob)
+    raw = json.dumps(deep)[:-1] + ',"deep":' + "[" * 20 + "]" * 20 + "}"
+    from test_shapes import _raw_manifest
+
+    out["nested too deep"] = (_raw_manifest(blob, raw.encode()), "nests more than 16 deep")
+    flipped = bytearray(blob)
+    flipped[-100] ^= 0x01  # inside the last group or an extra: that part's CRC fails
+    out["a part's CRC"] = (bytes(flipped), "CRC mismatch")
+    head = bytearray(blob)
+    head[60] ^= 0x01  # inside the Manifest: the PartsHeader CRC fails
+    out["the header CRC"] = (bytes(head), "PartsHeader CRC mismatch")
+
+    def kind(h, table_raw):
+        table_raw[16] = 2  # group 0's part announced as raw bytes
+
+    out["a group's part kind"] = (_resealed(blob, edit=kind), "kind 1")
+    return out
+
+
+def test_both_decoders_refuse_tampered_version_3_files():
+    for what, (bad, message) in _v3_tampered().items():
+        with pytest.raises(ref.FormatViolation, match=message):
+            ref.decode(bad)
+        with pytest.raises(cg.CacheGenError):
+            cg.decode(bad, device="cpu")
+
+
+def _with_part(blob: bytes, i: int, data: bytes) -> bytes:
+    """The version 3 file with part ``i`` replaced by ``data`` (the Part table, file_size and CRCs made consistent)."""
+    manifest_size, count = struct.unpack_from("<II", blob, 16)
+    table_at = 48 + manifest_size
+    entries = [list(struct.unpack_from("<QQB3sI", blob, table_at + 24 * k)) for k in range(count)]
+    parts = [blob[o : o + n] for o, n, *_ in entries]
+    parts[i] = data
+    at = table_at + 24 * count
+    for e, p in zip(entries, parts):
+        e[0], e[1], e[4] = at, len(p), zlib.crc32(p)
+        at += len(p)
+    table = b"".join(struct.pack("<QQB3sI", *e) for e in entries)
+    head = bytearray(blob[:48])
+    struct.pack_into("<Q", head, 32, at)
+    manifest = blob[48:table_at]
+    struct.pack_into("<I", head, 44, zlib.crc32(bytes(head[:44]) + manifest + table))
+    return bytes(head) + manifest + table + b"".join(parts)
+
+
+def test_a_group_file_in_another_layout_gives_the_same_tensors():
+    """docs/format.md: a reader MAY accept a group file in the per-layer layout (the same
+    [layers, 2, tokens, channels] cache); both decoders do, and agree. A group file of
+    another size, or a version 3 file as a group, is refused by both."""
+    blob = _v3("windowed-lossless")
+    manifest_size = struct.unpack_from("<I", blob, 16)[0]
+    offset, size = struct.unpack_from("<QQ", blob, 48 + manifest_size)
+    group = cg.decode(blob[offset : offset + size], device="cpu")["group"]  # [2, 2, 5, 1, 16]
+    per_layer_group = cg.encode(per_layer(group), quality="lossless", device="cpu")
+    assert json.loads(per_layer_group[64 : 64 + struct.unpack_from("<I", per_layer_group, 12)[0]])["layout"] == "per-layer"
+    swapped = _with_part(blob, 0, per_layer_group)
+    assert swapped != blob
+    decoded = assert_same_values(swapped)
+    tensors, _ = V3_CASES["windowed-lossless"]()
+    t = tensors["layers.2.key"]
+    assert np.array_equal(decoded.tensors["layers.2.key"][1], t.view(torch.int16).numpy().view(np.uint16))
+    for what, bad, message in (
+            ("a group of 4 tokens", _with_part(blob, 0, cg.encode(group[:, :, :4].contiguous(), quality="lossless",
+                                                                   device="cpu")), "not the Manifest's"),
+            ("a version 3 group", _with_part(blob, 0, blob), "format version 3 is not 1 or 2")):
+        with pytest.raises(ref.FormatViolation, match=message):
+            ref.decode(bad)
+        with pytest.raises(cg.CacheGenError):
+            cg.decode(bad, device="cpu")
+
+
+def test_manifest_values_of_the_wrong_json_type_are_a_format_violation():
+    """Every key of a kv tensor, an extra and a group set to a JSON value of another type: both
+    decoders refuse the file, the reference with FormatViolation (never a TypeError or KeyError)."""
+    from test_shapes import _manifest, _resealed
+
+    blob = _v3("windowed-lossless")
+    m0 = _manifest(blob)
+    targets = [("tensors", 0), ("tensors", len(m0["tensors"]) - 1), ("groups", 0)]
+    tried = 0
+    for where, i in targets:
+        for key in sorted(m0[where][i]):
+            for value in ([], {}, None, "x", -1, [[]]):
+                m = json.loads(json.dumps(m0))
+                if m[where][i][key] == value or (key == "name" and value == "x"):  # "x" is a valid name
+                    continue
+                m[where][i][key] = value
+                bad = _resealed(blob, m)
+                with pytest.raises(ref.FormatViolation):
+                    ref.decode(bad)
+                with pytest.raises(cg.CacheGenError):
+                    cg.decode(bad, device="cpu")
+                tried += 1
+    assert tried > 100
