@@ -24,6 +24,8 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--tiles", default="")
+    ap.add_argument("--compare", action="store_true", help="also time the 2-D shared-tile variant (ROT_FLAT off) "
+                    "and check both give the same bits")
     a = ap.parse_args()
     if a.tiles:
         k.ROT_TM, k.ROT_TN, k.ROT_TK, k.ROT_RM, k.ROT_RN = (int(v) for v in a.tiles.split(","))
@@ -42,8 +44,20 @@ def main() -> None:
         times.append(time.perf_counter() - t)
     fma = L * 2 * a.tokens * C * D
     s = float(np.median(times))
-    print(f"rotation {H} blocks of {D}, {a.tokens} tokens, tiles {(k.ROT_TM, k.ROT_TN, k.ROT_TK, k.ROT_RM, k.ROT_RN)}: "
-          f"{s * 1e3:.2f} ms, {fma / s / 1e12:.2f} T multiply-adds/s (float64)")
+    print(f"rotation {H} blocks of {D}, {a.tokens} tokens, tiles {(k.ROT_TM, k.ROT_TN, k.ROT_TK, k.ROT_RM, k.ROT_RN)}, "
+          f"flat {k.ROT_FLAT}: {s * 1e3:.2f} ms, {fma / s / 1e12:.2f} T multiply-adds/s (float64)")
+    if a.compare:
+        k.ROT_FLAT = not k.ROT_FLAT
+        y2 = torch.empty_like(y)
+        k.rotate_blocks(_nb(x), _nb(rot), 0, _nb(y2))
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(a.repeats):
+            k.rotate_blocks(_nb(x), _nb(rot), 0, _nb(y2))
+        torch.cuda.synchronize()
+        s2 = (time.perf_counter() - t) / a.repeats
+        same = torch.equal(y.view(torch.int64), y2.view(torch.int64))
+        print(f"  flat {k.ROT_FLAT}: {s2 * 1e3:.2f} ms, {fma / s2 / 1e12:.2f} T multiply-adds/s; same bits {same}")
 
 
 if __name__ == "__main__":

@@ -223,13 +223,14 @@ def nonfinite_layers(words, per_layer, exponent_mask, itemsize, flags, stream=0)
 #: (128 x 128 tiles of 8 x 8: 1.6x the multiply-adds per second of 64 x 64 / 4 x 4 on the H200,
 #: benchmarks/profile_rotation.py; still only ~3 of its ~17 T float64 multiply-adds per second.)
 ROT_TM, ROT_TN, ROT_TK, ROT_RM, ROT_RN = (8, 8, 4, 2, 2) if SIM else (128, 128, 16, 8, 8)
+ROT_FLAT = True
 
 
-def _make_rotate(TM, TN, TK, RM, RN, wide):
+def _make_rotate(TM, TN, TK, RM, RN, wide, flat=True):
     """The rotation kernel for one tiling, its source written out with the RM x RN
-    accumulators and the operands of each inner step as scalars: a local array indexed in a
-    loop lives in local memory, which costs a load and a store per multiply-add (measured 10x
-    slower on the H200)."""
+    accumulators and the operands of each inner step as scalars.  ``flat``: the shared tiles
+    as flat arrays indexed by unsigned integers (a signed index costs a wraparound test per
+    access, and the kernel is bound by its integer instructions: Nsight Compute)."""
     NX = TN // RN  # threads along the outputs
     NY = TM // RM  # threads along the tokens
     NT = NX * NY
@@ -243,8 +244,10 @@ def _make_rotate(TM, TN, TK, RM, RN, wide):
         "    ntn = (D + TN - 1) // TN", "    bj = cuda.blockIdx.y", "    ot = bj % ntn", "    h = (bj // ntn) % H",
         "    p = bj // (ntn * H)", "    l = p // 2", "    kv = p % 2", "    tid = cuda.threadIdx.x",
         "    tx = tid % NX", "    ty = tid // NX",
-        f"    a_s = cuda.shared.array(({TK}, {TM + 1}), np.float64)  # + 1: the stores below hit different banks",
-        f"    b_s = cuda.shared.array(({TK}, {TN}), np.float64)",
+        (f"    a_s = cuda.shared.array({TK * (TM + 1)}, np.float64)  # rows of TM + 1: the stores hit different banks"
+         if flat else f"    a_s = cuda.shared.array(({TK}, {TM + 1}), np.float64)"),
+        (f"    b_s = cuda.shared.array({TK * TN}, np.float64)" if flat
+         else f"    b_s = cuda.shared.array(({TK}, {TN}), np.float64)"),
         *[f"    {a} = 0.0" for a in acc],
         "    t0 = t_first + cuda.blockIdx.x * TM", "    d0 = ot * TN", "    base = h * D",
         "    for k0 in range(0, D, TK):",
@@ -253,16 +256,19 @@ def _make_rotate(TM, TN, TK, RM, RN, wide):
         "            v = 0.0  # past the block or the tokens: a zero, which changes no sum",
         "            if t0 + m < T and k0 + kk < D:",
         "                v = np.float64(np.float32(x[l, kv, t0 + m, base + k0 + kk]))",
-        "            a_s[kk, m] = v",
+        f"            a_s[np.uint32(kk * {TM + 1} + m)] = v" if flat else "            a_s[kk, m] = v",
         "        for e in range(tid, TK * TN, NT):",
         "            kk = e // TN", "            n = e % TN", "            v = 0.0",
         "            if k0 + kk < D and d0 + n < D:",
         "                v = np.float64(rot[l, kv, h, k0 + kk, d0 + n])",
-        "            b_s[kk, n] = v",
+        f"            b_s[np.uint32(kk * {TN} + n)] = v" if flat else "            b_s[kk, n] = v",
         "        cuda.syncthreads()",
         "        for kk in range(TK):  # in order: every output's sum runs over c = 0 .. D - 1",
-        *[f"{ind}a_{i} = a_s[kk, ty + {NY * i}]" for i in range(RM)],
-        *[f"{ind}b_{j} = b_s[kk, tx + {NX * j}]" for j in range(RN)],
+        *([f"{ind}ua = np.uint32(kk * {TM + 1} + ty)", f"{ind}ub = np.uint32(kk * {TN} + tx)"] if flat else []),
+        *[(f"{ind}a_{i} = a_s[ua + np.uint32({NY * i})]" if flat else f"{ind}a_{i} = a_s[kk, ty + {NY * i}]")
+          for i in range(RM)],
+        *[(f"{ind}b_{j} = b_s[ub + np.uint32({NX * j})]" if flat else f"{ind}b_{j} = b_s[kk, tx + {NX * j}]")
+          for j in range(RN)],
         *[f"{ind}acc_{i}_{j} += a_{i} * b_{j}" for i in range(RM) for j in range(RN)],
         "        cuda.syncthreads()",
     ]
@@ -287,7 +293,7 @@ def rotate_blocks(x, rot, t_first, y, stream=0):
     if n <= 0 or L == 0 or C == 0:
         return
     wide = y.dtype == np.float64
-    kern, threads = _made(_make_rotate, ROT_TM, ROT_TN, ROT_TK, ROT_RM, ROT_RN, wide)
+    kern, threads = _made(_make_rotate, ROT_TM, ROT_TN, ROT_TK, ROT_RM, ROT_RN, wide, ROT_FLAT)
     grid = (-(-n // ROT_TM), L * 2 * H * -(-D // ROT_TN))
     kern[grid, threads, stream](as_device(x), as_device(rot), np.int64(t_first), as_device(y))
 
