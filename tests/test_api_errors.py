@@ -71,3 +71,17 @@ def test_cli_wording_keeps_the_flags():
     assert str(e) == "a calibration does not apply to quality 'lossless'"
     assert e.cli_message == "--calibration does not apply"
     assert ConfigError("plain").cli_message == "plain"
+
+
+def test_an_existing_output_speaks_of_force_not_the_flag(blob, tmp_path):
+    from cachegen_cli.errors import OutputExistsError
+
+    src = tmp_path / "kv.cgen"
+    src.write_bytes(blob)
+    out = tmp_path / "kv.safetensors"
+    out.write_bytes(b"keep me")
+    with pytest.raises(OutputExistsError) as e:
+        cg.decode_file(src, out, device="cpu")
+    assert "force=True" in str(e.value) and not FLAG.search(str(e.value))
+    assert "--force" in e.value.cli_message
+    assert out.read_bytes() == b"keep me"

@@ -69,7 +69,8 @@ def check_output(output: Path, inputs: Iterable[Path], force: bool) -> None:
         except (OSError, RuntimeError):  # a symlink loop among the inputs: reported when read
             pass
     if st is not None and not force:
-        raise OutputExistsError(f"{output} already exists; use --force to overwrite it")
+        raise OutputExistsError(f"{output} already exists; pass force=True to overwrite it",
+                                cli=f"{output} already exists; use --force to overwrite it")
     if st is not None and stat.S_ISDIR(st.st_mode):
         raise OutputError(f"{output} is a directory")
     if not output.parent.exists():
