@@ -336,6 +336,10 @@ class _SlabEncoder:
             check.raise_if_bad()
         offsets_bits, m, steps_bits, self.steps = step_params(s1, s2, T - sink, cfg.steps_table(L),
                                                               plane_sensitivity(cfg, calibration))
+        if self.rot.size:  # the reader's rule: a writer must not write what it rejects (as the GPU's writer)
+            from ..format.params import check_rotated_range
+
+            check_rotated_range(steps_bits, offsets_bits)
         self.m32 = m.astype(np.float32)
         self.R, self.bits = refine_plan(cfg, T, sink)
         stats = _empty_level_stats(L, C)
