@@ -303,3 +303,16 @@ def test_levels_past_the_range_fail_on_the_device_as_on_the_cpu():
                        cg.decode(blob, device="cpu")["kv"].reshape(-1).view(torch.int16))
     with pytest.raises(SizeError, match="outside"):
         _device_decode(_shift_delta_tables(blob, 10))
+
+
+def test_rotated_range_is_refused_by_both_writers():
+    """A rotated file whose largest level x step + offset passes float32's range would decode to
+    Inf - Inf: readers reject it (docs/format.md), so both writers refuse to write it."""
+    from cachegen_cli.methods import calibration as calib
+
+    kv = torch.randn(1, 2, 12, 1, 4, generator=torch.Generator().manual_seed(3)) * 1e37  # finite, step ~ 5e36
+    cal = calib.fit([realistic_kv(layers=1, tokens=20, heads=1, head_dim=4, seed=2).reshape(1, 2, 20, 4)])
+    with pytest.raises(SizeError, match="float32's range"):
+        cg.encode(kv, quality="balanced", calibration=cal, chunk_tokens=4, device="cpu")
+    with pytest.raises(SizeError, match="float32's range"):
+        _device_bytes(kv, "balanced", 4, calibration=cal)
