@@ -280,13 +280,32 @@ def _per_layer_tensors(names: list[str]) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("names", [["layers.0.key", "layers.00.key", "layers.0.value"],
-                                   ["layers.0.key", "layers.0.value", "layers.00.value"],
-                                   ["layers.0.key", "layers.0.value", "layers.\u0660.key"]])
+                                   ["layers.0.key", "layers.0.value", "layers.00.value"]])
 def test_two_names_for_one_tensor_are_refused_on_encode(names):
     tensors = _per_layer_tensors(names)
     for kw in (dict(preset="lmcache"), dict(quality="balanced")):
         with pytest.raises(LayoutError, match="both"):
             cg.encode(tensors, device="cpu", **kw)
+
+
+@pytest.mark.parametrize("names", [["layers.0.key", "layers.0.value", "layers.\u0660.key"],
+                                   ["layers.\u0660.key", "layers.\u0660.value"],
+                                   ["layers.0.key", "layers.0.value", "layers.1.key", "layers.\u0661.value"]])
+def test_layer_numbers_in_other_digits_are_refused_on_encode(names):
+    """docs/format.md: `{i}` is ASCII digits (the reference decoder refuses others), so the
+    encoder does not write a file whose names another reader would refuse."""
+    tensors = _per_layer_tensors(names)
+    for kw in (dict(preset="lmcache"), dict(quality="balanced")):
+        with pytest.raises(LayoutError, match="ASCII"):
+            cg.encode(tensors, device="cpu", **kw)
+
+
+def test_a_name_with_a_trailing_newline_is_not_a_layer_name():
+    tensors = _per_layer_tensors(["layers.0.key", "layers.0.value"])
+    tensors["layers.1.key\n"] = tensors["layers.0.key"].clone()
+    blob = cg.encode(tensors, quality="lossless", device="cpu")  # carried as an extra tensor, exactly
+    back = cg.decode(blob, device="cpu")
+    assert set(back) == set(tensors) and torch.equal(back["layers.1.key\n"], tensors["layers.1.key\n"])
 
 
 def test_cli_two_names_for_one_tensor(tmp_path):

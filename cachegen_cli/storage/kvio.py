@@ -47,7 +47,9 @@ MAX_LAYERS = 4096
 MAX_CHANNELS = 1 << 16
 MAX_TOKENS = (1 << 32) - 1
 
-_PER_LAYER_NAME = re.compile(r"^layers\.(\d+)\.(key|value)$")
+#: \d also matches other scripts' digits: such a name is routed here and refused with its own
+#: message (docs/format.md: `{i}` is ASCII digits); \Z, unlike $, refuses a trailing newline.
+_PER_LAYER_NAME = re.compile(r"^layers\.(\d+)\.(key|value)\Z")
 
 
 @dataclass
@@ -178,6 +180,8 @@ def _from_per_layer(tensors: Mapping[str, torch.Tensor], meta: dict[str, str]) -
         match = _PER_LAYER_NAME.match(name)
         if not match:
             raise LayoutError(f"tensor {name!r} is not named layers.{{i}}.key or layers.{{i}}.value")
+        if not match.group(1).isascii():
+            raise LayoutError(f"tensor {name[:40]!r}: the layer number must be written in ASCII digits 0-9")
         if len(match.group(1)) > 9:
             raise LayoutError(f"tensor {name[:40]!r}...: layer number out of range (at most {MAX_LAYERS - 1})")
         slot = (int(match.group(1)), match.group(2))
@@ -399,7 +403,8 @@ def validate_descriptor(descriptor: object, num_layers: int, num_tokens: int, nu
         slots: dict[tuple[int, str], str] = {}
         for entry in tensors:
             match = _PER_LAYER_NAME.match(entry["name"])
-            if not match or len(match.group(1)) > 9 or int(match.group(1)) >= num_layers:
+            if (not match or not match.group(1).isascii() or len(match.group(1)) > 9
+                    or int(match.group(1)) >= num_layers):
                 raise ValueError(f"bad per-layer tensor name {entry['name'][:60]!r}")
             slot = (int(match.group(1)), match.group(2))
             if slot in slots:  # with 2 x L distinct slots, every layer's key and value is listed

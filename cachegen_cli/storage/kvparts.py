@@ -153,8 +153,8 @@ class Naming:
                 continue
             groups = m.groupdict()
             layer_text = groups.get("layer") or ""
-            if not layer_text.isdecimal():  # int() reads any decimal digits, as kvio's \d+ does
-                raise LayoutError(f"tensor {_tname(name)}: layer {layer_text[:20]!r} is not a number")
+            if not (layer_text.isascii() and layer_text.isdecimal()):  # \d and int() take any script's digits
+                raise LayoutError(f"tensor {_tname(name)}: layer {layer_text[:20]!r} is not a number in ASCII digits")
             if len(layer_text) > 9 or int(layer_text) > MAX_LAYER_INDEX:
                 raise LayoutError(f"tensor {_tname(name)}: layer number out of range (at most {MAX_LAYER_INDEX})")
             kind_text = groups.get("kind")
