@@ -67,7 +67,7 @@ def encode(
     if parts is not None:
         quant = resolve_quantization(parts.model_layers, quantization=quantization, preset_name=preset, bins=bins,
                                      quality=quality)
-        buf = _Collector()
+        buf = codec.ByteCollector()
         from .pipeline import parts as parts_codec
 
         parts_codec.encode_parts(parts, buf, quant, chunk_tokens, None, device, _calibration(calibration))
@@ -81,7 +81,7 @@ def encode(
         if gpu_codec.torch_cuda_ok() and _device_resident(cache, quant, cal):
             # the whole file is assembled on the GPU, then copied once
             return gpu_codec.to_host_bytes(_encode_on_device(cache, quant, cal, chunk_tokens))
-    buf = _Collector()
+    buf = codec.ByteCollector()
     codec.encode_to_stream(cache, buf, quant, chunk_tokens, device=device, calibration=cal)
     return buf.getvalue()
 
@@ -176,32 +176,6 @@ def encode_to_device(
     blob = encode(kv, preset=preset, bins=bins, quantization=quantization, quality=quality, calibration=cal,
                   chunk_tokens=chunk_tokens, layout=layout, metadata=metadata, device="cuda")
     return gpu_codec.device_bytes(blob)
-
-
-class _Collector:
-    """A write-only sink that keeps references to the parts and joins them once at the end.
-
-    (io.BytesIO regrows and copies its buffer over and over: on a 150 MB result that
-    costs more than all the GPU kernels.)  Parts of a slab may view a staging buffer
-    that the next slab reuses, so the codec calls ``slab_done`` after each slab and the
-    parts written so far are joined before anything new arrives."""
-
-    def __init__(self) -> None:
-        self.parts: list = []
-        self.sealed = True
-
-    def write(self, part) -> int:
-        if not self.sealed:
-            self.parts = [b"".join(self.parts)]
-            self.sealed = True
-        self.parts.append(part)
-        return len(part)
-
-    def slab_done(self) -> None:
-        self.sealed = False
-
-    def getvalue(self) -> bytes:
-        return b"".join(self.parts)
 
 
 def _calibration(calibration: Calibration | str | Path | None) -> Calibration | None:

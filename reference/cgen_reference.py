@@ -231,12 +231,17 @@ def json_depth(raw: bytes) -> int:
     return top
 
 
-def parse_descriptor(raw: bytes, h: Header) -> dict:
-    check(json_depth(raw) <= MAX_DEPTH, "the Descriptor nests more than 16 deep")
+def load_json(raw: bytes, what: str):
+    """A Descriptor's or Manifest's JSON, its depth checked before parsing."""
+    check(json_depth(raw) <= MAX_DEPTH, f"the {what} nests more than 16 deep")
     try:
-        d = json.loads(raw.decode("utf-8"))
+        return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
-        raise FormatViolation(f"the Descriptor is not UTF-8 JSON: {exc}") from None
+        raise FormatViolation(f"the {what} is not UTF-8 JSON: {exc}") from None
+
+
+def parse_descriptor(raw: bytes, h: Header) -> dict:
+    d = load_json(raw, "Descriptor")
 
     def is_int(v) -> bool:  # a JSON integer: no fraction, no exponent, not true / false
         return type(v) is int
@@ -906,11 +911,7 @@ def check_plane_ref(ref_, tensors: list) -> tuple[tuple, str]:
 
 def parse_manifest(raw: bytes, h: PartsHeader) -> dict:
     """"Manifest", checked against itself, the header and the Part table."""
-    check(json_depth(raw) <= MAX_DEPTH, "the Manifest nests more than 16 deep")
-    try:
-        m = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise FormatViolation(f"the Manifest is not UTF-8 JSON: {exc}") from None
+    m = load_json(raw, "Manifest")
     check(isinstance(m, dict) and set(m) == {"tensors", "groups", "metadata"},
           "the Manifest is not an object of exactly tensors, groups and metadata")
     meta = m["metadata"]

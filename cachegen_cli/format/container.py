@@ -283,14 +283,20 @@ def _check_dims(header_size, desc_size, num_tokens, num_layers, num_channels, ch
     return dtype, layout
 
 
-def _parse_descriptor(desc_raw: bytes, num_layers: int, num_tokens: int, num_channels: int) -> dict:
-    depth = _json_depth(desc_raw)
+def load_capped_json(raw: bytes, what: str):
+    """The UTF-8 JSON of a descriptor or manifest, its nesting depth checked before parsing;
+    SizeError otherwise."""
+    depth = _json_depth(raw)
     if depth > MAX_DESCRIPTOR_DEPTH:
-        raise SizeError(f"descriptor nests arrays and objects {depth} deep (at most {MAX_DESCRIPTOR_DEPTH})")
+        raise SizeError(f"{what} nests arrays and objects {depth} deep (at most {MAX_DESCRIPTOR_DEPTH})")
     try:
-        descriptor = json.loads(desc_raw.decode("utf-8"))
+        return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError):
-        raise SizeError("descriptor is not valid UTF-8 JSON") from None
+        raise SizeError(f"{what} is not valid UTF-8 JSON") from None
+
+
+def _parse_descriptor(desc_raw: bytes, num_layers: int, num_tokens: int, num_channels: int) -> dict:
+    descriptor = load_capped_json(desc_raw, "descriptor")
     from ..storage.kvio import validate_descriptor
 
     try:

@@ -18,7 +18,7 @@ import zlib
 
 from ..errors import BadMagicError, ChecksumError, SizeError, TruncatedError, UnsupportedVersionError
 from ..storage import kvparts
-from .container import MAGIC, MAX_DESCRIPTOR_DEPTH, _json_depth
+from .container import MAGIC, load_capped_json
 
 FORMAT_VERSION_3 = 3
 PARTS_HEADER = struct.Struct("<8sHHIIIQQII")
@@ -168,13 +168,7 @@ def _int(v, lo: int, hi: int) -> bool:
 def parse_manifest(raw: bytes, parts: list[tuple[int, int, int, int]], decoded_bytes: int) -> dict:
     """The manifest's JSON, checked against the caps, the part table and itself; SizeError
     when anything does not fit."""
-    depth = _json_depth(raw)
-    if depth > MAX_DESCRIPTOR_DEPTH:
-        raise SizeError(f"manifest nests arrays and objects {depth} deep (at most {MAX_DESCRIPTOR_DEPTH})")
-    try:
-        m = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise SizeError("manifest is not valid UTF-8 JSON") from None
+    m = load_capped_json(raw, "manifest")
     try:
         _check_manifest(m, parts, decoded_bytes)
     except (ValueError, TypeError, KeyError, IndexError) as exc:

@@ -213,6 +213,25 @@ def build_reference(
     return ref
 
 
+def text_continuation(tokenizer, text: str, text_path, ids: list[int], continuation: int) -> list[int]:
+    """The ``continuation + 1`` token ids of ``text`` after the cache's context ``ids`` (the
+    last one is only predicted), after checking that the model's tokenizer splits the text
+    into those ids."""
+    all_ids = tokenize(tokenizer, text)
+    T = len(ids)
+    if all_ids[:T] != ids:
+        raise ModelError(f"the model's tokenizer does not split {Path(text_path).name} into the file's token ids: "
+                         "is this the model the cache was captured with?")
+    after = len(all_ids) - T
+    if after < continuation + 1:
+        hint = f"use --continuation {after - 1} or less" if after >= 2 else "the text has no tokens left to score"
+        raise TextError(
+            f"{Path(text_path).name} has {after} tokens after the {T}-token context; --continuation {continuation} "
+            f"needs {continuation + 1} (the last one is only predicted); {hint}"
+        )
+    return all_ids[T : T + continuation + 1]
+
+
 def ref_layers(ref: Reference, data: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
     dtype = next(ref.model.parameters()).dtype
     return layers_from_internal(data, ref.num_kv_heads, ref.head_dim, dtype)
@@ -434,20 +453,9 @@ def evaluate_file(
         warnings.append(f"the cache was captured with {kv.metadata['model']}, this is {mid}")
     elif kv.metadata.get("model_sha256") and sha and kv.metadata["model_sha256"] != sha:
         warnings.append("the cache was captured with a different model file of the same name")
-    all_ids = tokenize(tokenizer, text)
-    T = len(ids)
-    if all_ids[:T] != ids:
-        raise ModelError(f"the model's tokenizer does not split {Path(text_path).name} into the file's token ids: "
-                         "is this the model the cache was captured with?")
-    after = len(all_ids) - T
-    if after < continuation + 1:
-        hint = f"use --continuation {after - 1} or less" if after >= 2 else "the text has no tokens left to score"
-        raise TextError(
-            f"{Path(text_path).name} has {after} tokens after the {T}-token context; --continuation {continuation} "
-            f"needs {continuation + 1} (the last one is only predicted); {hint}"
-        )
-    log(f"rebuilding the original cache ({T} tokens) and scoring {continuation} tokens")
-    ref = build_reference(model, ids, all_ids[T : T + continuation + 1], generate, kv.data.dtype)
+    cont = text_continuation(tokenizer, text, text_path, ids, continuation)
+    log(f"rebuilding the original cache ({len(ids)} tokens) and scoring {continuation} tokens")
+    ref = build_reference(model, ids, cont, generate, kv.data.dtype)
     log("scoring the decoded cache")
     result = score(ref, kv.data)
     if kv.kind == "cgen":
@@ -662,17 +670,9 @@ def _evaluate_layered(kv: LayeredKV, text: str, text_path, model_path, continuat
     warnings = []
     if kv.metadata.get("model") and kv.metadata["model"] != mid:
         warnings.append(f"the cache was captured with {kv.metadata['model']}, this is {mid}")
-    all_ids = tokenize(tokenizer, text)
-    T = len(ids)
-    if all_ids[:T] != ids:
-        raise ModelError(f"the model's tokenizer does not split {Path(text_path).name} into the file's token ids: "
-                         "is this the model the cache was captured with?")
-    after = len(all_ids) - T
-    if after < continuation + 1:
-        raise TextError(f"{Path(text_path).name} has {after} tokens after the {T}-token context; --continuation "
-                        f"{continuation} needs {continuation + 1}")
-    log(f"rebuilding the original cache ({T} tokens) and scoring {continuation} tokens")
-    ref = build_layered_reference(model, ids, all_ids[T:T + continuation + 1], generate, kv.dtype)
+    cont = text_continuation(tokenizer, text, text_path, ids, continuation)
+    log(f"rebuilding the original cache ({len(ids)} tokens) and scoring {continuation} tokens")
+    ref = build_layered_reference(model, ids, cont, generate, kv.dtype)
     if sorted(kv.layers) != list(range(len(ref.layers))):
         raise ModelError(f"the cache holds layers {sorted(kv.layers)[:8]}..., the model {mid} keeps "
                          f"{len(ref.layers)}: it is not this model's cache")

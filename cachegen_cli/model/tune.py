@@ -694,7 +694,7 @@ def tune_file(
         measure: Measure = AttentionMeasure(data, kv.num_kv_heads, kv.head_dim)
         info.update(measure="attention", tuning_tokens=T)
     else:
-        from .capture import ModelError, TextError, _resolve_loaded, model_id, read_text, resolve_model_path, text_sha256, tokenize
+        from .capture import ModelError, TextError, _resolve_loaded, model_id, read_text, resolve_model_path, text_sha256
 
         try:
             ids = evaluate.context_of(kv)
@@ -714,15 +714,7 @@ def tune_file(
             raise ModelError(f"the cache has {L} layers x {kv.num_kv_heads} KV heads x {kv.head_dim} dims, the "
                              f"model {model_id(model)} {Lm} x {Hm} x {Dm}: it is not this model's cache")
         if text is not None:
-            all_ids = tokenize(tokenizer, text)
-            if all_ids[:T] != ids:
-                raise ModelError(f"the model's tokenizer does not split {Path(text_path).name} into the file's "
-                                 "token ids: is this the model the cache was captured with?")
-            after = len(all_ids) - T
-            if after < continuation + 1:
-                raise TextError(f"{Path(text_path).name} has {after} tokens after the {T}-token context; "
-                                f"--continuation {continuation} needs {continuation + 1}")
-            T0, cont = T, all_ids[T : T + continuation + 1]
+            T0, cont = T, evaluate.text_continuation(tokenizer, text, text_path, ids, continuation)
             where = f"the next {continuation} tokens of {Path(text_path).name}"
         else:
             n = min(continuation, (T - 1) // 2)

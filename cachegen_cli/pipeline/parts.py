@@ -84,27 +84,6 @@ def _group_cache(pc: "kvparts.PartsCache", g: "kvparts.Group") -> kvio.KVCache:
     return kvio.KVCache(data, "stacked", 1, C2, [{"name": "group", "shape": [g.num_layers, 2, g.tokens, 1, C2]}], {})
 
 
-class _Parts:
-    """A write sink collecting one group's file (codec.encode_to_stream's ``out``)."""
-
-    def __init__(self) -> None:
-        self.parts: list = []
-        self.sealed = True
-
-    def write(self, part) -> int:
-        if not self.sealed:
-            self.parts = [b"".join(self.parts)]
-            self.sealed = True
-        self.parts.append(bytes(part) if isinstance(part, memoryview) else part)
-        return len(part)
-
-    def slab_done(self) -> None:
-        self.sealed = False
-
-    def getvalue(self) -> bytes:
-        return b"".join(self.parts)
-
-
 def encode_parts(pc: "kvparts.PartsCache", out, quant, chunk_tokens: int, progress=None, device: str = "cpu",
                  calibration=None) -> PartsSummary:
     """Write the version-3 file of ``pc`` to ``out`` (anything with write)."""
@@ -118,7 +97,7 @@ def encode_parts(pc: "kvparts.PartsCache", out, quant, chunk_tokens: int, progre
     summaries, bodies = [], []
     for g in pc.groups:
         gq = group_quantization(quant, g, model_layers)
-        sink = _Parts()
+        sink = codec.ByteCollector()
         base = done[0]
         report = (lambda d, t, base=base: progress(base + d, total_chunks)) if progress else None
         s = codec.encode_to_stream(_group_cache(pc, g), sink, gq, chunk_tokens, report, device)
