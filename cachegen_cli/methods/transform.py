@@ -140,15 +140,15 @@ def allocate(rel: np.ndarray, rms: np.ndarray, sensitivity: np.ndarray) -> np.nd
 def step_params(sums: np.ndarray, sumsq: np.ndarray, n: int, rel: np.ndarray, sensitivity: np.ndarray | None = None):
     """(offset bits, offsets, step bits, steps) from transform_stats' sums over n tokens;
     ``sensitivity`` [L, 2] (a calibration's) scales the relative steps ``rel`` (:func:`allocate`)."""
-    C = sums.shape[2]
-    mean = sums / n if n > 0 else np.zeros_like(sums)
+    L, _, C = sums.shape
+    offsets_bits = np.empty((L, 2, C), np.uint16)
+    m = np.empty((L, 2, C), np.float64)
+    rms = np.empty((L, 2), np.float64)
     # A mean beyond bfloat16's largest finite value (a float32 channel near float32's top)
-    # would round to an Inf offset, which readers refuse: the largest one it is.
-    offsets_bits = _bf16_bits(np.clip(mean, -BF16_MAX, BF16_MAX))
-    m = bf16_values(offsets_bits)
-    # Residual energy around the stored (rounded) means: sum (v - m)^2 = sumsq - 2 m sum + n m^2.
-    resid = np.maximum(sumsq - 2.0 * m * sums + n * m * m, 0.0).sum(axis=2)
-    rms = np.sqrt(resid / max(n * C, 1))
+    # would round to an Inf offset, which readers refuse: the largest one it is.  The RMS is
+    # of the residuals around the stored (rounded) means: sum (v - m)^2 = sumsq - 2 m sum + n m^2.
+    k2.plane_offsets_rms(np.ascontiguousarray(sums, np.float64), np.ascontiguousarray(sumsq, np.float64), int(n),
+                         BF16_MAX, offsets_bits, m, rms)
     if sensitivity is not None:
         rel = allocate(rel, rms, sensitivity)
     step = rel * rms

@@ -289,33 +289,23 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     incl = torch.cumsum(lengths, 0, dtype=torch.int64)
     entry = torch.where(shared.bool(), 1, 3 + (alphabet + 1) // 2).reshape(-1).to(torch.int64)
     tincl = torch.cumsum(entry, 0)
-    ends = torch.cat([incl[per - 1 :: per], tincl[-1:]]).cpu().numpy()  # synchronisation 2: the layout
-    _mark("sizes to the host (sync)")
-    payload = np.diff(ends[:-1], prepend=0).astype(np.int64)
-    tables_size = int(ends[-1])
+    ends_d = torch.cat([incl[per - 1 :: per], tincl[-1:]]).to("cpu", non_blocking=dev.type == "cuda")
+    excl = incl - lengths
+    texcl = tincl - entry
 
-    # The layout, on the host: header | descriptor | Params | records | index | trailer.
+    # What the layout needs that does not depend on the streams' sizes, made on the host while
+    # the device codes them (the launches above are queued, not run).
     desc = json.dumps(cache.descriptor(), separators=(",", ":"), ensure_ascii=False, sort_keys=True).encode("utf-8")
     sink_bytes = 2 * L * sink * C * itemsize
     refine = struct.pack("<IB", R, bits) if R else b""
-    params_size = len(fixed) + sink_bytes + len(refine) + tables_size
     flags = (container.FLAG_REFINED if R else 0) | (container.FLAG_ROTATED if digest != bytes(32) else 0)
-    head60 = container.FILE_HEADER_V2.pack(
-        container.MAGIC, container.FORMAT_VERSION_2, container.FILE_HEADER_V2.size, len(desc), T, L, C, ct, K, G,
-        container.DTYPE_CODES[dt], container.LAYOUT_CODES[cache.layout], method, PROB_BITS,
-        container.CDF_CODING_SHARED, flags, params_size, sink, 0, 0)[:-4]
     params_at = 64 + len(desc)
     tables_at = params_at + len(fixed) + sink_bytes + len(refine)
     kk = np.arange(K, dtype=np.int64)
     t0s = kk * ct
     tks = np.minimum(ct, T - t0s)
     raw = raw_sizes(L, C, T, ct, nraw, R, bits)
-    rec_sizes = container.CHUNK_HEADER.size + raw + 2 * per + payload
-    rec0 = params_at + params_size
-    rec_at = rec0 + np.concatenate([[0], np.cumsum(rec_sizes)[:-1]]).astype(np.int64)
-    index_at = rec0 + int(rec_sizes.sum())
-    tail = container.pack_index(rec_at.tolist()) + container.pack_trailer(index_at)
-    total = index_at + len(tail)
+    raw_first = np.concatenate([[0], np.cumsum(raw)]).astype(np.int64)
     heads = np.zeros(K, _HEAD_DTYPE)
     heads["magic"] = container.CHUNK_MAGIC
     heads["index"] = kk
@@ -323,11 +313,45 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     heads["token_count"] = tks
     heads["raw_size"] = raw
     heads["lengths_size"] = 2 * per
+    fixed_size = len(fixed) + sink_bytes + len(refine)
+    hb = container.CHUNK_HEADER.size
+    if dev.type == "cuda":
+        torch.cuda.current_stream(dev).synchronize()  # synchronisation 2: the layout
+    ends = ends_d.numpy()
+    _mark("sizes to the host (sync)")
+    payload = np.diff(ends[:-1], prepend=0).astype(np.int64)
+    tables_size = int(ends[-1])
+
+    # The layout: header | descriptor | Params | records | index | trailer.  The sections'
+    # kernels go first, so the device writes them while the host packs the header and index.
+    params_size = fixed_size + tables_size
+    rec_sizes = hb + raw + 2 * per + payload
+    rec0 = params_at + params_size
+    rec_at = rec0 + np.concatenate([[0], np.cumsum(rec_sizes)[:-1]]).astype(np.int64)
+    index_at = rec0 + int(rec_sizes.sum())
+    raw_at = rec_at + hb
+    lengths_at = raw_at + raw
+    payload_at = lengths_at + 2 * per
+    seg_first = _k1().chunk_crc_segments(rec_at, rec_sizes)
+    (rec_at_d, rec_sizes_d, raw_at_d, lengths_at_d, payload_at_d, raw_first_d,
+     seg_first_d) = _upload([rec_at, rec_sizes, raw_at, lengths_at, payload_at, raw_first, seg_first], dev)
+    total = index_at + 12 + 8 * K + container.TRAILER.size
+    out = _empty((total,), torch.uint8, dev)
+    out_nb = _nb(out)
+    k.write_tables(out_nb, tables_at, _nb(texcl), _nb(shared), _nb(modes), _nb(lo), _nb(alphabet), _nb(codes))
+    k.write_streams(out_nb, _nb(payload_at_d), _nb(lengths_at_d), _nb(lengths), _nb(excl), per, _nb(slots))
+    k.write_raw(out_nb, _nb(raw_at_d), _nb(raw_first_d), ct, T - R, bits, _nb(ref), _nb(wv), itemsize, nraw,
+                int(raw_first[-1]))
+    head60 = container.FILE_HEADER_V2.pack(
+        container.MAGIC, container.FORMAT_VERSION_2, container.FILE_HEADER_V2.size, len(desc), T, L, C, ct, K, G,
+        container.DTYPE_CODES[dt], container.LAYOUT_CODES[cache.layout], method, PROB_BITS,
+        container.CDF_CODING_SHARED, flags, params_size, sink, 0, 0)[:-4]
+    tail = container.pack_index(rec_at.tolist()) + container.pack_trailer(index_at)
+    assert index_at + len(tail) == total
     heads["payload_size"] = payload
     head_bytes = head60 + bytes(4) + desc + fixed
     host = np.frombuffer(head_bytes + refine + tail + heads.tobytes(), np.uint8)
     up = torch.from_numpy(host.copy()).to(dev)
-    out = _empty((total,), torch.uint8, dev)
     o = len(head_bytes)
     out[:o] = up[:o]
     if sink:
@@ -337,24 +361,9 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     o += len(refine)
     out[index_at:] = up[o : o + len(tail)]
     o += len(tail)
-    raw_at = rec_at + container.CHUNK_HEADER.size
-    lengths_at = raw_at + raw
-    payload_at = lengths_at + 2 * per
-    raw_first = np.concatenate([[0], np.cumsum(raw)]).astype(np.int64)
-    seg_first = _k1().chunk_crc_segments(rec_at, rec_sizes)
-    (rec_at_d, rec_sizes_d, raw_at_d, lengths_at_d, payload_at_d, raw_first_d,
-     seg_first_d) = _upload([rec_at, rec_sizes, raw_at, lengths_at, payload_at, raw_first, seg_first], dev)
-    at = (rec_at_d[:, None] + torch.arange(container.CHUNK_HEADER.size, device=dev)[None, :]).reshape(-1)
+    at = (rec_at_d[:, None] + torch.arange(hb, device=dev)[None, :]).reshape(-1)
     out[at] = up[o:]
-    _mark("layout (host) + upload")
-    out_nb = _nb(out)
-    texcl = tincl - entry
-    k.write_tables(out_nb, tables_at, _nb(texcl), _nb(shared), _nb(modes), _nb(lo), _nb(alphabet), _nb(codes))
-    excl = incl - lengths
-    k.write_streams(out_nb, _nb(payload_at_d), _nb(lengths_at_d), _nb(lengths), _nb(excl), per, _nb(slots))
-    k.write_raw(out_nb, _nb(raw_at_d), _nb(raw_first_d), ct, T - R, bits, _nb(ref), _nb(wv), itemsize, nraw,
-                int(raw_first[-1]))
-    _mark("sections")
+    _mark("layout + sections")
     k1 = _k1()
     crc = torch.zeros(K, dtype=torch.int64, device=dev)
     k1.crc32_chunks(out_nb, _words64(out), _nb(rec_at_d), _nb(rec_sizes_d), _nb(seg_first_d), _nb(crc),
