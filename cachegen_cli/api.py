@@ -129,8 +129,9 @@ def _device_resident(cache: kvio.KVCache, quant, calibration) -> bool:
     return calibration is None
 
 
-def _encode_on_device(cache: kvio.KVCache, quant, calibration, chunk_tokens: int) -> torch.Tensor:
-    """The .cgen bytes as a uint8 CUDA tensor, by the device-resident pipelines."""
+def _encode_on_device(cache: kvio.KVCache, quant, calibration, chunk_tokens: int, checked: bool = True) -> torch.Tensor:
+    """The .cgen bytes as a uint8 CUDA tensor, by the device-resident pipelines; ``checked``:
+    whether the cache's values were checked finite (else this checks them)."""
     from .pipeline import lmcache_device as gpu_codec
 
     if isinstance(quant, TransformConfig):
@@ -142,7 +143,10 @@ def _encode_on_device(cache: kvio.KVCache, quant, calibration, chunk_tokens: int
 
             raise ConfigError("a calibration does not apply to quality 'lossless'",
                               cli="--calibration does not apply to --quality lossless")
-        return device_pipeline.encode(cache, quant, validate_chunk_tokens(chunk_tokens), calibration)[0]
+        return device_pipeline.encode(cache, quant, validate_chunk_tokens(chunk_tokens), calibration,
+                                      checked=checked)[0]
+    if not checked:
+        kvio.check_finite(cache.data)
     return gpu_codec.encode_file_device(codec.make_header(cache, quant, chunk_tokens), codec.fp16_headroom(cache.data))
 
 
@@ -167,12 +171,15 @@ def encode_to_device(
 
     if codec.resolve_device("cuda") != "cuda" or not gpu_codec.torch_cuda_ok():
         raise ConfigError("encode_to_device needs a CUDA GPU that torch can use")
-    cache = kvio.from_tensors(kv, layout, metadata)
+    # unchecked: the device pipeline of format version 2 makes the finiteness check in its own
+    # pass over the values (a pass over the cache less); every other path checks first
+    cache = kvio.from_tensors(kv, layout, metadata, check=False)
     quant = resolve_quantization(cache.num_layers, quantization=quantization, preset_name=preset, bins=bins,
                                  quality=quality)
     cal = _calibration(calibration)
     if _device_resident(cache, quant, cal):
-        return _encode_on_device(cache, quant, cal, chunk_tokens)
+        return _encode_on_device(cache, quant, cal, chunk_tokens, checked=False)
+    kvio.check_finite(cache.data)
     blob = encode(kv, preset=preset, bins=bins, quantization=quantization, quality=quality, calibration=cal,
                   chunk_tokens=chunk_tokens, layout=layout, metadata=metadata, device="cuda")
     return gpu_codec.device_bytes(blob)

@@ -426,7 +426,8 @@ def _make_quantize(V, B, lossless):
     vmask = _value_mask(B)
 
     @cuda.jit
-    def kernel(wf, L, T, CW, fmt, sink, offsets, steps, threshold, t_ref, bits, chunk_tokens, shift, qf, ref, stats):
+    def kernel(wf, L, T, CW, fmt, sink, offsets, steps, threshold, t_ref, bits, chunk_tokens, shift, qf, ref, stats,
+               emask, bad):
         i = cuda.grid(1)
         K = stats.shape[2]
         if i >= L * 2 * K * CW:
@@ -476,6 +477,8 @@ def _make_quantize(V, B, lossless):
                 v = np.int64(0)
                 if lossless:
                     v = np.int64(top_byte_symbol(x >> shift))
+                    if emask != 0 and (x & emask) == emask:  # NaN or Inf: the caller raises
+                        bad[l] = 1
                 elif t >= sink:
                     y = _word_value64(x, fmt)
                     if refined:
@@ -520,29 +523,35 @@ def quantize_levels(words, itemsize, fmt, sink, offsets, steps, threshold, t_ref
             stats, stream)
 
 
-def split_levels(words, itemsize, shift, chunk_tokens, q, stats, stream=0):
+def split_levels(words, itemsize, shift, chunk_tokens, q, stats, exponent_mask=0, bad=None, stream=0):
     """Lossless: q (uint8 [L, 2, T, C], as words of V symbols) = the coded symbol of each
     word's top byte (cpu_transform.split_words), and per-chunk statistics as quantize_levels
-    (no deltas); words as quantize_levels'."""
+    (no deltas); words as quantize_levels'.  With an ``exponent_mask``, bad[l] (int32 [L],
+    zeroed by the caller) = 1 when layer l holds a value whose exponent bits are all ones
+    (NaN or Inf): the check of kvio.check_finite, fused into this pass over the cache."""
     offsets = np.zeros((1, 1, 1), np.float32) if SIM else _placeholder((1, 1, 1), np.float32)
     steps = np.zeros((1, 1), np.float64) if SIM else _placeholder((1, 1), np.float64)
     ref = np.zeros((1, 1, 1, 1), np.uint8) if SIM else _placeholder((1, 1, 1, 1), np.uint8)
-    _levels(True, words, itemsize, 0, 0, offsets, steps, 0.5, 0, 0, chunk_tokens, shift, q, ref, stats, stream)
+    _levels(True, words, itemsize, 0, 0, offsets, steps, 0.5, 0, 0, chunk_tokens, shift, q, ref, stats, stream,
+            exponent_mask, bad)
 
 
 def _levels(lossless, words, itemsize, fmt, sink, offsets, steps, threshold, t_ref, bits, chunk_tokens, shift, q, ref,
-            stats, stream):
+            stats, stream, exponent_mask=0, bad=None):
     L, _, K, C, _ = stats.shape
     CW = words.shape[3]
     n = L * 2 * K * CW
     if n == 0:
         return
+    if bad is None:
+        bad = np.zeros(1, np.int32) if SIM else _placeholder((1,), np.int32)
     V = C // CW
     T = words.shape[2]
     _made(_make_quantize, V, 8 * itemsize, lossless)[(*_cfg(n), stream)](
         as_device(words.reshape(-1)), np.int64(L), np.int64(T), np.int64(CW), np.int64(fmt), np.int64(sink),
         as_device(offsets), as_device(steps), np.float64(threshold), np.int64(t_ref), np.int64(bits),
-        np.int64(chunk_tokens), np.int64(shift), as_device(q.reshape(-1)), as_device(ref), as_device(stats))
+        np.int64(chunk_tokens), np.int64(shift), as_device(q.reshape(-1)), as_device(ref), as_device(stats),
+        np.int64(exponent_mask), as_device(bad))
 
 
 # ---------------------------------------------------------------- tables

@@ -109,7 +109,7 @@ def test_nonfinite_layers_kernel(dtype):
     kv[1, 3] = float("nan")
     kv[3, kv.shape[1] - 1] = float("-inf")
     kv[2, 0] = torch.finfo(dtype).max  # the largest finite value is not flagged
-    view, mask = kvio._EXPONENT[dtype]
+    view, mask = kvio.EXPONENT_WORDS[dtype]
     for word in (view, torch.int64):
         words = kv.view(view).view(word)
         flags = np.zeros(4, np.uint8)
@@ -316,3 +316,30 @@ def test_rotated_range_is_refused_by_both_writers():
         cg.encode(kv, quality="balanced", calibration=cal, chunk_tokens=4, device="cpu")
     with pytest.raises(SizeError, match="float32's range"):
         _device_bytes(kv, "balanced", 4, calibration=cal)
+
+
+@pytest.mark.parametrize("quality, dtype, where, value", [
+    ("balanced", torch.bfloat16, "token", float("nan")), ("high", torch.float16, "token", float("inf")),
+    ("small", torch.float32, "sink", float("-inf")), ("lossless", torch.bfloat16, "token", float("nan")),
+    ("lossless", torch.float32, "token", float("inf")), ("balanced", torch.bfloat16, "sink", float("nan")),
+])
+def test_unchecked_cache_gets_the_finiteness_error_from_the_pipelines_own_pass(quality, dtype, where, value):
+    """encode_to_device leaves kvio.check_finite to the pipeline (kvio.from_tensors(check=False)):
+    its statistics (sums not finite) or lossless level pass (exponent bits) and a look at the
+    sink tokens raise check_finite's own error, naming the layer; a finite cache, its bytes."""
+    from cachegen_cli.errors import NonFiniteError
+
+    kv = realistic_kv(layers=3, tokens=12, heads=1, head_dim=8, dtype=dtype, seed=8)
+    cfg = resolve_quantization(3, quality=quality)
+    assert cfg.method == "lossless" or cfg.sink_tokens >= 1
+    cache = kvio.from_tensors(kv, "auto", None, check=False)
+    assert transform_resident.encode(cache, cfg, 8, checked=False)[0].cpu().numpy().tobytes() == \
+        cg.encode(kv, quality=quality, chunk_tokens=8, device="cpu")
+    bad = kv.clone()
+    bad[2, 1, 0 if where == "sink" else 9, 0, 5] = value
+    with pytest.raises(NonFiniteError) as want:
+        kvio.check_finite(kvio.from_tensors(bad, "auto", None, check=False).data)
+    assert "layer 2" in str(want.value)
+    with pytest.raises(NonFiniteError) as got:
+        transform_resident.encode(kvio.from_tensors(bad, "auto", None, check=False), cfg, 8, checked=False)
+    assert str(got.value) == str(want.value)

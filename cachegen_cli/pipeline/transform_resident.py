@@ -44,7 +44,7 @@ from ..errors import FormatError
 from ..kernels.coding_params import PROB_BITS, max_stream_bytes
 from ..kernels.tables import SYMBOL_COST
 from ..kernels.transform import STATS_BLOCK
-from ..storage.kvio import DTYPE_BY_NAME, KVCache
+from ..storage.kvio import EXPONENT_WORDS, DTYPE_BY_NAME, KVCache, check_finite
 from ..format.params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, bf16_values
 
 _FMT = {"float32": 0, "bfloat16": 1, "float16": 2}
@@ -178,14 +178,25 @@ def _upload(parts: list[np.ndarray], dev: torch.device) -> list[torch.Tensor]:
 # ---------------------------------------------------------------- encoding
 
 
-def encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration=None) -> tuple[torch.Tensor, int]:
+def encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration=None,
+           checked: bool = True) -> tuple[torch.Tensor, int]:
     """The .cgen file of ``cache`` (format version 2; rotated by ``calibration``'s rotation when
-    one is given) as a uint8 tensor on the device, and its payload bytes (the streams)."""
+    one is given) as a uint8 tensor on the device, and its payload bytes (the streams).
+    ``checked=False``: the cache's values were not checked finite (kvio.from_tensors(check=
+    False)); the pipeline then checks them in its first pass over the values, and raises
+    kvio.check_finite's error."""
     with _LOCK:
-        return _encode(cache, cfg, chunk_tokens, calibration)
+        return _encode(cache, cfg, chunk_tokens, calibration, checked)
 
 
-def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration) -> tuple[torch.Tensor, int]:
+def _nonfinite(cache: KVCache) -> None:
+    """Raise check_finite's error for a cache whose pass found a NaN or an Inf."""
+    check_finite(cache.data)
+    raise FormatError("internal error: a non-finite value was flagged but not found")  # pragma: no cover
+
+
+def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration,
+            checked: bool) -> tuple[torch.Tensor, int]:
     from ..methods import transform as tc
     from ..format.params import check_rotated_range
 
@@ -212,9 +223,14 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     sink = R = bits = 0
     nraw = 0
     digest = bytes(32)
+    if not checked and not lossless and x.dtype == torch.float16:
+        check_finite(x)  # the kernels read float16's all-ones exponent as a finite power of two
+        checked = True
+    bad = torch.zeros(L, dtype=torch.int32, device=dev)  # lossless: layers with a NaN or an Inf
     if lossless:
         nraw = itemsize - 1
-        k.split_levels(_nb(wv), itemsize, 8 * nraw, ct, _nb(qv), _nb(stats))
+        k.split_levels(_nb(wv), itemsize, 8 * nraw, ct, _nb(qv), _nb(stats), 0 if checked else EXPONENT_WORDS[x.dtype][1],
+                       _nb(bad))
         _mark("levels")
         method, allow_delta, fixed = METHOD_LOSSLESS, False, b""
         ref = torch.zeros((1, 1, 1, 1), dtype=torch.uint8, device=dev)
@@ -238,7 +254,17 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
         sums = _empty((2, L, 2, C), torch.float64, dev)
         k.transform_stats(_nb(wv), vitem, fmt, sink, _nb(part[0]), _nb(part[1]), _nb(sums[0]), _nb(sums[1]))
         _mark("statistics")
-        sums_h = sums.cpu().numpy()  # synchronisation 1: the steps come from the sums
+        if checked:
+            sums_h = sums.cpu().numpy()  # synchronisation 1: the steps come from the sums
+        else:
+            # A value past the sink tokens is NaN or Inf exactly when a sum is not finite (finite
+            # squares summed in float64 stay finite); the sink tokens, stored as they are, are
+            # checked here: one copy back either way.
+            sink_bad = (~torch.isfinite(x[:, :, :sink])).any().to(torch.float64).reshape(1)
+            sums_h = torch.cat([sums.reshape(-1), sink_bad]).cpu().numpy()
+            if not np.isfinite(sums_h).all() or sums_h[-1] != 0:
+                _nonfinite(cache)
+            sums_h = sums_h[:-1].reshape(sums.shape)
         _mark("sums to the host (sync)")
         offsets_bits, m, steps_bits, steps = tc.step_params(sums_h[0], sums_h[1], T - sink, cfg.steps_table(L),
                                                             tc.plane_sensitivity(cfg, calibration))
@@ -289,7 +315,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     incl = torch.cumsum(lengths, 0, dtype=torch.int64)
     entry = torch.where(shared.bool(), 1, 3 + (alphabet + 1) // 2).reshape(-1).to(torch.int64)
     tincl = torch.cumsum(entry, 0)
-    ends_d = torch.cat([incl[per - 1 :: per], tincl[-1:]]).to("cpu", non_blocking=dev.type == "cuda")
+    ends_d = torch.cat([incl[per - 1 :: per], tincl[-1:], bad.to(torch.int64)]).to("cpu", non_blocking=dev.type == "cuda")
     excl = incl - lengths
     texcl = tincl - entry
 
@@ -318,6 +344,9 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     if dev.type == "cuda":
         torch.cuda.current_stream(dev).synchronize()  # synchronisation 2: the layout
     ends = ends_d.numpy()
+    if ends[K + 1 :].any():
+        _nonfinite(cache)
+    ends = ends[: K + 1]
     _mark("sizes to the host (sync)")
     payload = np.diff(ends[:-1], prepend=0).astype(np.int64)
     tables_size = int(ends[-1])

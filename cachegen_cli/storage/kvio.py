@@ -136,8 +136,11 @@ def from_tensors(
     tensors: Mapping[str, torch.Tensor] | torch.Tensor,
     layout: str = "auto",
     metadata: Mapping[str, str] | None = None,
+    check: bool = True,
 ) -> KVCache:
-    """Validate tensors in either layout and bring them to the internal form."""
+    """Validate tensors in either layout and bring them to the internal form.  ``check=False``
+    leaves out the finiteness check (check_finite), for a caller whose own pass over the
+    values makes it (the GPU encoder)."""
     if isinstance(tensors, torch.Tensor):
         tensors = {"kv": tensors}
     if not isinstance(tensors, Mapping):
@@ -155,7 +158,8 @@ def from_tensors(
         cache = _from_stacked(tensors, meta)
     else:
         cache = _from_per_layer(tensors, meta)
-    check_finite(cache.data)
+    if check:
+        check_finite(cache.data)
     return cache
 
 
@@ -257,7 +261,7 @@ def _cuda_nonfinite_layers(data: torch.Tensor) -> np.ndarray:
     passes over the cache)."""
     from ..kernels.cuda_pipeline import nonfinite_layers
 
-    view, mask = _EXPONENT[data.dtype]
+    view, mask = EXPONENT_WORDS[data.dtype]
     L = data.shape[0]
     flat = data.contiguous().view(view).reshape(L, -1)
     if (flat.shape[1] * flat.element_size()) % 8 == 0:
@@ -271,7 +275,7 @@ def _nonfinite_message(layer: int, kinds: list[str]) -> str:
     return f"layer {layer} holds {' and '.join(kinds)} values; cachegen encodes finite values only"
 
 
-_EXPONENT = {
+EXPONENT_WORDS = {
     torch.bfloat16: (torch.int16, 0x7F80),
     torch.float16: (torch.int16, 0x7C00),
     torch.float32: (torch.int32, 0x7F800000),
@@ -292,7 +296,7 @@ class FiniteCheck:
 
         if block.numel() == 0:
             return
-        view, mask = _EXPONENT[block.dtype]
+        view, mask = EXPONENT_WORDS[block.dtype]
         words = block.contiguous().view(view).numpy()
         words = words.view(np.uint16 if view == torch.int16 else np.uint32).reshape(block.shape[0], -1)
         if first_nonfinite_row(words, mask) < 0:
