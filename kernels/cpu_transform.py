@@ -329,12 +329,15 @@ def coder_tables(cum, alphabet, tab, lut):
 
 
 @njit(**_JIT)
-def walk_tables(buf, start, count, per_plane, starts, heads):
+def walk_tables(buf, start, count, per_plane, starts, heads, source):
     """Walk the table entries of a Params block: starts[i] = where entry i's codes begin,
-    heads[i] = its first byte (2 = "same table").  Returns the end offset, or -1 - i when
-    entry i does not fit in buf, or -(1 << 40) when a plane's first entry is "same table"."""
+    heads[i] = its first byte (2 = "same table"), source[i] = the entry whose table entry i
+    uses (i, or the nearest preceding entry with its own table).  Returns the end offset, or
+    -1 - i when entry i does not fit in buf, or -(1 << 40) when a plane's first entry is
+    "same table"."""
     n = buf.shape[0]
     o = start
+    own = 0
     for i in range(count):
         if o >= n:
             return -1 - i
@@ -344,11 +347,14 @@ def walk_tables(buf, start, count, per_plane, starts, heads):
             if i % per_plane == 0:
                 return -(1 << 40)
             starts[i] = o
+            source[i] = own
             o += 1
             continue
         if o + 3 > n:
             return -1 - i
         starts[i] = o + 3
+        own = i
+        source[i] = i
         o += 3 + (np.int64(buf[o + 2]) + 2) // 2
     if o > n:
         return -1 - count

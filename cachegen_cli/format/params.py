@@ -184,10 +184,9 @@ def parse_params(raw: bytes, method: int, num_layers: int, num_channels: int, si
     elif method != METHOD_LOSSLESS:
         raise UnsupportedVersionError(f"unknown quantization method {method}")
     if defer_tables:
-        starts, heads = walk_table_entries(raw, o, L * 2 * C, C)
-        shared = heads == MODE_SAME
         # each entry's table: its own, or the nearest preceding own one (a plane's first entry is own)
-        source = np.maximum.accumulate(np.where(shared, 0, np.arange(shared.size, dtype=np.int64)))
+        starts, heads, source = walk_table_entries(raw, o, L * 2 * C, C)
+        shared = heads == MODE_SAME
         return Params(method, None, None, None, None, calibration, steps, offsets, sink, shared.reshape(L, 2, C),
                       refine_tokens, refine_bits, starts, source)
     modes, lo, alphabet, codes, shared = parse_tables(raw, o, L * 2 * C, method, C)
@@ -199,22 +198,25 @@ def parse_params(raw: bytes, method: int, num_layers: int, num_channels: int, si
     return Params(method, *arrays, calibration, steps, offsets, sink, shared, refine_tokens, refine_bits)
 
 
-def walk_table_entries(raw: bytes, start: int, count: int, per_plane: int) -> tuple[np.ndarray, np.ndarray]:
-    """(starts, heads): where each of ``count`` table entries from ``start`` has its codes and
-    its first byte, the entries checked to fit and to end exactly at the end of ``raw``."""
+def walk_table_entries(raw: bytes, start: int, count: int, per_plane: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(starts, heads, source): where each of ``count`` table entries from ``start`` has its
+    codes, its first byte, and the entry whose table it uses (itself, or for a "same" entry the
+    nearest preceding one with its own table); the entries checked to fit and to end exactly
+    at the end of ``raw``."""
     from ..kernels.cpu_transform import walk_tables
 
     buf = np.frombuffer(raw, np.uint8)
     starts = np.empty(count, np.int64)
     heads = np.zeros(count, np.uint8)
-    end = walk_tables(buf, start, count, per_plane, starts, heads)
+    source = np.empty(count, np.int64)
+    end = walk_tables(buf, start, count, per_plane, starts, heads, source)
     if end == -(1 << 40):
         raise SizeError("the first table of a (layer, K/V) cannot refer to a previous one")
     if end < 0:
         raise TruncatedError(f"the Params block ends inside table {-1 - end}")
     if end != len(buf):
         raise SizeError("bytes left over after the tables of the Params block")
-    return starts, heads
+    return starts, heads, source
 
 
 def parse_tables(raw: bytes, start: int, count: int, method: int, per_plane: int):
@@ -226,7 +228,7 @@ def parse_tables(raw: bytes, start: int, count: int, method: int, per_plane: int
     alphabet = np.empty(count, np.int64)
     # Tables have variable sizes: a small kernel walks them in order, checking each
     # entry's size against the bytes left before stepping over it.
-    starts, heads = walk_table_entries(raw, start, count, per_plane)
+    starts, heads, _ = walk_table_entries(raw, start, count, per_plane)
     shared = heads == MODE_SAME
     own = ~shared
     modes[:] = np.where(shared, MODE_DIRECT, heads)
