@@ -58,6 +58,8 @@ def main() -> None:
     p.add_argument("--preset", default=None)
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--ptx", action="store_true")
+    p.add_argument("--cprofile", type=int, default=0, metavar="N",
+                   help="also profile N encodes and N decodes with cProfile (the host's side) and print the top functions")
     a = p.parse_args()
     kw = {"preset": a.preset} if a.preset else {"quality": a.quality}
     kv = build_cache(a.tokens).cuda()
@@ -78,6 +80,19 @@ def main() -> None:
     print(f"{kw}: encode {1000 * (t1 - t):.2f} ms, decode {1000 * (t2 - t1):.2f} ms (under the profiler if any)")
     if a.ptx:
         ptx_fma_report()
+    if a.cprofile:
+        import cProfile
+        import pstats
+
+        for what, fn in (("encode", lambda: cg.encode_to_device(kv, **kw)), ("decode", lambda: cg.decode(blob, device="cuda"))):
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(a.cprofile):
+                fn()
+                torch.cuda.synchronize()
+            prof.disable()
+            print(f"# host profile of {a.cprofile} x {what} (tottime, per call = / {a.cprofile})")
+            pstats.Stats(prof).sort_stats("tottime").print_stats(22)
 
 
 if __name__ == "__main__":

@@ -163,10 +163,22 @@ def _int64_view(t: torch.Tensor, C: int):
     return torch.zeros((1, 1, 1, 1), dtype=torch.int64, device=t.device)
 
 
+def _to_device(a: np.ndarray, dev: torch.device) -> torch.Tensor:
+    """A host array on ``dev`` without stalling the host: a copy from pageable memory makes the
+    host wait for all the work queued on the stream (CUDA's rule for pageable transfers), so
+    the array goes through pinned memory (torch's caching host allocator keeps the block
+    until the copy has run) and the copy is queued like a kernel."""
+    a = np.ascontiguousarray(a)
+    t = torch.from_numpy(a if a.flags.writeable else a.copy())
+    if dev.type != "cuda":
+        return t
+    return t.pin_memory().to(dev, non_blocking=True)
+
+
 def _upload(parts: list[np.ndarray], dev: torch.device) -> list[torch.Tensor]:
     """Small host int64 arrays to the device in one copy."""
     flat = np.concatenate([np.asarray(p, np.int64).reshape(-1) for p in parts])
-    d = torch.from_numpy(flat).to(dev)
+    d = _to_device(flat, dev)
     out, o = [], 0
     for p in parts:
         n = int(np.asarray(p).size)
@@ -272,8 +284,8 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
             check_rotated_range(steps_bits, offsets_bits)
         R, bits = tc.refine_plan(cfg, T, sink)
         ref = _empty((L, 2, max(R, 1), C), torch.uint8, dev)
-        m_d = torch.from_numpy(np.ascontiguousarray(m, np.float32)).to(dev)
-        steps_d = torch.from_numpy(np.ascontiguousarray(steps, np.float64)).to(dev)
+        m_d = _to_device(np.asarray(m, np.float32), dev)
+        steps_d = _to_device(np.asarray(steps, np.float64), dev)
         _mark("steps (host) + upload")
         k.quantize_levels(_nb(wv), vitem, fmt, sink, _nb(m_d), _nb(steps_d), float(cfg.rounding), T - R, bits,
                           ct, _nb(qv), _nb(ref), _nb(stats))
@@ -380,7 +392,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     heads["payload_size"] = payload
     head_bytes = head60 + bytes(4) + desc + fixed
     host = np.frombuffer(head_bytes + refine + tail + heads.tobytes(), np.uint8)
-    up = torch.from_numpy(host.copy()).to(dev)
+    up = _to_device(host, dev)
     o = len(head_bytes)
     out[:o] = up[:o]
     if sink:
@@ -491,7 +503,7 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
     _mark("start")
     offsets = np.asarray(offsets_l, np.int64)
     hb = container.CHUNK_HEADER.size
-    at = torch.from_numpy((offsets[:, None] + np.arange(hb, dtype=np.int64)[None, :]).reshape(-1)).to(dev)
+    at = _to_device((offsets[:, None] + np.arange(hb, dtype=np.int64)[None, :]).reshape(-1), dev)
     heads = np.frombuffer(blob[at].cpu().numpy().tobytes(), _HEAD_DTYPE)
     kk = np.arange(K, dtype=np.int64)
     tks = np.minimum(ct, T - kk * ct)
@@ -558,8 +570,8 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
         offsets_f = torch.zeros((1, 1, 1), dtype=torch.float32, device=dev)
         steps_f = torch.zeros((1, 1), dtype=torch.float64, device=dev)
     else:
-        offsets_f = torch.from_numpy(np.ascontiguousarray(bf16_values(p.offsets), np.float32)).to(dev)
-        steps_f = torch.from_numpy(np.ascontiguousarray(bf16_values(p.steps), np.float64)).to(dev)
+        offsets_f = _to_device(np.asarray(bf16_values(p.offsets), np.float32), dev)
+        steps_f = _to_device(np.asarray(bf16_values(p.steps), np.float64), dev)
     k.dequantize(_nb(sym.view(_TORCH_WORD[V])), _nb(modes_d), _nb(lo_eff), ct, not lossless, S, _nb(offsets_f),
                  _nb(steps_f), r0, bits, blob_nb, _nb(raw_at_d), nraw, out_bytes,
                  _nb(words.view(_TORCH_WORD[V * out_bytes])), _nb(tables_bad[1:]))
@@ -579,7 +591,7 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
         if dtype != torch.float32:
             data = data.to(dtype)
     if S:
-        sink = torch.from_numpy(np.ascontiguousarray(p.sink).reshape(-1)).to(dev).view(dtype).reshape(L, 2, S, C)
+        sink = _to_device(np.ascontiguousarray(p.sink).reshape(-1), dev).view(dtype).reshape(L, 2, S, C)
         data[:, :, :S] = sink
     _mark("levels + values")
     # the checks of the reader's rules that need the chunks' bytes, in one copy back
