@@ -48,6 +48,20 @@ from .cdf import codes_to_cum, counts_to_codes
 from .coding_params import MASK32, PROB_BITS, PROB_TOTAL, RANGE_INIT, RANGE_TOP
 from .crc import CRC_TABLE, multmodp, x8nmodp
 from .quantize import float_from_bits16
+
+import os as _os
+
+#: Register caps per kernel (a benchmark's knob, e.g. CACHEGEN_MAXREG="decode=64,encode=64":
+#: a lower cap lets more threads run per SM at the price of spills; the bytes never change).
+REG_CAPS = {k: int(v) for k, v in (item.split("=") for item in
+                                   filter(None, _os.environ.get("CACHEGEN_MAXREG", "").split(",")))}
+
+
+def _jit(role: str):
+    """cuda.jit with the register cap REG_CAPS gives ``role`` (none by default)."""
+    cap = REG_CAPS.get(role)
+    return cuda.jit(max_registers=cap) if cap and not SIM else cuda.jit
+
 from .range_coder import _add_carry, flush_stream
 from .tables import COST_ONE, SHARE_SPAN, STAT_EMPTY, choose_table, table_bytes
 from .transform import (MODE_DELTA, STATS_BLOCK, TRANSFORM_QMAX, refine_index, step_level, symbol_top_byte,
@@ -425,7 +439,7 @@ def _make_quantize(V, B, lossless):
     method's top-byte symbols (then shift = 8 x the raw bytes per value)."""
     vmask = _value_mask(B)
 
-    @cuda.jit
+    @_jit("quantize")
     def kernel(wf, L, T, CW, fmt, sink, offsets, steps, threshold, t_ref, bits, chunk_tokens, shift, qf, ref, stats,
                emask, bad):
         i = cuda.grid(1)
@@ -824,7 +838,7 @@ def coder_tables(cum, ref, lo, alphabet, tab, lo_eff, alphabet_eff, lut, stream=
                                             as_device(lut))
 
 
-@cuda.jit
+@_jit("read_tables")
 def _read_tables_kernel(blob, params_at, starts, source, method2, tab, lut, modes, lo_eff, alphabet_eff, bad):
     i = cuda.grid(1)
     L, _, C, W = tab.shape
@@ -978,7 +992,7 @@ def _sub_bytes(x, y):
     return (((x | 0x80808080) - (y & 0x7F7F7F7F)) ^ ((x ^ ~y) & 0x80808080)) & MASK32
 
 
-@cuda.jit
+@_jit("encode")
 def _encode_kernel(qf, q64f, words8, lob, dmb, lob64, dmb64, tabf, W, L, T, C, chunk_tokens, group, slots, lengths):
     s, plane, t0, t1, c0, c1 = _coder_thread(cuda.grid(1), L, T, C, chunk_tokens, group)
     if s < 0:
@@ -1096,7 +1110,7 @@ def _decode_symbol(code, rng, a, end, cur, cur_at, blob, blob64, n64, tabf, trow
     return s, code, rng, a, cur, cur_at
 
 
-@cuda.jit
+@_jit("decode")
 def _decode_kernel(blob, blob64, n64, starts, lens, tabf, W, lutf, L, T, C, chunk_tokens, group, symf, sym64f, words8):
     s, plane, t0, t1, c0, c1 = _coder_thread(cuda.grid(1), L, T, C, chunk_tokens, group)
     if s < 0:
@@ -1381,7 +1395,7 @@ def _make_dequantize(V, OB, method2):
     omask = (1 << (8 * OB)) - 1
     lo_level, hi_level = (-TRANSFORM_QMAX, TRANSFORM_QMAX) if method2 else (0, 255)
 
-    @cuda.jit
+    @_jit("dequantize")
     def kernel(symf, L, T, CW, modes, lo_eff, chunk_tokens, sink, offsets, steps, refine_start, bits, blob, raw_at,
                nraw, outf, bad):
         i = cuda.grid(1)
