@@ -51,10 +51,14 @@ from .quantize import float_from_bits16
 
 import os as _os
 
-#: Register caps per kernel (a benchmark's knob, e.g. CACHEGEN_MAXREG="decode=64,encode=64":
-#: a lower cap lets more threads run per SM at the price of spills; the bytes never change).
-REG_CAPS = {k: int(v) for k, v in (item.split("=") for item in
-                                   filter(None, _os.environ.get("CACHEGEN_MAXREG", "").split(",")))}
+#: Register caps per kernel: a lower cap lets more threads run per SM at the price of spills;
+#: the bytes never change.  Measured on the H200 (benchmarks/bench_device.py, 2026-12-01, docs/
+#: benchmarks.md): range decoding 5.75 -> 5.24 ms, values 2.03 -> 1.82, levels 3.53 -> 3.18 with
+#: these; 64 for the encoder made it slower (4.30 -> 4.55), 48 or less slowed every kernel.
+#: CACHEGEN_MAXREG="decode=64,encode=0,..." overrides them (0: no cap), for such measurements.
+REG_CAPS = {"decode": 64, "dequantize": 64, "quantize": 96}
+REG_CAPS.update({k: int(v) for k, v in (item.split("=") for item in
+                                        filter(None, _os.environ.get("CACHEGEN_MAXREG", "").split(",")))})
 
 
 def _jit(role: str):
@@ -1363,6 +1367,27 @@ def put_header_crc(out, words, start, size, crc_head, at, acc, stream=0):
         _span_crc_kernel[(*_cfg(nseg), stream)](as_device(out), as_device(words), np.int64(aligned), np.int64(start),
                                                 np.int64(size), np.int64(PARAMS_CRC_SEGMENT), as_device(acc))
     _header_crc_kernel[1, 1, stream](as_device(out), as_device(acc), np.int64(crc_head), np.int64(size), np.int64(at))
+
+
+@cuda.jit
+def _span_crc_value_kernel(acc, crc_head, size, value):
+    if cuda.grid(1) != 0:
+        return
+    value[0] = acc[0] ^ multmodp(x8nmodp(size), np.int64(crc_head))
+
+
+def span_crc(data, words, start, size, crc_head, acc, value, stream=0):
+    """value[0] (int64 [1]) = the CRC-32 that continues crc_head over data[start:start + size]
+    (put_header_crc's sum, for a reader: the file header's CRC checked on the device); acc as
+    put_header_crc's."""
+    aligned = words is not None
+    if not aligned:
+        words = np.zeros(1, np.int64) if SIM else _placeholder((1,), np.int64)
+    nseg = (size + PARAMS_CRC_SEGMENT - 1) // PARAMS_CRC_SEGMENT
+    if nseg:
+        _span_crc_kernel[(*_cfg(nseg), stream)](as_device(data), as_device(words), np.int64(aligned), np.int64(start),
+                                                np.int64(size), np.int64(PARAMS_CRC_SEGMENT), as_device(acc))
+    _span_crc_value_kernel[1, 1, stream](as_device(acc), np.int64(crc_head), np.int64(size), as_device(value))
 
 
 # ---------------------------------------------------------------- decoding: symbols -> values

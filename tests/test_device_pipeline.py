@@ -343,3 +343,26 @@ def test_unchecked_cache_gets_the_finiteness_error_from_the_pipelines_own_pass(q
     with pytest.raises(NonFiniteError) as got:
         transform_resident.encode(kvio.from_tensors(bad, "auto", None, check=False), cfg, 8, checked=False)
     assert str(got.value) == str(want.value)
+
+
+def test_header_crc_checked_on_the_device():
+    """read_header leaves the Params block's CRC-32 to the device (defer_crc): a flipped bit in
+    a table entry the parser accepts, or in a step, still gives the CPU reader's ChecksumError;
+    a flip that breaks the parse gives the ChecksumError too (the CRC comes first, as on the CPU)."""
+    kv = realistic_kv(layers=2, tokens=12, heads=1, head_dim=8, dtype=torch.bfloat16, seed=2)
+    blob = cg.encode(kv, quality="balanced", chunk_tokens=8, device="cpu")
+    h, _, _, _ = codec.read_header_and_index(codec.open_input(blob)[0])
+    t = transform_resident.device()
+    hd, _, _ = transform_resident.read_header(torch.from_numpy(np.frombuffer(blob, np.uint8).copy()).to(t))
+    crc, head_crc, params_size = hd.deferred_crc
+    assert zlib.crc32(blob[64 : 64 + h.params_at - 64 + params_size], zlib.crc32(blob[:60])) == crc
+    assert zlib.crc32(blob[64 : h.params_at], zlib.crc32(blob[:60])) == head_crc
+    ends = h.params_at + params_size
+    for at in (h.params_at + 32 + 1, ends - 1, h.params_at + 32 + 4 * 2 + 3):  # a step, the last table byte, an offset
+        bad = bytearray(blob)
+        bad[at] ^= 0x01
+        with pytest.raises(ChecksumError):
+            cg.decode(bytes(bad), device="cpu")
+        with pytest.raises(ChecksumError):
+            _device_decode(bytes(bad))
+    assert torch.equal(_words(_device_decode(blob).reshape(kv.shape)), _words(cg.decode(blob, device="cpu")["kv"]))

@@ -24,7 +24,8 @@ from typing import BinaryIO
 
 import numpy as np
 
-from ..errors import BadMagicError, ChecksumError, FormatError, SizeError, TruncatedError, UnsupportedVersionError
+from ..errors import (BadMagicError, CacheGenError, ChecksumError, FormatError, SizeError, TruncatedError,
+                      UnsupportedVersionError)
 from ..kernels.coding_params import MAX_ALPHABET, MAX_STREAM_SYMBOLS, PROB_BITS, alphabet_size, max_stream_bytes
 from .params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, Params, pack_params, parse_params, refinement_bytes
 
@@ -82,6 +83,9 @@ class FileHeader:
     sink_tokens: int = 0
     params: "Params | None" = None
     params_at: int = 0  # version 2: where the Params block starts in the file
+    #: version 2 read with defer_crc: (the header's CRC-32, the CRC-32 of its first 60 bytes and the
+    #: descriptor, the Params block's size), for a reader that checks the Params bytes' part itself
+    deferred_crc: tuple | None = None
 
     @property
     def rotated(self) -> bool:
@@ -212,7 +216,8 @@ def read_exact(f: BinaryIO, n: int, what: str) -> bytes:
     return data
 
 
-def read_file_header(f: BinaryIO, file_size: int | None = None, defer_tables: bool = False) -> tuple[FileHeader, int]:
+def read_file_header(f: BinaryIO, file_size: int | None = None, defer_tables: bool = False,
+                     defer_crc: bool = False) -> tuple[FileHeader, int]:
     """Parse the header at the current position; returns it and its total size in bytes.
     ``defer_tables``: a version-2 Params block's tables are only walked (params.parse_params)."""
     raw = bytes(f.read(FILE_HEADER.size))
@@ -224,7 +229,7 @@ def read_file_header(f: BinaryIO, file_size: int | None = None, defer_tables: bo
         raise TruncatedError(f"file ends inside the file header ({len(raw)} of {FILE_HEADER.size} bytes)")
     (version,) = struct.unpack_from("<H", raw, 8)
     if version == FORMAT_VERSION_2:
-        return _read_file_header_v2(f, raw, file_size, defer_tables)
+        return _read_file_header_v2(f, raw, file_size, defer_tables, defer_crc)
     if version != FORMAT_VERSION:
         raise UnsupportedVersionError(f"format version {version} is not supported (this reader knows versions 1 and 2)")
     (_, version, header_size, desc_size, num_tokens, num_layers, num_channels, chunk_tokens, num_chunks,
@@ -322,7 +327,7 @@ def _json_depth(raw: bytes) -> int:
 
 
 def _read_file_header_v2(f: BinaryIO, raw: bytes, file_size: int | None,
-                         defer_tables: bool = False) -> tuple[FileHeader, int]:
+                         defer_tables: bool = False, defer_crc: bool = False) -> tuple[FileHeader, int]:
     (_, version, header_size, desc_size, num_tokens, num_layers, num_channels, chunk_tokens, num_chunks,
      group, dtype_code, layout_code, method, prob_bits, cdf_coding, flags, params_size, sink_tokens, reserved,
      crc) = FILE_HEADER_V2.unpack(raw)
@@ -345,15 +350,22 @@ def _read_file_header_v2(f: BinaryIO, raw: bytes, file_size: int | None,
         raise TruncatedError("file ends inside the header's descriptor or Params block")
     desc_raw = bytes(read_exact(f, desc_size, "descriptor"))
     params_raw = bytes(read_exact(f, params_size, "Params block"))
-    if _crc(raw[:-4], desc_raw, params_raw) != crc:
+    if not defer_crc and _crc(raw[:-4], desc_raw, params_raw) != crc:
         raise ChecksumError("file header CRC mismatch: the file is corrupted")
-    descriptor = _parse_descriptor(desc_raw, num_layers, num_tokens, num_channels)
-    params = parse_params(params_raw, method, num_layers, num_channels, sink_tokens, dtype, bool(flags & FLAG_ROTATED),
-                          bool(flags & FLAG_REFINED), num_tokens, defer_tables)
+    try:
+        descriptor = _parse_descriptor(desc_raw, num_layers, num_tokens, num_channels)
+        params = parse_params(params_raw, method, num_layers, num_channels, sink_tokens, dtype,
+                              bool(flags & FLAG_ROTATED), bool(flags & FLAG_REFINED), num_tokens, defer_tables)
+    except CacheGenError:
+        # defer_crc: a corrupt header still gets the checksum's error first, as without it
+        if defer_crc and _crc(raw[:-4], desc_raw, params_raw) != crc:
+            raise ChecksumError("file header CRC mismatch: the file is corrupted") from None
+        raise
     bins = np.zeros((num_layers, 2), np.int32)
     header = FileHeader(num_tokens, num_layers, num_channels, chunk_tokens, num_chunks, group, dtype, layout,
                         bins, descriptor, method, prob_bits, cdf_coding, FORMAT_VERSION_2, flags, sink_tokens, params,
-                        FILE_HEADER.size + desc_size)
+                        FILE_HEADER.size + desc_size,
+                        (crc, _crc(raw[:-4], desc_raw), params_size) if defer_crc else None)
     return header, FILE_HEADER.size + rest
 
 

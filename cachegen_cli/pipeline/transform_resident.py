@@ -448,7 +448,8 @@ def read_header(blob: torch.Tensor) -> tuple[FileHeader, list[int], int]:
 
     reader = _DeviceReader(blob)
     size = reader.size
-    h, header_end = container.read_file_header(reader, size, defer_tables=True)
+    # the Params block's CRC-32 is summed on the device (_decode), not on the host
+    h, header_end = container.read_file_header(reader, size, defer_tables=True, defer_crc=True)
     offsets = container.read_index(reader, h, header_end, size)
     return h, offsets, size
 
@@ -595,19 +596,22 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
         data[:, :, :S] = sink
     _mark("levels + values")
     # the checks of the reader's rules that need the chunks' bytes, in one copy back
-    crc = torch.zeros(K, dtype=torch.int64, device=dev)
-    k1.crc32_chunks(blob_nb, _words64(blob), _nb(offsets_d), _nb(rec_sizes_d), _nb(seg_first_d), _nb(crc),
+    crc = torch.zeros(K + 2, dtype=torch.int64, device=dev)  # the chunks', then the header's (and scratch)
+    k1.crc32_chunks(blob_nb, _words64(blob), _nb(offsets_d), _nb(rec_sizes_d), _nb(seg_first_d), _nb(crc[:K]),
                     int(seg_first[-1]))
+    header_crc, head_crc, params_size = h.deferred_crc
+    k.span_crc(blob_nb, _words64(blob), h.params_at, params_size, head_crc, _nb(crc[K + 1 :]), _nb(crc[K : K + 1]))
     bound = 2 * tks_d * G + 8
     checks = torch.cat([torch.stack([
-        crc,
+        crc[:K],
         by_chunk.sum(dim=1),
         (by_chunk > bound[:, None]).any(dim=1).to(torch.int64),
         (blob[pad_at_d].to(torch.int64) & pad_mask_d),
-    ]).reshape(-1), tables_bad]).cpu().numpy()
+    ]).reshape(-1), tables_bad, crc[K : K + 1]]).cpu().numpy()
     _mark("CRC-32s + checks (sync)")
-    flags = checks[4 * K:]
+    flags = checks[4 * K : -1]
+    header_ok = int(checks[-1]) == header_crc
     checks = checks[: 4 * K].reshape(4, K)
     failed = bool((checks[0] != heads["crc"]).any() or (checks[1] != payload).any() or checks[2].any()
-                  or checks[3].any() or flags.any())
+                  or checks[3].any() or flags.any() or not header_ok)
     return data, failed
