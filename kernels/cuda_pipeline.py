@@ -484,10 +484,13 @@ def _make_quantize(V, B, lossless):
         w = np.int64(0)
         if t0 < t1:
             w = np.int64(wf[at])
+        wa = np.int64(0)
+        if t0 + 1 < t1:
+            wa = np.int64(wf[at + CW])
         for t in range(t0, t1):
             wn = np.int64(0)
-            if t + 1 < t1:  # the next token's load in flight while this one is quantized
-                wn = np.int64(wf[at + CW])
+            if t + 2 < t1:  # the loads of the next two tokens in flight while this one is quantized
+                wn = np.int64(wf[at + 2 * CW])
             refined = bits > 0 and t >= t_ref
             qw = np.int64(0)
             for j in range(V):
@@ -519,7 +522,8 @@ def _make_quantize(V, B, lossless):
                 dmx[j] = max(dmx[j], d)
                 dab[j] += abs(d)
             qf[at] = _signed_word(qw, V)
-            w = wn
+            w = wa
+            wa = wn
             at += CW
         for j in range(V):
             if lossless:  # no deltas: their statistics are the levels' (split_words')
@@ -1008,6 +1012,33 @@ def _encode_kernel(qf, q64f, words8, lob, dmb, lob64, dmb64, tabf, W, L, T, C, c
     n = 0
     p = np.int64(-1)  # the byte held back (_emit) and the 0xFF bytes after it
     f = 0
+    if words8 and c1 - c0 == 8:
+        # One word of 8 levels per token (the usual group): the table bytes and the previous
+        # token's word stay in registers, and the next token's word is loaded while this one
+        # is coded (otherwise each token would start with a wait for memory).
+        bat = (plane * C + c0) // 8
+        lw = np.int64(lob64[bat])
+        dm = np.int64(dmb64[bat])
+        stride = C // 8
+        at = ((plane * T + t0) * C + c0) // 8
+        prev = np.int64(0)  # a chunk's first token codes its levels themselves
+        w_next = np.int64(0)
+        if t0 < t1:
+            w_next = np.int64(q64f[at])
+        for t in range(t0, t1):
+            w = w_next
+            if t + 1 < t1:
+                w_next = np.int64(q64f[at + stride])
+            at += stride
+            pm = prev & dm
+            for half in range(2):
+                sh = 32 * half
+                sw = _sub_bytes(_sub_bytes((w >> sh) & MASK32, (pm >> sh) & MASK32), (lw >> sh) & MASK32)
+                for j in range(4):
+                    entry = np.int64(tabf[trow0 + (4 * half + j) * W + ((sw >> (8 * j)) & 0xFF)])
+                    low, rng, n, p, f = _code_symbol(low, rng, n, p, f, out, entry)
+            prev = w
+        t1 = t0  # done: the general loop below runs no token
     for t in range(t0, t1):
         # each symbol: (level - (previous level if token delta) - lo) mod 256 (symbol_bytes)
         if words8:
@@ -1061,27 +1092,32 @@ def encode_streams(q, q64, lob, dmb, lob64, dmb64, tab, chunk_tokens, group, slo
 
 
 @cuda.jit(device=True)
-def _stream_byte(blob, blob64, n64, a, end, cur, cur_at):
+def _stream_byte(blob, blob64, n64, a, end, cur, cur_at, nxt):
     """(byte a of the file, or 0 at or past end; the word cache): the bytes come from one
-    aligned 8-byte load per 8 (cur holds word cur_at of blob64, its first n64 words), the
-    file's last partial word byte by byte."""
+    aligned 8-byte load per 8 (cur holds word cur_at of blob64, its first n64 words; nxt the
+    word after it, loaded when cur was, so that a stream's next word is in flight while the
+    current one is decoded), the file's last partial word byte by byte."""
     if a >= end:
-        return np.int64(0), cur, cur_at
+        return np.int64(0), cur, cur_at, nxt
     wi = a >> 3
     if wi != cur_at:
-        cur_at = wi
-        if wi < n64:
+        if wi == cur_at + 1 and wi < n64:
+            cur = nxt
+        elif wi < n64:
             cur = np.int64(blob64[wi])
         else:
             cur = np.int64(0)
             for b in range(8):
                 if wi * 8 + b < blob.shape[0]:
                     cur |= np.int64(blob[wi * 8 + b]) << (8 * b)
-    return (cur >> (8 * (a & 7))) & 0xFF, cur, cur_at
+        cur_at = wi
+        if wi + 1 < n64:
+            nxt = np.int64(blob64[wi + 1])
+    return (cur >> (8 * (a & 7))) & 0xFF, cur, cur_at, nxt
 
 
 @cuda.jit(device=True)
-def _decode_symbol(code, rng, a, end, cur, cur_at, blob, blob64, n64, tabf, trow, lutf, lrow):
+def _decode_symbol(code, rng, a, end, cur, cur_at, nxt, blob, blob64, n64, tabf, trow, lutf, lrow):
     """One symbol of range_coder.decode_stream: (symbol, code, rng, a, cur, cur_at), reading
     the stream's byte a next (_stream_byte).  The channel's lookup table (at lutf[lrow:])
     gives the first candidate; the scan over its table row (tabf[trow:]) stops at the row's
@@ -1107,11 +1143,11 @@ def _decode_symbol(code, rng, a, end, cur, cur_at, blob, blob64, n64, tabf, trow
     code -= r32 * np.int64(np.uint32(entry & 0xFFFF))
     rng = r32 * np.int64(np.uint32((entry >> 16) & 0xFFFF))
     while rng < RANGE_TOP:
-        x, cur, cur_at = _stream_byte(blob, blob64, n64, a, end, cur, cur_at)
+        x, cur, cur_at, nxt = _stream_byte(blob, blob64, n64, a, end, cur, cur_at, nxt)
         code = ((code << 8) | x) & MASK32
         a += 1
         rng <<= 8
-    return s, code, rng, a, cur, cur_at
+    return s, code, rng, a, cur, cur_at, nxt
 
 
 @_jit("decode")
@@ -1124,10 +1160,11 @@ def _decode_kernel(blob, blob64, n64, starts, lens, tabf, W, lutf, L, T, C, chun
     a = np.int64(starts[s])
     end = a + np.int64(lens[s])
     cur = np.int64(0)
-    cur_at = np.int64(-1)
+    nxt = np.int64(0)
+    cur_at = np.int64(-2)  # no word cached (and the next one is not cur_at + 1)
     code = np.int64(0)
     for _ in range(4):
-        x, cur, cur_at = _stream_byte(blob, blob64, n64, a, end, cur, cur_at)
+        x, cur, cur_at, nxt = _stream_byte(blob, blob64, n64, a, end, cur, cur_at, nxt)
         code = (code << 8) | x
         a += 1
     rng = np.int64(RANGE_INIT)
@@ -1139,15 +1176,17 @@ def _decode_kernel(blob, blob64, n64, starts, lens, tabf, W, lutf, L, T, C, chun
                 tb = trow0 + wj * 8 * W
                 lb = lrow0 + wj * 8 * LUT_SIZE
                 for j in range(8):
-                    x, code, rng, a, cur, cur_at = _decode_symbol(code, rng, a, end, cur, cur_at, blob, blob64, n64,
-                                                                  tabf, tb + j * W, lutf, lb + j * LUT_SIZE)
+                    x, code, rng, a, cur, cur_at, nxt = _decode_symbol(code, rng, a, end, cur, cur_at, nxt, blob,
+                                                                       blob64, n64, tabf, tb + j * W, lutf,
+                                                                       lb + j * LUT_SIZE)
                     w |= x << (8 * j)
                 sym64f[at + wj] = w
         else:
             at = (plane * T + t) * C
             for c in range(c0, c1):
-                x, code, rng, a, cur, cur_at = _decode_symbol(code, rng, a, end, cur, cur_at, blob, blob64, n64, tabf,
-                                                              trow0 + (c - c0) * W, lutf, lrow0 + (c - c0) * LUT_SIZE)
+                x, code, rng, a, cur, cur_at, nxt = _decode_symbol(code, rng, a, end, cur, cur_at, nxt, blob, blob64,
+                                                                   n64, tabf, trow0 + (c - c0) * W, lutf,
+                                                                   lrow0 + (c - c0) * LUT_SIZE)
                 symf[at + c] = x
 
 
