@@ -251,7 +251,9 @@ def decoded_digests(blob: bytes, case: dict, folder: Path = GOLDEN) -> dict[str,
 
 def tensor_digest(t: torch.Tensor) -> dict:
     t = t.detach().cpu().contiguous()
-    words = t.view(torch.int16 if t.element_size() == 2 else torch.int32).numpy().astype("<i" + str(t.element_size()))
+    # the words of the tensor's own element size (an int64 extra is 8-byte words, not pairs of int32)
+    size = t.element_size()
+    words = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]).numpy().astype(f"<i{size}")
     return {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape),
             "sha256": hashlib.sha256(words.tobytes()).hexdigest()}
 
