@@ -1,0 +1,339 @@
+"""The reference decoder on every .cgen the test suite writes (issue 16; loaded by conftest.py).
+
+tests/test_reference_decoder.py compares reference/cgen_reference.py with cachegen on files
+chosen for it; this plugin extends that to every file any test writes, so that a new writer
+path (a flag, a shape, a CLI option) cannot produce bytes that only cachegen reads.  It wraps
+the package's output points:
+
+  * ``cachegen_cli.api.encode`` (also ``cachegen_cli.encode``): the bytes it returns, with the
+    calibration it was given;
+  * ``cachegen_cli.storage.outputs.atomic_output``: every regular file it completes that starts
+    with the .cgen magic (``encode_file``, the CLI, the batch runner's threads), with the
+    calibration ``encode_file`` was given (a context variable set by its wrapper).
+
+At the end of each test's call (and teardown) phase, each recorded blob is decoded by cachegen
+(``device="cpu"``) and, where cachegen decodes it, by the reference decoder, and the tensors
+are compared exactly: names and order, dtypes, shapes and bit patterns (both decoders are
+defined by integer / IEEE-exact arithmetic, so they must agree bit for bit on every machine).
+A disagreement, or the reference refusing a file cachegen decodes, fails the test that wrote
+the blob.  Not compared, each counted in the session's one-line summary: blobs already checked
+(same SHA-256 and calibration), blobs over the size caps (the reference's range coder runs
+symbol by symbol in Python: ~2 us a value), blobs cachegen itself refuses (deliberately broken
+ones), rotated files written without a calibration the plugin saw, and blobs of tests that
+failed anyway.  Files written by other processes (``subprocess`` CLI runs, the batch runner's
+process pool) are not seen.
+
+``CACHEGEN_CONFORMANCE=0`` turns it off (e.g. to profile the suite); the caps can be changed
+with ``CACHEGEN_CONFORMANCE_MAX_BLOB`` (bytes of the file, default 2 MB) and
+``CACHEGEN_CONFORMANCE_MAX_DECODED`` (bytes of the decoded tensors, read from the header,
+default 4 MiB).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import hashlib
+import os
+import stat
+import struct
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+ENV = "CACHEGEN_CONFORMANCE"
+MAGIC = b"\x89CGEN\r\n\x1a"
+ROOT = Path(__file__).resolve().parent.parent
+
+#: element size -> the integer dtype whose view of a tensor gives its bit patterns
+_BIT_VIEWS = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+#: what each skip counter means, in the summary's order
+REASONS = {
+    "duplicate": "already checked",
+    "too_large": "over the size cap",
+    "refused": "refused by cachegen (deliberately broken)",
+    "no_calibration": "rotated, calibration not seen",
+    "test_failed": "written by a failing test",
+}
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "no", "off", "false", "")
+
+
+def _int_env(name: str, default: int) -> int:
+    try:
+        return int(os.environ.get(name, default))
+    except ValueError:
+        return default
+
+
+def decoded_bytes(blob: bytes) -> int | None:
+    """Bytes of the tensors the blob announces, from its first bytes only (docs/format.md: every
+    field needed is at a fixed offset); None when it does not start like a .cgen file."""
+    if len(blob) < 48 or blob[:8] != MAGIC:
+        return None
+    version = struct.unpack_from("<H", blob, 8)[0]
+    if version == 3:
+        return struct.unpack_from("<Q", blob, 24)[0]
+    if version in (1, 2) and len(blob) >= 64:
+        tokens, layers, channels = struct.unpack_from("<QII", blob, 16)
+        word = 4 if blob[42] == 3 else 2
+        return layers * 2 * tokens * channels * word
+    return None
+
+
+def _rotated(blob: bytes) -> bool:
+    return len(blob) >= 64 and struct.unpack_from("<H", blob, 8)[0] == 2 and bool(blob[47] & 1)
+
+
+class Recorder:
+    """Blobs written during the current test, and the session's counters."""
+
+    def __init__(self) -> None:
+        self.max_blob = _int_env("CACHEGEN_CONFORMANCE_MAX_BLOB", 2_000_000)
+        self.max_decoded = _int_env("CACHEGEN_CONFORMANCE_MAX_DECODED", 4 << 20)
+        self.pending: list[tuple[bytes, str | None, str]] = []
+        self.seen: set[tuple[str, str | None]] = set()
+        self.counts: Counter = Counter()
+        self.mismatches: list[str] = []
+        self.seconds = 0.0  # spent checking (the summary reports it: the plugin's cost to the suite)
+        self.lock = threading.Lock()
+        self.calibration = contextvars.ContextVar("cgen_conformance_calibration", default=None)
+        self._tmp = Path(tempfile.mkdtemp(prefix="cgen-conformance-"))
+        self._ref = None
+
+    # ---- recording (called from the wrapped package functions)
+
+    def calibration_path(self, calibration) -> str | None:
+        """A path the reference decoder can read for ``calibration`` (a path, or a Calibration
+        object saved once), copied so that a test editing its file afterwards changes nothing."""
+        if calibration is None:
+            return None
+        try:
+            if isinstance(calibration, (str, os.PathLike)):
+                data = Path(calibration).read_bytes()
+            else:
+                from cachegen_cli.methods import calibration as calib
+
+                path = self._tmp / f"object-{id(calibration)}.safetensors"
+                calib.save(calibration, path)
+                data = path.read_bytes()
+        except Exception:  # an unreadable calibration: the encode call reports it, not this plugin
+            return None
+        path = self._tmp / (hashlib.sha256(data).hexdigest()[:32] + ".safetensors")
+        if not path.exists():
+            path.write_bytes(data)
+        return str(path)
+
+    def record(self, blob, calibration, origin: str) -> None:
+        if not isinstance(blob, (bytes, bytearray, memoryview)):
+            return  # e.g. a CUDA tensor of encode_to_device: not on the host
+        blob = bytes(blob)
+        if blob[:8] != MAGIC:
+            return
+        with self.lock:
+            self.pending.append((blob, self.calibration_path(calibration), origin))
+
+    def record_file(self, path: Path) -> None:
+        try:
+            st = os.stat(path)
+            if not stat.S_ISREG(st.st_mode):  # a FIFO or a device written in place: not read back
+                return
+            with open(path, "rb") as f:
+                if f.read(8) != MAGIC:
+                    return
+                if st.st_size > self.max_blob:
+                    with self.lock:
+                        self.counts["too_large"] += 1
+                    return
+                f.seek(0)
+                blob = f.read()
+        except OSError:
+            return
+        self.record(blob, self.calibration.get(), f"file {path}")
+
+    # ---- checking
+
+    def reference(self):
+        if self._ref is None:
+            sys.path.insert(0, str(ROOT / "reference"))
+            import cgen_reference
+
+            self._ref = cgen_reference
+        return self._ref
+
+    def take(self) -> list[tuple[bytes, str | None, str]]:
+        with self.lock:
+            out, self.pending = self.pending, []
+        return out
+
+    def check_pending(self) -> None:
+        """Compare every blob recorded since the last call; raise AssertionError on a disagreement."""
+        start = time.perf_counter()
+        try:
+            problems = [p for p in (self.check(*item) for item in self.take()) if p]
+        finally:
+            self.seconds += time.perf_counter() - start
+        if problems:
+            self.mismatches.extend(problems)
+            raise AssertionError("reference decoder and cachegen disagree (tests/cgen_conformance.py):\n"
+                                 + "\n".join(problems))
+
+    def discard_pending(self) -> None:
+        n = len(self.take())
+        self.counts["test_failed"] += n
+
+    def check(self, blob: bytes, calibration: str | None, origin: str) -> str | None:
+        """None when the two decoders agree (or the blob is skipped), else what differs."""
+        key = (hashlib.sha256(blob).hexdigest(), calibration)
+        if key in self.seen:
+            self.counts["duplicate"] += 1
+            return None
+        self.seen.add(key)
+        size = decoded_bytes(blob)
+        if len(blob) > self.max_blob or size is None or size > self.max_decoded:
+            self.counts["too_large" if size is not None else "refused"] += 1
+            return None
+        if _rotated(blob) and calibration is None:
+            self.counts["no_calibration"] += 1
+            return None
+        import torch
+
+        from cachegen_cli.errors import CacheGenError
+
+        try:
+            theirs = _ORIGINAL["decode"](blob, device="cpu", calibration=calibration)
+        except CacheGenError:
+            self.counts["refused"] += 1
+            return None
+        ref = self.reference()
+        try:
+            mine = ref.decode(blob, calibration)
+        except ref.FormatViolation as exc:
+            return f"{origin}: cachegen decodes it, the reference refuses it: {exc}"
+        self.counts["checked"] += 1
+        if list(theirs) != list(mine.tensors):
+            return f"{origin}: tensor names / order: cachegen {list(theirs)}, reference {list(mine.tensors)}"
+        for name, (dtype_name, words) in mine.tensors.items():
+            t = theirs[name].detach().cpu().contiguous()
+            if str(t.dtype).removeprefix("torch.") != dtype_name or list(t.shape) != list(words.shape):
+                return (f"{origin}: {name}: cachegen {t.dtype} {list(t.shape)}, "
+                        f"reference {dtype_name} {list(words.shape)}")
+            if words.dtype.itemsize != t.element_size():
+                return f"{origin}: {name}: element sizes {t.element_size()} and {words.dtype.itemsize}"
+            bits = t.view(getattr(torch, _BIT_VIEWS[t.element_size()])).numpy().view(words.dtype)
+            differ = int((bits != words).sum())
+            if differ:
+                return f"{origin}: {name}: {differ} of {words.size} values differ"
+        return None
+
+    def summary(self) -> str:
+        c = self.counts
+        skipped = ", ".join(f"{c[k]} {what}" for k, what in REASONS.items() if c[k])
+        line = (f"cgen conformance: {c['checked']} .cgen blobs decoded identically by the reference decoder"
+                f" and cachegen in {self.seconds:.1f} s; skipped: {skipped or 'none'}")
+        if self.mismatches:
+            line += f"; {len(self.mismatches)} DISAGREED"
+        return line
+
+
+_ORIGINAL: dict = {}
+RECORDER: Recorder | None = None
+
+
+def install() -> Recorder:
+    """Wrap the package's output points (once per process) and return the recorder."""
+    global RECORDER
+    if RECORDER is not None:
+        return RECORDER
+    import cachegen_cli
+    from cachegen_cli import api
+    from cachegen_cli.storage import outputs
+
+    rec = Recorder()
+    _ORIGINAL.update(encode=api.encode, encode_file=api.encode_file, atomic_output=outputs.atomic_output,
+                     decode=api.decode)
+
+    @functools.wraps(_ORIGINAL["encode"])
+    def encode(*args, **kwargs):
+        blob = _ORIGINAL["encode"](*args, **kwargs)
+        rec.record(blob, kwargs.get("calibration"), "cachegen_cli.encode")
+        return blob
+
+    @functools.wraps(_ORIGINAL["encode_file"])
+    def encode_file(*args, **kwargs):
+        token = rec.calibration.set(kwargs.get("calibration"))
+        try:
+            return _ORIGINAL["encode_file"](*args, **kwargs)
+        finally:
+            rec.calibration.reset(token)
+
+    @contextlib.contextmanager
+    def atomic_output(path):
+        with _ORIGINAL["atomic_output"](path) as tmp:
+            yield tmp
+        rec.record_file(Path(path))  # only once the block succeeded and the file is in place
+
+    atomic_output.__doc__ = _ORIGINAL["atomic_output"].__doc__
+    replacements = {id(_ORIGINAL["encode"]): encode, id(_ORIGINAL["encode_file"]): encode_file,
+                    id(_ORIGINAL["atomic_output"]): atomic_output}
+    # Rebind every name already bound to the originals (``from .storage.outputs import
+    # atomic_output`` in api.py, ``from .api import encode`` in the package); modules imported
+    # later read the patched module attributes.
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "cachegen_cli" or name.startswith("cachegen_cli.")):
+            continue
+        for attr, value in list(vars(module).items()):
+            new = replacements.get(id(value))
+            if new is not None and attr in ("encode", "encode_file", "atomic_output"):
+                setattr(module, attr, new)
+    assert cachegen_cli.encode is encode and api.atomic_output is atomic_output
+    RECORDER = rec
+    return rec
+
+
+class Plugin:
+    """The pytest hooks: check after each test's call and teardown, summarise at the end."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.rec = recorder
+
+    def _after(self):
+        try:
+            outcome = yield
+        except BaseException:
+            self.rec.discard_pending()
+            raise
+        self.rec.check_pending()
+        return outcome
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item):
+        return (yield from self._after())
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item, nextitem):
+        return (yield from self._after())
+
+    def pytest_sessionfinish(self, session):
+        try:  # blobs of session-scoped fixtures torn down after the last test
+            self.rec.check_pending()
+        except AssertionError as exc:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+            print(exc, file=sys.stderr)
+
+    def pytest_terminal_summary(self, terminalreporter):
+        terminalreporter.write_line(self.rec.summary())
+
+
+def register(config) -> None:
+    if enabled():
+        config.pluginmanager.register(Plugin(install()), "cgen-conformance")
