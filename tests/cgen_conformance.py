@@ -26,7 +26,7 @@ process pool) are not seen.
 ``CACHEGEN_CONFORMANCE=0`` turns it off (e.g. to profile the suite); the caps can be changed
 with ``CACHEGEN_CONFORMANCE_MAX_BLOB`` (bytes of the file, default 2 MB) and
 ``CACHEGEN_CONFORMANCE_MAX_DECODED`` (bytes of the decoded tensors, read from the header,
-default 4 MiB).
+default 4 MiB); ``CACHEGEN_CONFORMANCE_LOG=FILE`` appends a line per blob (seconds, sizes, origin).
 """
 
 from __future__ import annotations
@@ -104,6 +104,7 @@ class Recorder:
         self.seen: set[tuple[str, str | None]] = set()
         self.counts: Counter = Counter()
         self.mismatches: list[str] = []
+        self.log = os.environ.get("CACHEGEN_CONFORMANCE_LOG")
         self.seconds = 0.0  # spent checking (the summary reports it: the plugin's cost to the suite)
         self.lock = threading.Lock()
         self.calibration = contextvars.ContextVar("cgen_conformance_calibration", default=None)
@@ -177,11 +178,19 @@ class Recorder:
 
     def check_pending(self) -> None:
         """Compare every blob recorded since the last call; raise AssertionError on a disagreement."""
-        start = time.perf_counter()
-        try:
-            problems = [p for p in (self.check(*item) for item in self.take()) if p]
-        finally:
-            self.seconds += time.perf_counter() - start
+        problems = []
+        for item in self.take():
+            start = time.perf_counter()
+            try:
+                problem = self.check(*item)
+            finally:
+                took = time.perf_counter() - start
+                self.seconds += took
+                if self.log:  # CACHEGEN_CONFORMANCE_LOG: one line per blob, to see what the checks cost
+                    with open(self.log, "a") as f:
+                        print(f"{took:.3f}s {len(item[0])} bytes, {decoded_bytes(item[0])} decoded, {item[2]}", file=f)
+            if problem:
+                problems.append(problem)
         if problems:
             self.mismatches.extend(problems)
             raise AssertionError("reference decoder and cachegen disagree (tests/cgen_conformance.py):\n"
