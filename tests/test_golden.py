@@ -187,6 +187,16 @@ def _index_offsets(blob: bytes) -> list[int]:
     return list(struct.unpack_from(f"<{count}Q", blob, index_at + 8))
 
 
+def _chunk_headers(blob: bytes) -> list[dict]:
+    """Each chunk's ChunkHeader (through the Index): its tokens and section sizes."""
+    out = []
+    for k, at in enumerate(_index_offsets(blob)):
+        magic, index, first, count, raw, cdf, lengths, payload, reserved = struct.unpack_from("<4sIIIIIIII", blob, at)
+        assert magic == b"CGCK" and index == k and reserved == 0
+        out.append(dict(first=first, count=count, raw=raw, cdf=cdf, lengths=lengths, payload=payload))
+    return out
+
+
 def _parts(blob: bytes) -> dict:
     """A version 3 file: its PartsHeader, Manifest and Part table (each part's kind and bytes)."""
     (magic, version, header_size, flags, manifest_size, part_count, decoded_bytes, file_size, reserved,
@@ -221,14 +231,25 @@ def _check_regular(case: dict, blob: bytes) -> None:
         assert h["C"] > h["group"] and h["C"] % h["group"], "two or more channel groups, the last narrower"
     else:
         assert h["group"] == h["C"], "one channel group"
+    chunks = _chunk_headers(blob)
+    streams = h["L"] * 2 * -(-h["C"] // h["group"])  # a u16 length per (layer, K/V, channel group)
+    assert [c["lengths"] for c in chunks] == [2 * streams] * len(chunks)
     if h["version"] == 1:
         assert h["cdf_coding"] == 1
         assert _bins_table(blob, h) == expect["bins"]
+        alphabets = [2 * ((b - 1) // 2) + 1 for pair in expect["bins"] for b in pair]
+        for c in chunks:  # scales u16[L][2][Tk]; 4-bit CDF codes per channel and alphabet
+            assert c["raw"] == 2 * h["L"] * 2 * c["count"] and c["cdf"] == h["C"] * sum((a + 1) // 2 for a in alphabets)
         return
     p = _params(blob, h)
     for key in ("refine_tokens", "refine_bits"):
         assert p[key] == expect.get(key, 0), key
     assert h["cdf_coding"] == 2
+    if h["method"] == 2:  # the Raw section: refinement indices of the chunk's refined tokens only
+        R, b = p["refine_tokens"], p["refine_bits"]
+        for c in chunks:
+            refined = max(0, c["first"] + c["count"] - max(c["first"], h["num_tokens"] - R))
+            assert c["raw"] == -(-h["L"] * 2 * refined * h["C"] * b // 8) and c["cdf"] == 0
     if h["flags"] & 1:  # rotated: the calibration hash is that of the committed calibration file
         from cachegen_cli.methods.calibration import load
 
@@ -282,6 +303,9 @@ def test_golden_cases_cover_every_method_and_flag():
         assert {e["dtype"] for e in regular if (e["version"], e["method"]) == (version, method)} >= {1, 2, 3}, method
     assert {e["flags"] for e in regular if e["version"] == 2} >= {0, 1, 2, 3}  # rotation and refinement, and both
     assert {e.get("refine_bits") for e in regular} >= {1, 2, 3, 8}
+    chunk = make_golden.CHUNK_TOKENS  # refined tokens in two chunks: [20 - R, 20) crosses a chunk boundary
+    assert any((make_golden.TOKENS - e["refine_tokens"]) // chunk != (make_golden.TOKENS - 1) // chunk
+               for e in regular if e.get("refine_tokens"))
     assert any(e["sink_tokens"] > 1 for e in regular if e["version"] == 2)
     assert any({"delta", "same"} <= set(e.get("tables", ())) for e in regular)
     for version in (1, 2):
