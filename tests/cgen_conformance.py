@@ -9,7 +9,10 @@ the package's output points:
     calibration it was given;
   * ``cachegen_cli.storage.outputs.atomic_output``: every regular file it completes that starts
     with the .cgen magic (``encode_file``, the CLI, the batch runner's threads), with the
-    calibration ``encode_file`` was given (a context variable set by its wrapper).
+    calibration ``encode_file`` was given (a context variable set by its wrapper);
+  * and, after a test that passed, the ``*.cgen`` files left in its ``tmp_path`` that the two
+    points above did not see: those of CLI runs in a subprocess and of the batch runner's
+    worker processes (without a calibration: a rotated one is counted, not compared).
 
 At the end of each test's call (and teardown) phase, each recorded blob is decoded by cachegen
 (``device="cpu"``) and, where cachegen decodes it, by the reference decoder, and the tensors
@@ -20,8 +23,7 @@ the blob.  Not compared, each counted in the session's one-line summary: blobs a
 (same SHA-256 and calibration), blobs over the size caps (the reference's range coder runs
 symbol by symbol in Python: ~2 us a value), blobs cachegen itself refuses (deliberately broken
 ones), rotated files written without a calibration the plugin saw, and blobs of tests that
-failed anyway.  Files written by other processes (``subprocess`` CLI runs, the batch runner's
-process pool) are not seen.
+failed anyway.  Files other processes write outside the test's ``tmp_path`` are not seen.
 
 ``CACHEGEN_CONFORMANCE=0`` turns it off (e.g. to profile the suite); the caps can be changed
 with ``CACHEGEN_CONFORMANCE_MAX_BLOB`` (bytes of the file, default 2 MB) and
@@ -94,6 +96,9 @@ def _rotated(blob: bytes) -> bool:
     return len(blob) >= 64 and struct.unpack_from("<H", blob, 8)[0] == 2 and bool(blob[47] & 1)
 
 
+_UNSET = object()
+
+
 class Recorder:
     """Blobs written during the current test, and the session's counters."""
 
@@ -102,6 +107,7 @@ class Recorder:
         self.max_decoded = _int_env("CACHEGEN_CONFORMANCE_MAX_DECODED", 4 << 20)
         self.pending: list[tuple[bytes, str | None, str]] = []
         self.seen: set[tuple[str, str | None]] = set()
+        self.shas: set[str] = set()  # of every blob checked, whatever its calibration
         self.counts: Counter = Counter()
         self.mismatches: list[str] = []
         self.log = os.environ.get("CACHEGEN_CONFORMANCE_LOG")
@@ -143,7 +149,9 @@ class Recorder:
         with self.lock:
             self.pending.append((blob, self.calibration_path(calibration), origin))
 
-    def record_file(self, path: Path) -> None:
+    def record_file(self, path: Path, calibration=_UNSET, origin: str | None = None,
+                    skip_checked: bool = False) -> None:
+        """Record the .cgen file at ``path`` (not a FIFO or a device: those are not read back)."""
         try:
             st = os.stat(path)
             if not stat.S_ISREG(st.st_mode):  # a FIFO or a device written in place: not read back
@@ -159,7 +167,9 @@ class Recorder:
                 blob = f.read()
         except OSError:
             return
-        self.record(blob, self.calibration.get(), f"file {path}")
+        if skip_checked and hashlib.sha256(blob).hexdigest() in self.shas:
+            return  # written by the package in this process: already recorded with its calibration
+        self.record(blob, self.calibration.get() if calibration is _UNSET else calibration, origin or f"file {path}")
 
     # ---- checking
 
@@ -202,11 +212,13 @@ class Recorder:
 
     def check(self, blob: bytes, calibration: str | None, origin: str) -> str | None:
         """None when the two decoders agree (or the blob is skipped), else what differs."""
-        key = (hashlib.sha256(blob).hexdigest(), calibration)
+        sha = hashlib.sha256(blob).hexdigest()
+        key = (sha, calibration)
         if key in self.seen:
             self.counts["duplicate"] += 1
             return None
         self.seen.add(key)
+        self.shas.add(sha)
         size = decoded_bytes(blob)
         if len(blob) > self.max_blob or size is None or size > self.max_decoded:
             self.counts["too_large" if size is not None else "refused"] += 1
@@ -255,6 +267,8 @@ class Recorder:
 
 
 _ORIGINAL: dict = {}
+#: at most this many .cgen files left in a test's tmp_path are looked at
+MAX_LEFT_FILES = 64
 RECORDER: Recorder | None = None
 
 
@@ -315,18 +329,35 @@ class Plugin:
     def __init__(self, recorder: Recorder) -> None:
         self.rec = recorder
 
-    def _after(self):
+    def _after(self, item=None):
         try:
             outcome = yield
         except BaseException:
             self.rec.discard_pending()
             raise
         self.rec.check_pending()
+        if item is not None:  # after the check above: the files it saw are known by their SHA-256
+            self._left_in_tmp_path(item)
+            self.rec.check_pending()
         return outcome
+
+    def _left_in_tmp_path(self, item) -> None:
+        """.cgen files the test left in its tmp_path that were not recorded when written: those of
+        a CLI run in a subprocess (or the batch runner's worker processes)."""
+        tmp = getattr(item, "funcargs", {}).get("tmp_path")
+        if not isinstance(tmp, Path):
+            return
+        try:
+            paths = sorted(tmp.rglob("*.cgen"))[:MAX_LEFT_FILES]
+        except OSError:
+            return
+        for path in paths:
+            if not path.is_symlink():
+                self.rec.record_file(path, calibration=None, origin=f"left in tmp_path: {path}", skip_checked=True)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item):
-        return (yield from self._after())
+        return (yield from self._after(item))
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_teardown(self, item, nextitem):

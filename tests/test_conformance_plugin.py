@@ -178,3 +178,20 @@ def test_bit_views_match_numpy_words():
     t = torch.tensor([1.5, -2.0], dtype=torch.float32)
     bits = t.view(getattr(torch, conf._BIT_VIEWS[4])).numpy().view(np.uint32)
     assert list(bits) == [0x3FC00000, 0xC0000000]
+
+
+def test_files_left_in_tmp_path_are_recorded_once(rec, tmp_path):
+    """A .cgen another process wrote into the test's tmp_path (a subprocess CLI run) is checked;
+    one the package wrote in this process and that was checked already is not recorded again."""
+    unseen = conf._ORIGINAL["encode"](_kv(), quality="balanced", chunk_tokens=8, device="cpu")  # not recorded
+    seen = conf._ORIGINAL["encode"](_kv(), quality="small", chunk_tokens=8, device="cpu")
+    rec.record(seen, None, "o")
+    rec.check_pending()
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "a.cgen").write_bytes(unseen)
+    (tmp_path / "b.cgen").write_bytes(seen)
+    (tmp_path / "c.safetensors").write_bytes(unseen)  # only *.cgen names are looked at
+    conf.Plugin(rec)._left_in_tmp_path(types.SimpleNamespace(funcargs={"tmp_path": tmp_path}))
+    assert [(b, c) for b, c, _ in rec.pending] == [(unseen, None)] and "left in tmp_path" in rec.pending[0][2]
+    rec.check_pending()
+    assert rec.counts["checked"] == 2
