@@ -9,7 +9,10 @@ and needs a new format version or a new header flag (and new golden files, which
 then adds).  See tests/data/README.md.
 
 Each case is cut from the real SmolLM2 caches in sample_data/ (a couple of layers, one KV
-head, a few channels and tokens), so the files are a few KB.
+head, a few channels and tokens), so the files are a few KB.  Cases of format version 1 give
+their bins table range by range (``_bins``), those of version 2 every TransformConfig field
+(``_transform``); a version 3 case's source holds a cache of another shape (a windowed layer,
+K and V of different sizes, an extra tensor), encoded from its tensors as read.
 
 Usage::
 

@@ -135,7 +135,7 @@ def test_skipped_blobs_are_counted_not_compared(rec, tmp_path):
     rec.max_decoded = 100  # this cache decodes to 768 bytes
     rec.record(cg.encode(_kv(), quality="high", chunk_tokens=8, device="cpu"), None, "o")
     rec.check_pending()
-    rec.max_decoded = 4 << 20
+    rec.max_decoded = 1 << 20
     # a rotated file without its calibration
     from cachegen_cli.methods import calibration as calib
 
@@ -195,3 +195,16 @@ def test_files_left_in_tmp_path_are_recorded_once(rec, tmp_path):
     assert [(b, c) for b, c, _ in rec.pending] == [(unseen, None)] and "left in tmp_path" in rec.pending[0][2]
     rec.check_pending()
     assert rec.counts["checked"] == 2
+
+
+def test_a_crash_of_the_reference_fails(rec):
+    real = rec.reference()
+
+    def crash(blob, calibration=None):
+        raise KeyError("tensors")
+
+    rec._ref = types.SimpleNamespace(decode=crash, FormatViolation=real.FormatViolation)
+    rec.record(cg.encode(_kv(), quality="lossless", chunk_tokens=8, device="cpu"), None, "o")
+    with pytest.raises(AssertionError, match="the reference decoder raised KeyError"):
+        rec.check_pending()
+    assert rec.counts["checked"] == 0
