@@ -625,8 +625,11 @@ def decode_v2_chunk(ch: ChunkSections, h: Header, p: Params, rotation: np.ndarra
         q[:, :, Tk - n_ref :] += (j - n // 2 + 1) / n  # q' = q + (j - n/2 + 1) / n, exact
     else:
         check(len(raw) == 0, f"chunk {ch.index}: a raw section without refined tokens")
-    # z = float32(q x s + m): q x s exact in float64, then one float64 addition, then float32
-    z = (q * p.steps[:, :, None, None] + p.offsets[:, :, None, :]).astype(np.float32)
+    # z = float32(q x s + m): q x s exact in float64, then one float64 addition, then float32;
+    # a z beyond float32's range rounds to an infinity (the spec's rule; the output saturates),
+    # which numpy would otherwise report as an overflow warning
+    with np.errstate(over="ignore"):
+        z = (q * p.steps[:, :, None, None] + p.offsets[:, :, None, :]).astype(np.float32)
     if rotation is not None:
         acc = np.zeros(z.shape, np.float64)
         R = rotation.astype(np.float64)  # [L, 2, C(c), C(d)]

@@ -9,7 +9,10 @@ and needs a new format version or a new header flag (and new golden files, which
 then adds).  See tests/data/README.md.
 
 Each case is cut from the real SmolLM2 caches in sample_data/ (a couple of layers, one KV
-head, a few channels and tokens), so the files are a few KB.
+head, a few channels and tokens), so the files are a few KB.  Cases of format version 1 give
+their bins table range by range (``_bins``), those of version 2 every TransformConfig field
+(``_transform``); a version 3 case's source holds a cache of another shape (a windowed layer,
+K and V of different sizes, an extra tensor), encoded from its tensors as read.
 
 Usage::
 
@@ -36,7 +39,7 @@ from safetensors.torch import load_file, save  # noqa: E402
 
 import cachegen_cli as cg  # noqa: E402
 from cachegen_cli.methods import calibration as calib  # noqa: E402
-from cachegen_cli.methods.config import TransformConfig  # noqa: E402
+from cachegen_cli.methods.config import QuantizationConfig, QuantizationSpec, TransformConfig  # noqa: E402
 
 GOLDEN = ROOT / "tests" / "data" / "golden"
 MANIFEST = GOLDEN / "manifest.json"
@@ -46,6 +49,7 @@ PER_LAYER = ROOT / "sample_data" / "smollm2_code_96.safetensors"
 LAYERS = [3, 17]  # two layers of SmolLM2's 30
 TOKENS = 20  # chunks of 8: [0, 8), [8, 16), [16, 20), the last one short
 CHUNK_TOKENS = 8
+WINDOW = 13  # tokens the windowed layer of source_bf16_windowed keeps (chunks of 8 and 5)
 
 
 def _stacked(channels: int) -> torch.Tensor:
@@ -64,9 +68,18 @@ def _per_layer() -> dict[str, torch.Tensor]:
     return out
 
 
+def _token_ids() -> list[int]:
+    """The first TOKENS token ids of the stacked sample (its metadata records them)."""
+    from safetensors import safe_open
+
+    with safe_open(str(STACKED), "pt") as f:
+        return json.loads(f.metadata()["token_ids"])[:TOKENS]
+
+
 def _sources() -> dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]]:
     """Source name -> (tensors, safetensors metadata)."""
     bf16 = _stacked(32)
+    per_layer = _per_layer()
     # The samples are bf16; fp32 / fp16 sources with full mantissas: the same values divided
     # by 3 (one IEEE division, then one rounding to fp16).
     fp32 = (bf16.float() / 3).contiguous()
@@ -78,7 +91,25 @@ def _sources() -> dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]]:
         "source_fp32.safetensors": ({"kv": fp32}, {"source": note + " dims [0, 32), fp32 / 3"}),
         "source_fp16.safetensors": ({"kv": fp16}, {"source": note + " dims [0, 32), fp16(fp32 / 3)"}),
         "source_bf16_per_layer.safetensors": (
-            _per_layer(), {"source": f"sample_data/{PER_LAYER.name} layers {LAYERS} head 0 tokens [0, {TOKENS}) dims [0, 32)"}),
+            per_layer, {"source": f"sample_data/{PER_LAYER.name} layers {LAYERS} head 0 tokens [0, {TOKENS}) dims [0, 32)"}),
+        # A cache of no tokens (the stacked shape with a zero-length token axis).
+        "source_bf16_empty.safetensors": ({"kv": bf16[:, :, :0].contiguous()}, {"source": note + " dims [0, 32), no tokens"}),
+        # Format version 3 (docs/shapes.md): a windowed layer keeping its last WINDOW tokens ...
+        "source_bf16_windowed.safetensors": (
+            {"layers.0.key": per_layer["layers.0.key"], "layers.0.value": per_layer["layers.0.value"],
+             "layers.1.key": per_layer["layers.1.key"][:, :, TOKENS - WINDOW:].contiguous(),
+             "layers.1.value": per_layer["layers.1.value"][:, :, TOKENS - WINDOW:].contiguous()},
+            {"source": f"sample_data/{PER_LAYER.name} layers {LAYERS} head 0 dims [0, 32); layer 1 only its last "
+                       f"{WINDOW} of tokens [0, {TOKENS})"}),
+        # ... K and V of different sizes (V of an odd 15 channels: the "planes" groups' padding channel) ...
+        "source_bf16_kv_sizes.safetensors": (
+            {n: (t if n.endswith("key") else t[..., :15].contiguous()) for n, t in per_layer.items()},
+            {"source": f"sample_data/{PER_LAYER.name} layers {LAYERS} head 0 tokens [0, {TOKENS}); "
+                       "keys dims [0, 32), values dims [0, 15)"}),
+        # ... and the stacked cache next to an extra tensor (stored exactly): its token ids.
+        "source_bf16_extras.safetensors": (
+            {"kv": bf16, "input_ids": torch.tensor([_token_ids()], dtype=torch.int64)},
+            {"source": note + " dims [0, 32); input_ids: the sample's token_ids [0, 20)"}),
     }
 
 
@@ -98,6 +129,12 @@ def _transform(**kw) -> dict:
                recent_tokens=0, recent_bits=0, allocation="none")
     cfg.update(kw)
     return cfg
+
+
+def _bins(key: list, value: list) -> dict:
+    """A method-1 (format version 1) table, every range explicit: [start_layer, end_layer or
+    None, bins] for the keys and the values (what a --bins string or a preset gives)."""
+    return dict(method="bins", key=key, value=value)
 
 
 #: name -> case.  ``expect``: header fields the test checks (format_version, method, flags,
@@ -125,11 +162,71 @@ CASES: dict[str, dict] = {
                     config=_transform(sink_tokens=1, token_delta=True, recent_tokens=6, recent_bits=2),
                     expect=dict(version=2, method=2, flags=2, sink_tokens=1, dtype=1, refine_tokens=6,
                                 refine_bits=2)),
+
+    # ---- added for issue 16: every remaining combination the writers produce
+    "v2_rotated_refined": dict(source="source_bf16_c16.safetensors", calibration=CALIBRATION,
+                               config=_transform(sink_tokens=1, recent_tokens=6, recent_bits=2),
+                               expect=dict(version=2, method=2, flags=3, sink_tokens=1, dtype=2, refine_tokens=6,
+                                           refine_bits=2)),
+    "v2_transform_fp32": dict(source="source_fp32.safetensors", config=_transform(sink_tokens=1, token_delta=True),
+                              expect=dict(version=2, method=2, flags=0, sink_tokens=1, dtype=3,
+                                          tables=["direct", "delta"])),
+    "v2_lossless_fp16": dict(source="source_fp16.safetensors", config=_transform(method="lossless"),
+                             expect=dict(version=2, method=3, flags=0, sink_tokens=0, dtype=1)),
+    # refine bits 1 (the fewest), 3 (sub-cells that straddle a byte) and 8 (the most TransformConfig
+    # allows); 3 bits over 9 tokens: the refined tokens span the chunks [8, 16) and [16, 20)
+    "v2_refined_1bit": dict(source="source_bf16.safetensors", config=_transform(recent_tokens=6, recent_bits=1),
+                            expect=dict(version=2, method=2, flags=2, sink_tokens=0, dtype=2, refine_tokens=6,
+                                        refine_bits=1)),
+    "v2_refined_3bits": dict(source="source_bf16.safetensors", config=_transform(sink_tokens=1, recent_tokens=9, recent_bits=3),
+                             expect=dict(version=2, method=2, flags=2, sink_tokens=1, dtype=2, refine_tokens=9,
+                                         refine_bits=3)),
+    "v2_refined_8bits": dict(source="source_bf16.safetensors", config=_transform(recent_tokens=3, recent_bits=8),
+                             expect=dict(version=2, method=2, flags=2, sink_tokens=0, dtype=2, refine_tokens=3,
+                                         refine_bits=8)),
+    # chunks of 96 tokens: 21 channels per stream (choose_group_v2), so two channel groups of 21
+    # and 11 channels, the last one narrower; the one chunk is a short one (20 tokens)
+    "v2_channel_groups": dict(source="source_bf16.safetensors", config=_transform(sink_tokens=1), chunk_tokens=96,
+                              expect=dict(version=2, method=2, flags=0, sink_tokens=1, dtype=2, group=21)),
+    "v2_empty": dict(source="source_bf16_empty.safetensors", config=_transform(),
+                     expect=dict(version=2, method=2, flags=0, sink_tokens=0, dtype=2, num_tokens=0)),
+    "v2_empty_lossless": dict(source="source_bf16_empty.safetensors", config=_transform(method="lossless"),
+                              expect=dict(version=2, method=3, flags=0, sink_tokens=0, dtype=2, num_tokens=0)),
+    # format version 1 (method 1): LMCache's table for a small model is 32 bins everywhere; the
+    # per-layer case has an odd 17 (17 symbols) and an even 16 (15 symbols)
+    "v1_fp16": dict(source="source_fp16.safetensors", config=_bins([[0, None, 32]], [[0, None, 32]]),
+                    expect=dict(version=1, method=1, dtype=1, bins=[[32, 32], [32, 32]])),
+    "v1_fp32": dict(source="source_fp32.safetensors", config=_bins([[0, None, 32]], [[0, None, 16]]),
+                    expect=dict(version=1, method=1, dtype=3, bins=[[32, 16], [32, 16]])),
+    "v1_per_layer": dict(source="source_bf16_per_layer.safetensors",
+                         config=_bins([[0, 1, 17], [1, None, 32]], [[0, None, 16]]),
+                         expect=dict(version=1, method=1, dtype=2, layout=2, bins=[[17, 16], [32, 16]])),
+    # chunks of 48 tokens: 21 channels per stream (choose_group), two channel groups
+    "v1_channel_groups": dict(source="source_bf16.safetensors", config=_bins([[0, None, 32]], [[0, None, 32]]),
+                              chunk_tokens=48, expect=dict(version=1, method=1, dtype=2, group=21,
+                                                           bins=[[32, 32], [32, 32]])),
+    "v1_empty": dict(source="source_bf16_empty.safetensors", config=_bins([[0, None, 32]], [[0, None, 32]]),
+                     expect=dict(version=1, method=1, dtype=2, num_tokens=0, bins=[[32, 32], [32, 32]])),
+    # format version 3, the multi-part container (docs/format.md, docs/shapes.md)
+    "v3_windowed": dict(source="source_bf16_windowed.safetensors", config=_transform(sink_tokens=1, token_delta=True),
+                        expect=dict(version=3, groups=[dict(kind="kv", tokens=TOKENS, channels=32, version=2, method=2),
+                                                       dict(kind="kv", tokens=WINDOW, channels=32, version=2, method=2)],
+                                    extras=[])),
+    "v3_kv_sizes": dict(source="source_bf16_kv_sizes.safetensors", config=_transform(method="lossless"),
+                        expect=dict(version=3, groups=[dict(kind="planes", tokens=TOKENS, channels=32, version=2, method=3),
+                                                       dict(kind="planes", tokens=TOKENS, channels=15, version=2, method=3)],
+                                    extras=[])),
+    "v3_extras": dict(source="source_bf16_extras.safetensors", config=_bins([[0, None, 32]], [[0, None, 16]]),
+                      expect=dict(version=3, groups=[dict(kind="kv", tokens=TOKENS, channels=32, version=1, method=1)],
+                                  extras=["input_ids"])),
 }
 
 
-def config_of(case: dict) -> TransformConfig:
+def config_of(case: dict) -> TransformConfig | QuantizationConfig:
     c = dict(case["config"])
+    if c["method"] == "bins":
+        specs = lambda rows: tuple(QuantizationSpec(a, b, n) for a, b, n in rows)  # noqa: E731
+        return QuantizationConfig(specs(c["key"]), specs(c["value"]))
     c["key_step"], c["value_step"] = tuple(c["key_step"]), tuple(c["value_step"])
     return TransformConfig(**c)
 
@@ -138,11 +235,14 @@ def encode_case(case: dict, folder: Path = GOLDEN) -> bytes:
     """The case's .cgen bytes from its committed source (as tests/test_golden.py re-encodes it)."""
     from cachegen_cli.storage import kvio
 
-    cache = kvio.read_safetensors(folder / case["source"])
-    tensors = kvio.to_tensors(cache.data, cache.descriptor())
     cal = folder / case["calibration"] if case.get("calibration") else None
+    if case["expect"]["version"] == 3:  # a cache of another shape: its tensors as read, the multi-part file
+        tensors, metadata = kvio.read_tensors(folder / case["source"])
+    else:
+        cache = kvio.read_safetensors(folder / case["source"])
+        tensors, metadata = kvio.to_tensors(cache.data, cache.descriptor()), cache.metadata
     return cg.encode(tensors, quantization=config_of(case), calibration=cal, chunk_tokens=case.get("chunk_tokens", CHUNK_TOKENS),
-                     metadata=cache.metadata, device="cpu")
+                     metadata=metadata, device="cpu")
 
 
 def decoded_digests(blob: bytes, case: dict, folder: Path = GOLDEN) -> dict[str, dict]:
@@ -154,7 +254,9 @@ def decoded_digests(blob: bytes, case: dict, folder: Path = GOLDEN) -> dict[str,
 
 def tensor_digest(t: torch.Tensor) -> dict:
     t = t.detach().cpu().contiguous()
-    words = t.view(torch.int16 if t.element_size() == 2 else torch.int32).numpy().astype("<i" + str(t.element_size()))
+    # the words of the tensor's own element size (an int64 extra is 8-byte words, not pairs of int32)
+    size = t.element_size()
+    words = t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]).numpy().astype(f"<i{size}")
     return {"dtype": str(t.dtype).replace("torch.", ""), "shape": list(t.shape),
             "sha256": hashlib.sha256(words.tobytes()).hexdigest()}
 

@@ -53,6 +53,14 @@ def real_gpu() -> bool:
     return not config.ENABLE_CUDASIM and cuda.is_available()
 
 
+def pytest_configure(config):
+    """Every .cgen a test writes is also decoded by reference/cgen_reference.py and compared with
+    cachegen (tests/cgen_conformance.py; CACHEGEN_CONFORMANCE=0 turns it off)."""
+    import cgen_conformance
+
+    cgen_conformance.register(config)
+
+
 def pytest_collection_modifyitems(config, items):
     if real_gpu():
         return

@@ -28,6 +28,7 @@ import cachegen_cli as cg
 from cachegen_cli.methods import calibration as calib
 from cachegen_cli.methods.config import TransformConfig
 
+import cgen_conformance
 from conftest import SAMPLE_STACKED, per_layer, realistic_kv
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +56,7 @@ def assert_same_values(blob: bytes, calibration=None) -> ref.Decoded:
         bits = t.view(BIT_VIEWS[t.element_size()]).numpy().view(words.dtype)
         differ = int((bits != words).sum())
         assert differ == 0, f"{name}: {differ} of {words.size} values differ"
+    cgen_conformance.mark_checked(blob, calibration)  # compared here: the plugin need not do it again
     return mine
 
 
@@ -69,21 +71,13 @@ GOLDEN_FILES = [("golden_v1.cgen", None)] + [
 def test_golden_file_decodes_to_the_same_values(name, calibration):
     blob = (ROOT / "tests" / "data" / name).read_bytes()
     decoded = assert_same_values(blob, GOLDEN / calibration if calibration else None)
-    assert decoded.cache.size > 0
+    assert decoded.tensors
+    # every golden file but the caches of no tokens decodes to values
+    assert any(w.size for _, w in decoded.tensors.values()) or name.endswith(("_empty.cgen", "_empty_lossless.cgen"))
 
 
-@pytest.mark.parametrize("name", sorted(MANIFEST))
-def test_golden_file_decodes_to_its_pinned_digests(name):
-    """The reference reproduces the SHA-256 manifest.json pins (make_golden.tensor_digest's
-    rule: the little-endian words of each tensor), without cachegen."""
-    import hashlib
-
-    case = MANIFEST[name]
-    cal = str(GOLDEN / case["calibration"]) if case.get("calibration") else None
-    decoded = ref.decode((GOLDEN / case["file"]).read_bytes(), cal)
-    got = {n: {"dtype": d, "shape": list(w.shape), "sha256": hashlib.sha256(w.astype(w.dtype.newbyteorder("<")).tobytes()).hexdigest()}
-           for n, (d, w) in decoded.tensors.items()}
-    assert got == case["decoded"]
+# The reference's decoding of each golden file against the SHA-256 the manifest pins:
+# tests/test_golden.py, test_reference_decoder_gives_the_recorded_tensors.
 
 
 # ---------------------------------------------------------------- freshly encoded files
