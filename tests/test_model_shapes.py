@@ -120,12 +120,12 @@ def test_capture_encode_decode_eval(tiny, tmp_path):
         return json.loads(out)
 
     exact = evaluate(lossless)
-    assert exact["kl_mean"] == 0.0 and exact["top1_agreement"] == 1.0 and exact["greedy_agreement"] == 1.0
+    assert exact["kl_mean"] < 1e-6 and exact["top1_agreement"] == 1.0 and exact["greedy_agreement"] == 1.0
     assert exact["cache_rel_mse"] == 0.0
     assert exact["layer_tokens"] == [KEEPS[family][l][0][2] for l in sorted(KEEPS[family])]
     coded = evaluate(lossy)
     assert 0.0 < coded["cache_rel_mse"] < 0.05 and coded["kl_mean"] >= 0.0 and coded["bits_per_value"] < 16
-    assert evaluate(kv)["kl_mean"] == 0.0  # the uncompressed capture scores as its own reference
+    assert evaluate(kv)["kl_mean"] < 1e-6  # the uncompressed capture scores as its own reference (to rounding)
 
 
 def test_eval_refuses_another_models_cache(tiny, tmp_path):
@@ -181,4 +181,6 @@ def test_smollm2_multi_part_file_through_eval(smol, tmp_path):
     _ok("encode", src, "-o", enc, "--quality", "lossless", "--device", "cpu", "-q")
     assert enc.read_bytes()[8] == 3
     r = json.loads(_ok("eval", enc, "--text", CODE, "--continuation", 8, "--generate", 2, "--json", "-q"))
-    assert r["kl_mean"] == 0.0 and r["top1_agreement"] == 1.0 and r["num_layers"] == 30
+    # the cache decodes bit for bit; the model's two runs over it agree to float rounding (the
+    # layered path and the reference may sum in other orders, by thread count and machine)
+    assert r["kl_mean"] < 1e-6 and r["top1_agreement"] == 1.0 and r["num_layers"] == 30
