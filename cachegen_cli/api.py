@@ -80,7 +80,8 @@ def encode(
 
         if gpu_codec.torch_cuda_ok() and _device_resident(cache, quant, cal):
             # the whole file is assembled on the GPU, then copied once
-            return gpu_codec.to_host_bytes(_encode_on_device(cache, quant, cal, chunk_tokens))
+            data = gpu_codec.to_host_bytes(_encode_on_device(cache, quant, cal, chunk_tokens))
+            return codec.smallest_encoding(cache, data, chunk_tokens)[0]  # the rule encode_to_stream applies
     buf = codec.ByteCollector()
     codec.encode_to_stream(cache, buf, quant, chunk_tokens, device=device, calibration=cal)
     return buf.getvalue()
@@ -172,7 +173,13 @@ def encode_to_device(
                                  quality=quality)
     cal = _calibration(calibration)
     if _device_resident(cache, quant, cal):
-        return _encode_on_device(cache, quant, cal, chunk_tokens)
+        blob = _encode_on_device(cache, quant, cal, chunk_tokens)
+        if cache.num_tokens > codec.SMALL_CACHE_TOKENS:
+            return blob
+        # the small-cache rule, as encode() (byte for byte): a few tokens, so one copy each way
+        data = gpu_codec.to_host_bytes(blob)  # (past SMALL_CACHE_TOKENS the rule never applies)
+        best = codec.smallest_encoding(cache, data, chunk_tokens)[0]
+        return blob if best is data else gpu_codec.device_bytes(best)
     blob = encode(kv, preset=preset, bins=bins, quantization=quantization, quality=quality, calibration=cal,
                   chunk_tokens=chunk_tokens, layout=layout, metadata=metadata, device="cuda")
     return gpu_codec.device_bytes(blob)
