@@ -174,10 +174,10 @@ def encode_to_device(
     cal = _calibration(calibration)
     if _device_resident(cache, quant, cal):
         blob = _encode_on_device(cache, quant, cal, chunk_tokens)
-        if cache.num_tokens > codec.SMALL_CACHE_TOKENS:
+        if cache.num_tokens > codec.SMALL_CACHE_TOKENS:  # the small-cache rule never applies
             return blob
         # the small-cache rule, as encode() (byte for byte): a few tokens, so one copy each way
-        data = gpu_codec.to_host_bytes(blob)  # (past SMALL_CACHE_TOKENS the rule never applies)
+        data = gpu_codec.to_host_bytes(blob)
         best = codec.smallest_encoding(cache, data, chunk_tokens)[0]
         return blob if best is data else gpu_codec.device_bytes(best)
     blob = encode(kv, preset=preset, bins=bins, quantization=quantization, quality=quality, calibration=cal,
@@ -504,7 +504,7 @@ def decode_file(
             except FormatError as exc:  # the message names the file
                 if str(src) in str(exc):
                     raise
-                raise type(exc)(f"{src}: {exc}") from None
+                raise type(exc)(f"{src}: {exc}", cli=f"{src}: {exc.cli_message}") from None
         return dst
     with using_threads(threads):
         # Plain reads, not a mapping: the decoder holds one slab of the input at a time.
@@ -522,7 +522,7 @@ def decode_file(
         except FormatError as exc:  # the message names the file
             if str(src) in str(exc):
                 raise
-            raise type(exc)(f"{src}: {exc}") from None
+            raise type(exc)(f"{src}: {exc}", cli=f"{src}: {exc.cli_message}") from None
         finally:
             del reader
             _close_quietly(closer)
