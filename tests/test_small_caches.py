@@ -71,6 +71,8 @@ def test_the_rule_leaves_caches_that_compress_alone(sample_kv):
         assert _version_method(buf.getvalue()) == method and s.fallback is None, kw
     tiny = realistic_kv(layers=1, tokens=3, heads=1, head_dim=4)  # 48 raw bytes, a file of a few hundred
     assert _version_method(cg.encode(tiny, quality="high", device="cpu")) == (2, 2)
+    # metadata (capture stores the token ids there) is in every encoding alike: not counted
+    assert _version_method(cg.encode(tiny, quality="high", device="cpu", metadata={"ids": "1," * 10000})) == (2, 2)
     # a cache that grows, one token past the limit, keeps what was asked for
     wide = sample_kv[:, :, :1].expand(-1, -1, codec.SMALL_CACHE_TOKENS + 1, -1, -1).contiguous()
     assert _version_method(cg.encode(wide, preset="lmcache", device="cpu", chunk_tokens=1)) == (1, 1)

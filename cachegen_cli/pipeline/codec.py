@@ -411,7 +411,7 @@ def encode_to_stream(
 # with --preset lmcache and 54,493 losslessly (docs/config.md, "Small caches").
 #
 # The rule: when a cache of at most SMALL_CACHE_TOKENS tokens gives a file larger than its raw
-# values plus SMALL_FILE_SLACK bytes, the shortest of that file and its exact alternatives is
+# values plus SMALL_FILE_SLACK bytes (not counting its Descriptor), the shortest of that file and its exact alternatives is
 # written instead: the lossless file (method 3, as `--quality lossless` writes it), lossless
 # with one table per (layer, K/V) plane (one "same table" byte per channel instead of a table
 # of 4 bytes or more: what pays for a few tokens), and for a cache of no tokens a version-1
@@ -429,8 +429,8 @@ def encode_to_stream(
 #: The alternatives are cheap at this size (the cache is read whole into memory for them).
 SMALL_CACHE_TOKENS = 64
 
-#: A file within this many bytes of the raw values is written as asked: the fixed parts of any
-#: file (its headers, the Descriptor's tensor names, the index) are of this order, and a
+#: A file within this many bytes of the raw values (plus its Descriptor) is written as asked: the
+#: fixed parts of any file (its headers, the index, a few tables) are of this order, and a
 #: cache this small gains nothing worth changing its method for (the golden files and the
 #: tests' small caches, which pin each method's bytes, are all below it).
 SMALL_FILE_SLACK = 4096
@@ -456,7 +456,10 @@ def smallest_encoding(cache: KVCache, data: bytes, chunk_tokens: int,
     from ..methods import transform as transform_codec
     from ..methods.config import resolve_quantization
 
-    if cache.num_tokens > SMALL_CACHE_TOKENS or len(data) <= raw_bytes(cache) + SMALL_FILE_SLACK:
+    # The Descriptor (the tensor names and the metadata: `cachegen capture` stores the token ids
+    # there) is the same in every encoding: only the coding is compared with the raw size.
+    descriptor = int.from_bytes(data[12:16], "little")
+    if cache.num_tokens > SMALL_CACHE_TOKENS or len(data) <= raw_bytes(cache) + descriptor + SMALL_FILE_SLACK:
         return data, summary
 
     def offer(label: str, alt: bytes, s: EncodeSummary) -> None:
