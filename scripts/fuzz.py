@@ -707,7 +707,7 @@ def main(argv=None) -> int:
     total = sum(counts.values())
     mib = 1 << 20
     memory = [{"worker": w, "base_rss_mib": round(r["base_rss"] / mib, 1), "peak_rss_mib": round(r["peak_rss"] / mib, 1),
-               "max_case_growth_mib": round(r["max_case_growth"] / mib, 1), "max_growth_case": r["max_growth_case"]}
+               "max_case_growth_kib": r["max_case_growth"] // 1024, "max_growth_case": r["max_growth_case"]}
               for w, r in enumerate(results)]
     summary = {"seed": a.seed, "cases": total, "seconds": round(time.monotonic() - t, 1), "workers": a.workers,
                "outcomes": dict(sorted(counts.items(), key=lambda kv: -kv[1])), "failures": len(failures),
@@ -721,7 +721,7 @@ def main(argv=None) -> int:
             print(f"  {v:>10,}  {k}")
         for m in memory:
             print(f"  worker {m['worker']}: peak RSS {m['peak_rss_mib']} MiB ({m['base_rss_mib']} MiB after the seeds); "
-                  f"one case raised the RSS by at most {m['max_case_growth_mib']} MiB (case {m['max_growth_case']}); "
+                  f"one case raised the RSS by at most {m['max_case_growth_kib']:,} KiB (case {m['max_growth_case']}); "
                   f"output limit {MAX_OUTPUT // mib} MiB")
     for case, name, message in failures[:20]:
         print(f"FAILURE case {case} ({name}): {message.splitlines()[0]}", file=sys.stderr)
