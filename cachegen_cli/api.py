@@ -80,7 +80,8 @@ def encode(
 
         if gpu_codec.torch_cuda_ok() and _device_resident(cache, quant, cal):
             # the whole file is assembled on the GPU, then copied once
-            return gpu_codec.to_host_bytes(_encode_on_device(cache, quant, cal, chunk_tokens))
+            data = gpu_codec.to_host_bytes(_encode_on_device(cache, quant, cal, chunk_tokens))
+            return codec.smallest_encoding(cache, data, chunk_tokens)[0]  # the rule encode_to_stream applies
     buf = codec.ByteCollector()
     codec.encode_to_stream(cache, buf, quant, chunk_tokens, device=device, calibration=cal)
     return buf.getvalue()
@@ -178,7 +179,13 @@ def encode_to_device(
                                  quality=quality)
     cal = _calibration(calibration)
     if _device_resident(cache, quant, cal):
-        return _encode_on_device(cache, quant, cal, chunk_tokens, checked=False)
+        blob = _encode_on_device(cache, quant, cal, chunk_tokens, checked=False)
+        if cache.num_tokens > codec.SMALL_CACHE_TOKENS:  # the small-cache rule never applies
+            return blob
+        # the small-cache rule, as encode() (byte for byte): a few tokens, so one copy each way
+        data = gpu_codec.to_host_bytes(blob)
+        best = codec.smallest_encoding(cache, data, chunk_tokens)[0]
+        return blob if best is data else gpu_codec.device_bytes(best)
     kvio.check_finite(cache.data)
     blob = encode(kv, preset=preset, bins=bins, quantization=quantization, quality=quality, calibration=cal,
                   chunk_tokens=chunk_tokens, layout=layout, metadata=metadata, device="cuda")
@@ -504,7 +511,7 @@ def decode_file(
             except FormatError as exc:  # the message names the file
                 if str(src) in str(exc):
                     raise
-                raise type(exc)(f"{src}: {exc}") from None
+                raise type(exc)(f"{src}: {exc}", cli=f"{src}: {exc.cli_message}") from None
         return dst
     with using_threads(threads):
         # Plain reads, not a mapping: the decoder holds one slab of the input at a time.
@@ -522,7 +529,7 @@ def decode_file(
         except FormatError as exc:  # the message names the file
             if str(src) in str(exc):
                 raise
-            raise type(exc)(f"{src}: {exc}") from None
+            raise type(exc)(f"{src}: {exc}", cli=f"{src}: {exc.cli_message}") from None
         finally:
             del reader
             _close_quietly(closer)

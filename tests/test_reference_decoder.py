@@ -122,6 +122,10 @@ CASES = {
     "narrow-last-group-v2": (lambda: (_stacked(tokens=230, heads=3, layers=2), dict(quality="small"))),
     "narrow-last-group-v1": (lambda: (_stacked(tokens=230, heads=3, layers=2), dict(preset="lmcache"))),
     "narrow-last-group-lossless": (lambda: (_stacked(torch.float16, tokens=230, heads=3, layers=1), dict(quality="lossless"))),
+    # the small-cache rule (docs/config.md): one token of 8 layers x 128 channels grows at `balanced`
+    # and is written losslessly with one table per plane (channels 64.. refer past a 64-channel span)
+    "small-cache-plane-tables": (lambda: (_stacked(tokens=1, layers=8, heads=2, head_dim=64), dict(quality="balanced"))),
+    "small-cache-zero-tokens-v1": (lambda: (_stacked(tokens=0, layers=8, heads=2, head_dim=64), dict(quality="high"))),
 }
 CHUNK_TOKENS = {"narrow-last-group-v2": 100, "narrow-last-group-v1": 100, "narrow-last-group-lossless": 100}
 
@@ -130,6 +134,8 @@ CHUNK_TOKENS = {"narrow-last-group-v2": 100, "narrow-last-group-v1": 100, "narro
 def test_fresh_file_decodes_to_the_same_values(case):
     tensors, kw = CASES[case]()
     blob = cg.encode(tensors, chunk_tokens=CHUNK_TOKENS.get(case, 8), device="cpu", metadata={"case": case}, **kw)
+    if case.startswith("small-cache"):  # the rule did write its alternative
+        assert (blob[8], blob[44]) == ((2, 3) if "plane" in case else (1, 1)), (blob[8], blob[44])
     assert_same_values(blob)
 
 

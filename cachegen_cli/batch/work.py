@@ -73,15 +73,18 @@ class FileResult:
     error: str | None = None
     error_type: str | None = None
     note: str | None = None
+    #: ``error`` as the `cachegen` command words it (its flags, not the API's keywords); None: the same
+    cli_error: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
-def one_line(exc: BaseException) -> str:
-    """A user's one line for an error of one file (the CLI's rules, without the CLI)."""
+def one_line(exc: BaseException, cli: bool = False) -> str:
+    """A user's one line for an error of one file (the CLI's rules, without the CLI); ``cli``: a
+    CacheGenError's CLI wording (cli_message: flags instead of keywords)."""
     if isinstance(exc, CacheGenError):
-        text = exc.cli_message
+        text = exc.cli_message if cli else str(exc)
     elif isinstance(exc, MemoryError):
         text = "out of memory"
     elif isinstance(exc, OSError):
@@ -225,6 +228,8 @@ def process_file(src: str, dst: str, settings: BatchSettings) -> dict:
         _sizes(row, src_path, dst_path, settings.op)
     except Exception as exc:  # noqa: BLE001 - one file's failure is its row; the batch goes on
         row.status, row.error, row.error_type = "failed", one_line(exc), type(exc).__name__
+        cli = one_line(exc, cli=True)
+        row.cli_error = cli if cli != row.error else None
     return _timed(row, t)
 
 

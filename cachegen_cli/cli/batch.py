@@ -81,7 +81,7 @@ def run(op: str, inputs: list[Path], *, output_dir: Optional[Path], recursive: b
 
     def on_result(index: int, r) -> None:
         if r.status == "failed":
-            err.print(f"[bold red]error:[/] {_escape(r.input)}: {_escape(r.error or '')}", markup=True,
+            err.print(f"[bold red]error:[/] {_escape(r.input)}: {_escape(r.cli_error or r.error or '')}", markup=True,
                       highlight=False, soft_wrap=True)
         state["done"] += 1
         if bar is not None:
@@ -96,7 +96,7 @@ def run(op: str, inputs: list[Path], *, output_dir: Optional[Path], recursive: b
             bar.stop()
     took = time.perf_counter() - started
     if as_json:
-        sys.stdout.write(json.dumps([r.to_dict() for r in results], indent=2) + "\n")
+        sys.stdout.write(json.dumps([_cli_row(r) for r in results], indent=2) + "\n")
     elif not quiet:
         _summary(op, results, took, verbose)
     if any(r.status == "failed" for r in results):
@@ -138,3 +138,12 @@ def _summary(op: str, results: list, took: float, verbose: bool) -> None:
                       f"{big / small:.2f}x" if small and big else "-",
                       f"{len(rows) / took:.2f}" if rate else "-", f"{size_in / took / 1e6:.1f}" if rate else "-")
     out.print(table)
+
+
+def _cli_row(r) -> dict:
+    """A result's JSON row for the command: its error in the command's words (its flags)."""
+    d = r.to_dict()
+    cli = d.pop("cli_error", None)
+    if cli:
+        d["error"] = cli
+    return d

@@ -304,6 +304,7 @@ def encode(
         job.result.update(original_bytes=original, compressed_bytes=summary.file_bytes,
                           ratio=original / summary.file_bytes, bits_per_value=bits, num_tokens=h.num_tokens,
                           num_chunks=h.num_chunks, chunk_tokens=h.chunk_tokens, format_version=h.version,
+                          method=_METHODS.get(h.method, str(h.method)), fallback=summary.fallback,
                           seconds=round(took, 3))
         if quiet or as_json:
             return
@@ -313,13 +314,20 @@ def encode(
             f"{_human(summary.file_bytes)} ({original / summary.file_bytes:.2f}x, {bits_text}, "
             f"{_plural(h.num_chunks, 'chunk')} of {h.chunk_tokens} tokens)"
         )
+        if summary.fallback:  # the small-cache rule wrote another encoding than the one asked for
+            show.print(f"  written as {summary.fallback}, which decodes exactly: the encoding asked for would "
+                       f"have been larger than the cache (docs/config.md, \"Small caches\")")
         if verbose:
-            show.print(f"  format v{h.version}, {h.num_layers} layers x {h.num_channels} channels x "
+            show.print(f"  format v{h.version} ({_METHODS.get(h.method, h.method)}), {h.num_layers} layers x {h.num_channels} channels x "
                        f"{h.num_tokens} tokens, {h.dtype}; {original:,} B -> {summary.file_bytes:,} B "
                        f"(payload {summary.payload_bytes:,} B, side {summary.side_bytes:,} B) in {took:.2f} s")
 
     code = _each(jobs, work, quiet)
     _finish(jobs, code, as_json, any(j.to_stdout for j in jobs))
+
+
+#: The header's method codes, as the summaries name them.
+_METHODS = {1: "per-token abs-max", 2: "transform", 3: "lossless"}
 
 
 def _parts_summary(job: _Job, summary, took: float, show, silent: bool, verbose: bool) -> None:
@@ -330,6 +338,7 @@ def _parts_summary(job: _Job, summary, took: float, show, silent: bool, verbose:
                       ratio=summary.original_bytes / summary.file_bytes, bits_per_value=bits,
                       num_tokens=summary.num_tokens, num_chunks=summary.num_chunks, chunk_tokens=summary.chunk_tokens,
                       format_version=3, groups=len(summary.groups), extras=summary.extras, dropped=summary.dropped,
+                      fallback_groups=sum(1 for s in summary.groups if s.fallback),
                       seconds=round(took, 3))
     if silent:
         return
@@ -344,8 +353,9 @@ def _parts_summary(job: _Job, summary, took: float, show, silent: bool, verbose:
     if verbose:
         for i, s in enumerate(summary.groups):
             h = s.header
-            show.print(f"  group {i}: format v{h.version}, {h.num_layers} layers x {h.num_channels} channels x "
-                       f"{h.num_tokens} tokens, {h.dtype}: {s.file_bytes:,} B")
+            show.print(f"  group {i}: format v{h.version} ({_METHODS.get(h.method, h.method)}), {h.num_layers} layers x "
+                       f"{h.num_channels} channels x {h.num_tokens} tokens, {h.dtype}: {s.file_bytes:,} B"
+                       + (f" (written as {s.fallback}: smaller)" if s.fallback else ""))
         show.print(f"  {summary.original_bytes:,} B -> {summary.file_bytes:,} B (payload {summary.payload_bytes:,} B, "
                    f"side {summary.side_bytes:,} B) in {took:.2f} s")
 

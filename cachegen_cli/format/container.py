@@ -709,5 +709,5 @@ def check_decoded_size(head: bytes, max_output_size: int | None, what: str = "th
     if n is not None and n > max_output_size:
         from ..errors import OutputTooLargeError
 
-        raise OutputTooLargeError(
-            f"{what} decodes to {n:,} bytes, more than the limit of {max_output_size:,} (--max-output-size)")
+        big = f"{what} decodes to {n:,} bytes, more than the limit of {max_output_size:,}"
+        raise OutputTooLargeError(f"{big} (max_output_size=)", cli=f"{big} (--max-output-size)")

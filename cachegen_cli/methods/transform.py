@@ -159,10 +159,11 @@ def step_params(sums: np.ndarray, sumsq: np.ndarray, n: int, rel: np.ndarray, se
 
 
 def encode_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int,
-              calibration: Calibration | None = None) -> EncodedV2:
+              calibration: Calibration | None = None, plane_tables: bool = False) -> EncodedV2:
     """Encode a whole cache with method 2 or 3 on the CPU; returns the header and the chunks
-    (pipeline.codec.encode_v2 picks this or the GPU's)."""
-    h, slabs = encode_v2_slabs(TensorSource(cache), cfg, chunk_tokens, calibration)
+    (pipeline.codec.encode_v2 picks this or the GPU's).  ``plane_tables`` (lossless only): one
+    table per (layer, K/V) plane instead of one per channel (see _SlabEncoder)."""
+    h, slabs = encode_v2_slabs(TensorSource(cache), cfg, chunk_tokens, calibration, plane_tables=plane_tables)
     return EncodedV2(h, [chunk for slab in slabs for chunk in slab])
 
 
@@ -185,7 +186,8 @@ def slab_chunks_count(num_layers: int, num_channels: int, chunk_tokens: int, sla
 
 
 def encode_v2_slabs(source, cfg: TransformConfig, chunk_tokens: int, calibration: Calibration | None = None,
-                    slab_tokens: int | None = None) -> tuple[FileHeader, Iterator[list[Chunk]]]:
+                    slab_tokens: int | None = None,
+                    plane_tables: bool = False) -> tuple[FileHeader, Iterator[list[Chunk]]]:
     """Encode the cache of ``source`` (kvio.TensorSource or kvio.SafetensorsSource) on the CPU,
     slab by slab: returns the header — its tables come from passes over the whole cache, run
     here — and an iterator over the slabs' chunks, each slab coded as it is asked for.
@@ -195,7 +197,7 @@ def encode_v2_slabs(source, cfg: TransformConfig, chunk_tokens: int, calibration
     T = source.cache.num_tokens
     step = T if slab_tokens is None else max(chunk_tokens, slab_tokens // chunk_tokens * chunk_tokens)
     bounds = [(t0, min(T, t0 + step)) for t0 in range(0, T, max(step, 1))]
-    enc = _SlabEncoder(source, cfg, chunk_tokens, calibration, bounds)
+    enc = _SlabEncoder(source, cfg, chunk_tokens, calibration, bounds, plane_tables)
     return enc.header, enc.chunks()
 
 
@@ -211,11 +213,20 @@ class _SlabEncoder:
     """The passes of encode_v2_slabs.  Transform: a slab's levels are recomputed by each pass
     from the source, unless the cache is one slab (then they are kept).  Lossless: every pass
     reads the words themselves (a fused kernel per pass: level ranges, symbol counts, then
-    symbols and low bytes), the single slab's words kept."""
+    symbols and low bytes), the single slab's words kept.
+
+    ``plane_tables`` (lossless only; the small-cache fallback of pipeline/codec.py, never the
+    GPU's encoder): every channel of a (layer, K/V) plane codes with the one table of its first
+    channel, over the plane's whole range and counts.  A few tokens give each channel a table
+    of its own range (4 bytes or more) for a symbol or two; one table per plane costs one byte
+    per channel instead (the format's "same table" entry)."""
 
     def __init__(self, source, cfg: TransformConfig, chunk_tokens: int, calibration: Calibration | None,
-                 bounds: list[tuple[int, int]]) -> None:
+                 bounds: list[tuple[int, int]], plane_tables: bool = False) -> None:
         cache = source.cache
+        if plane_tables and cfg.method != "lossless":
+            raise ConfigError("plane_tables applies to the lossless method only")
+        self.plane_tables = plane_tables
         self.source, self.cfg, self.ct, self.bounds = source, cfg, chunk_tokens, bounds
         self.L, self.T, self.C = cache.num_layers, cache.num_tokens, cache.num_channels
         self.single = len(bounds) == 1
@@ -322,6 +333,10 @@ class _SlabEncoder:
         if check is not None:
             check.raise_if_bad()
         modes, lo, alphabet = tables_from_stats(stats, False, self.T)
+        if self.plane_tables and self.T:  # one range per plane: the union of its channels'
+            top = (lo + alphabet - 1).max(axis=2, keepdims=True)
+            lo = np.broadcast_to(lo.min(axis=2, keepdims=True), lo.shape).copy()
+            alphabet = np.broadcast_to(top, alphabet.shape) - lo + 1
         return Params(METHOD_LOSSLESS, modes, lo, alphabet, np.zeros((L, 2, C, 1), np.uint8))
 
     def _prepare_transform(self, check, calibration: Calibration | None):
@@ -367,14 +382,19 @@ class _SlabEncoder:
                 k2.lossless_counts(self._words(t0, t1), self.nraw, lo, counts)
             else:
                 k2.count_symbols(self._levels(t0, t1)[0], modes, lo, ct, counts)
+        if self.plane_tables:  # every channel gets the plane's counts, so the same table
+            counts = np.ascontiguousarray(np.broadcast_to(counts.sum(axis=2, keepdims=True), counts.shape))
         codes = np.empty((L, 2, C, width), np.uint8)
         cum = np.empty((L, 2, C, width + 1), np.int32)
         k2.build_tables(counts, alphabet, codes, cum)
-        # Neighbouring channels often have near-identical statistics (after a rotation they are
-        # ordered by variance): a channel that codes about as well with the previous table
-        # sends a one-byte reference instead of its own table.
         shared = np.zeros((L, 2, C), np.bool_)
-        k2.share_tables(counts, lo, alphabet, modes, cum, SYMBOL_COST, shared, np.empty((L, 2, C), np.int64))
+        if self.plane_tables and self.T:
+            shared[:, :, 1:] = True  # the format lets any later channel of the plane refer to the first
+        else:
+            # Neighbouring channels often have near-identical statistics (after a rotation they are
+            # ordered by variance): a channel that codes about as well with the previous table
+            # sends a one-byte reference instead of its own table.
+            k2.share_tables(counts, lo, alphabet, modes, cum, SYMBOL_COST, shared, np.empty((L, 2, C), np.int64))
         if shared.any():
             # A sharing channel codes its levels with the shared table's mode (the same) and lo.
             modes, lo, alphabet, codes, cum = expand_shared(shared, modes, lo, alphabet, codes, cum)
@@ -516,6 +536,8 @@ def plane_sensitivity(cfg: TransformConfig, calibration: Calibration | None) -> 
 def sink_words(cache: KVCache, sink: int) -> np.ndarray:
     """The first ``sink`` tokens' raw words as bytes [L, 2, S, C, itemsize] (the Params block's sink)."""
     L, C = cache.num_layers, cache.num_channels
+    if sink == 0:  # (an empty tensor's strides, e.g. of a 0-token cache read from a file, cannot be viewed as bytes)
+        return np.zeros((L, 2, 0, C, ITEMSIZE[cache.dtype_name]), np.uint8)
     words = cache.data[:, :, :sink].contiguous().cpu().view(torch.uint8).numpy()
     return words.reshape(L, 2, sink, C, ITEMSIZE[cache.dtype_name]).copy()
 

@@ -34,7 +34,8 @@ def calibrate_files(inputs: list, output, *, layout: str = "auto", sensitivity: 
                 ids = evaluate.context_of(kv)
             except evaluate.NoTokenIdsError:
                 raise evaluate.NoTokenIdsError(
-                    f"{p} carries no token ids; --sensitivity needs caches made by `cachegen capture`") from None
+                    f"{p} carries no token ids; sensitivity=True needs caches made by `cachegen capture`",
+                    cli=f"{p} carries no token ids; --sensitivity needs caches made by `cachegen capture`") from None
             samples.append((c.data, ids))
         model, _ = _resolve_loaded(loaded, resolve_model_path(model_path), log)
         shape = evaluate.model_shape(model)

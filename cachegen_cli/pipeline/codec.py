@@ -20,6 +20,7 @@ import torch
 from ..format import container
 from ..methods.config import QuantizationConfig, TransformConfig, validate_chunk_tokens
 from ..format.container import Chunk, FileHeader, read_header_and_index
+from ..format.params import METHOD_LOSSLESS
 from ..errors import ChecksumError, ConfigError
 from ..kernels import cpu as cpu_kernels
 from ..kernels.coding_params import MAX_ALPHABET, max_stream_bytes
@@ -307,13 +308,17 @@ class EncodeSummary:
     file_bytes: int
     payload_bytes: int
     side_bytes: int
+    #: None: the file holds the encoding asked for; else the exact alternative the small-cache
+    #: rule wrote instead (smallest_encoding): "lossless", "lossless with one table per plane" or
+    #: "version 1 (no tokens)".
+    fallback: str | None = None
 
     def __repr__(self) -> str:  # the header holds whole tables: name only what a reader wants
         h = self.header
         return (f"EncodeSummary(format_version={h.version}, method={h.method}, dtype={h.dtype!r}, "
                 f"num_layers={h.num_layers}, num_tokens={h.num_tokens}, num_channels={h.num_channels}, "
                 f"num_chunks={h.num_chunks}, file_bytes={self.file_bytes}, payload_bytes={self.payload_bytes}, "
-                f"side_bytes={self.side_bytes})")
+                f"side_bytes={self.side_bytes}, fallback={self.fallback!r})")
 
 
 def encode_to_stream(
@@ -324,10 +329,23 @@ def encode_to_stream(
     progress: ProgressFn | None = None,
     device: str = "cpu",
     calibration=None,
+    fallback: bool = True,
 ) -> EncodeSummary:
     """Write a whole .cgen file for ``cache`` to ``out``.  ``cache``: a KVCache in memory, or a
     source read a slab at a time (kvio.SafetensorsSource: the cache is never whole in memory;
-    its values are checked for NaN / Inf slab by slab, before the file is complete)."""
+    its values are checked for NaN / Inf slab by slab, before the file is complete).
+    ``fallback``: the small-cache rule (smallest_encoding: a cache of at most SMALL_CACHE_TOKENS
+    tokens whose file would grow past its raw size is written in the shortest exact encoding);
+    False: as asked."""
+    meta = cache if isinstance(cache, KVCache) else cache.cache
+    if fallback and meta.num_tokens <= SMALL_CACHE_TOKENS:
+        if not isinstance(cache, KVCache):
+            cache = cache.load()  # a few tokens: whole in memory
+        buf = ByteCollector()
+        summary = encode_to_stream(cache, buf, quant, chunk_tokens, progress, device, calibration, fallback=False)
+        data, summary = smallest_encoding(cache, buf.getvalue(), chunk_tokens, summary)
+        out.write(data)
+        return summary
     if isinstance(quant, TransformConfig):
         return _encode_v2_to_stream(cache, out, quant, chunk_tokens, progress, device, calibration)
     if calibration is not None:
@@ -382,6 +400,91 @@ def encode_to_stream(
     out.write(container.pack_trailer(pos))
     pos += len(index) + container.TRAILER.size
     return EncodeSummary(h, pos, payload_bytes, pos - payload_bytes)
+
+
+# ---------------------------------------------------------------- small caches
+#
+# A file carries side information whatever its number of tokens: version 2 one table entry per
+# (layer, K/V, channel) (and method 2 an offset per channel, 2 bytes), version 1 a CDF code per
+# symbol, channel and chunk.  For a few tokens that outweighs the payload: 1 token of
+# SmolLM2-135M (23,040 bytes of bfloat16) gave a 61,425-byte file at every --quality, 119,665
+# with --preset lmcache and 54,493 losslessly (docs/config.md, "Small caches").
+#
+# The rule: when a cache of at most SMALL_CACHE_TOKENS tokens gives a file larger than its raw
+# values plus SMALL_FILE_SLACK bytes (not counting its Descriptor), the shortest of that file and its exact alternatives is
+# written instead: the lossless file (method 3, as `--quality lossless` writes it), lossless
+# with one table per (layer, K/V) plane (one "same table" byte per channel instead of a table
+# of 4 bytes or more: what pays for a few tokens), and for a cache of no tokens a version-1
+# file (no values to code and no per-channel tables).  Each decodes to the input exactly, so it
+# is a valid answer to any request, and a better one than a lossy file.  The choice is made on
+# byte lengths (ties: the encoding asked for, then the order above), which are the same on
+# every device, as the bytes are: a file is the same whether it was encoded on a CPU or a GPU.
+# No format change: every candidate is an ordinary version 1 / 2 file, read by every reader.
+# A real "stored" chunk (raw words, no tables) would need a new flag; the one table byte per
+# channel that version 2 needs is what the rule leaves over the raw size.
+
+#: Caches of at most this many tokens get the small-cache rule.  Past a few tokens the side
+#: information stops mattering: at 8 tokens of SmolLM2-135M --quality high was 1.03 x the raw
+#: values and lossless (one table per plane) 0.77 x; at 64 tokens every file was under 0.7 x.
+#: The alternatives are cheap at this size (the cache is read whole into memory for them).
+SMALL_CACHE_TOKENS = 64
+
+#: A file within this many bytes of the raw values (plus its Descriptor) is written as asked: the
+#: fixed parts of any file (its headers, the index, a few tables) are of this order, and a
+#: cache this small gains nothing worth changing its method for (the golden files and the
+#: tests' small caches, which pin each method's bytes, are all below it).
+SMALL_FILE_SLACK = 4096
+
+
+def raw_bytes(cache: KVCache) -> int:
+    """The bytes of a cache's values in its dtype (the size a file is compared with)."""
+    return cache.num_layers * 2 * cache.num_tokens * cache.num_channels * cache.data.element_size()
+
+
+def _host_cache(cache: KVCache) -> KVCache:
+    if cache.data.device.type == "cpu":
+        return cache
+    return KVCache(cache.data.cpu(), cache.layout, cache.num_kv_heads, cache.head_dim, cache.tensors, cache.metadata)
+
+
+def smallest_encoding(cache: KVCache, data: bytes, chunk_tokens: int,
+                      summary: EncodeSummary | None = None) -> tuple[bytes, EncodeSummary | None]:
+    """The small-cache rule (above) on ``data``, the encoding asked for (with its ``summary`` if
+    known): returns the bytes to write and their summary (its ``fallback`` names the alternative
+    chosen; ``summary`` itself when ``data`` stays).  The alternatives are encoded on the host
+    (the same bytes as on a GPU)."""
+    from ..methods import transform as transform_codec
+    from ..methods.config import resolve_quantization
+
+    # The Descriptor (the tensor names and the metadata: `cachegen capture` stores the token ids
+    # there) is the same in every encoding: only the coding is compared with the raw size.
+    descriptor = int.from_bytes(data[12:16], "little")
+    if cache.num_tokens > SMALL_CACHE_TOKENS or len(data) <= raw_bytes(cache) + descriptor + SMALL_FILE_SLACK:
+        return data, summary
+
+    def offer(label: str, alt: bytes, s: EncodeSummary) -> None:
+        nonlocal data, summary
+        if len(alt) < len(data):
+            data, summary = alt, s
+            summary.fallback = label
+
+    host = _host_cache(cache)
+    lossless = TransformConfig(method="lossless", name="lossless")
+    asked_lossless = data[8:10] == container.FORMAT_VERSION_2.to_bytes(2, "little") and data[44] == METHOD_LOSSLESS
+    if not asked_lossless:
+        buf = ByteCollector()
+        s = encode_to_stream(host, buf, lossless, chunk_tokens, None, "cpu", None, fallback=False)
+        offer("lossless", buf.getvalue(), s)
+    buf = ByteCollector()
+    if cache.num_tokens:
+        enc = transform_codec.encode_v2(host, lossless, chunk_tokens, None, plane_tables=True)
+        s = _write_v2(buf, enc.header, [enc.chunks], None)
+        offer("lossless with one table per plane", buf.getvalue(), s)
+    else:
+        quant = resolve_quantization(cache.num_layers, preset_name="lmcache")
+        s = encode_to_stream(host, buf, quant, chunk_tokens, None, "cpu", None, fallback=False)
+        offer("version 1 (no tokens)", buf.getvalue(), s)
+    return data, summary
 
 
 class ByteCollector:
@@ -488,6 +591,11 @@ def _encode_v2_to_stream(cache: KVCache, out: BinaryIO, cfg: TransformConfig, ch
         meta = cache.cache
         per = transform_codec.slab_chunks_count(meta.num_layers, meta.num_channels, chunk_tokens)
         h, slabs = transform_codec.encode_v2_slabs(cache, cfg, chunk_tokens, calibration, per * chunk_tokens)
+    return _write_v2(out, h, slabs, progress)
+
+
+def _write_v2(out: BinaryIO, h: FileHeader, slabs, progress: ProgressFn | None) -> EncodeSummary:
+    """A version-2 file from its header and its chunks (an iterable of slabs' chunk lists)."""
     head = container.pack_file_header(h)
     out.write(head)
     pos = len(head)

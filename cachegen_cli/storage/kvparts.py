@@ -183,12 +183,15 @@ def parse_names(text: str | re.Pattern | None) -> Naming:
         try:
             pattern = re.compile(str(text))
         except re.error as exc:
-            raise ConfigError(f"--names: not a regular expression ({exc})") from None
+            raise ConfigError(f"names=: not a regular expression ({exc})",
+                              cli=f"--names: not a regular expression ({exc})") from None
     if "layer" not in pattern.groupindex:
-        raise ConfigError("--names: the expression needs a named group (?P<layer>...) for the layer number")
+        what = "the expression needs a named group (?P<layer>...) for the layer number"
+        raise ConfigError(f"names=: {what}", cli=f"--names: {what}")
     unknown = set(pattern.groupindex) - {"layer", "kind", "seq"}
     if unknown:
-        raise ConfigError(f"--names: unknown named group {sorted(unknown)[0]!r} (use layer, kind and seq)")
+        what = f"unknown named group {sorted(unknown)[0]!r} (use layer, kind and seq)"
+        raise ConfigError(f"names=: {what}", cli=f"--names: {what}")
     return Naming(pattern)
 
 
@@ -372,8 +375,9 @@ def analyse(
         kept.append(t.detach().cpu())
     if not claimed:
         shown = ", ".join(_tname(n) for n in list(tensors)[:3]) + (", ..." if len(tensors) > 3 else "")
-        raise LayoutError(f"no tensor in a known KV layout among {shown}: expected {SCHEME_HELP} "
-                          "(or say how yours are named with --names)")
+        none = f"no tensor in a known KV layout among {shown}: expected {SCHEME_HELP}"
+        raise LayoutError(f"{none} (or say how yours are named with names=)",
+                          cli=f"{none} (or say how yours are named with --names)")
     planes = _planes(entries, kept, claimed, naming)
     for p in planes:  # which tensor holds NaN / Inf, before any work
         _check_finite(entries[p.tensor]["name"], plane_values(kept[p.tensor], entries[p.tensor]["form"], p.select))
