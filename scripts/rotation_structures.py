@@ -1,0 +1,441 @@
+#!/usr/bin/env python3
+"""Structured calibration rotations: which cheap structure keeps a full rotation's size gain?
+
+A full C x C rotation (C = heads x head_dim) costs C multiply-adds per value; one block per
+KV head (calibration version 2) costs head_dim but keeps only ~1/6 of the gain
+(scripts/rotation_blocks.py).  This script fits other orthogonal structures, each a product
+of cheap *stages*, on the covariance of sample caches and measures them through today's
+encoder: every structure is multiplied out into the dense C x C matrix it equals and given
+to ``cg.encode`` as a version 1 (full) calibration, so no format change is needed to
+measure it.  A stage partitions the C current coordinates into groups and rotates each group
+onto its own principal axes (PCA of the current covariance restricted to the group):
+
+* ``head``: one group per KV head (D channels): D multiply-adds per value;
+* ``xidx``: one group per within-head index i (the H coordinates h*D + i): H per value;
+* ``xrope``: one group per RoPE frequency j (dims j and j + D/2 of every head, rotate-half
+  RoPE as Llama / SmolLM2 use): 2H per value;
+* ``xmatch``: like ``xidx`` after pairing each head's coordinates with head 0's by
+  correlation (an assignment; a permutation costs no arithmetic): H per value;
+* ``top<m>``: the m coordinates of largest variance in one group, the others left alone:
+  m^2 / C per value;
+* ``givens``: a greedy Jacobi stage: disjoint pairs of coordinates, most correlated first
+  (weight -log(1 - rho^2), the high-rate bits a 2 x 2 rotation saves), each pair rotated
+  onto its axes: 2 per value (4 multiply-adds per pair).
+
+The output coordinates of every structure are put in order of decreasing variance (a
+permutation, free) so that neighbouring coordinates have similar tables, as in a full PCA.
+
+Reports bits/value (the real encoder's bytes) at each ``--quality``, the change against no
+rotation, the share of the full rotation's gain kept, the relative squared error of the
+decoded cache (sum (x' - x)^2 / sum (x - mean)^2 over tokens past the sink; the step of a
+plane does not depend on the rotation, docs/config.md, so this is the "equal error" check),
+optionally (``--kl``) the model-level KL and top-1 agreement (cachegen_cli.model.evaluate),
+and the cost per value for this model's shape and for Llama-3.1-8B's (8 KV heads of 128).
+``--attribution`` adds where the full rotation's gain comes from: the full rotation applied
+to a subset of the (layer, K/V) planes only (identity elsewhere; planes are coded
+independently, so the savings add up), and the log-determinant split of the Gaussian
+high-rate gain into within-head and cross-head parts.
+
+    python scripts/rotation_structures.py --texts docs --qualities balanced      # quick look
+    python scripts/rotation_structures.py --kl --attribution > docs/results/...md  # leave one out, 3 texts
+
+Calibrations are fitted on the other texts' caches (leave one out), skipping the sink token
+as ``calibration.fit`` does.  Caches are rebuilt with the model (as rotation_blocks.py) and
+kept under build/rotation_structures/ so that runs without ``--kl`` skip the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pathlib
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from quality_report import TEXTS, _machine, text_references  # noqa: E402
+
+import cachegen_cli as cg  # noqa: E402
+from cachegen_cli.methods import calibration  # noqa: E402
+from cachegen_cli.model import capture, evaluate  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+CACHE_DIR = ROOT / "build" / "rotation_structures"
+SINK = 1  # the codec's default sink: stored verbatim, left out of the fit (as calibration.fit)
+LLAMA = (8, 128)  # Llama-3.1-8B: KV heads, head_dim
+
+
+# ---- fitting: covariance, stages ------------------------------------------------------------
+
+def covariance(samples: list[torch.Tensor]) -> np.ndarray:
+    """Centred covariance [L, 2, C, C] float64 of caches [L, 2, T, C] past the sink tokens."""
+    L, _, _, C = samples[0].shape
+    s2 = torch.zeros(L, 2, C, C, dtype=torch.float64)
+    s1 = torch.zeros(L, 2, C, dtype=torch.float64)
+    n = 0
+    for s in samples:
+        x = s[:, :, SINK:].to(torch.float64)
+        s2 += torch.einsum("lktc,lktd->lkcd", x, x)
+        s1 += x.sum(dim=2)
+        n += x.shape[2]
+    mean = s1 / n
+    return (s2 / n - mean.unsqueeze(-1) * mean.unsqueeze(-2)).numpy()
+
+
+def _rotate_groups(S: np.ndarray, groups: list[np.ndarray]) -> np.ndarray:
+    """The C x C rotation that puts each group of coordinates on its principal axes."""
+    C = S.shape[0]
+    R = np.eye(C)
+    for g in groups:
+        if len(g) < 2:
+            continue
+        _, v = np.linalg.eigh(S[np.ix_(g, g)])
+        R[np.ix_(g, g)] = v[:, ::-1]
+    return R
+
+
+def _givens_pairs(S: np.ndarray) -> list[np.ndarray]:
+    """Disjoint pairs, greedily by decreasing -log(1 - rho^2) (the high-rate bits a 2 x 2
+    rotation saves on a Gaussian pair)."""
+    d = np.sqrt(np.maximum(np.diag(S), 1e-300))
+    rho2 = np.clip((S / d[:, None] / d[None, :]) ** 2, 0.0, 1.0 - 1e-15)
+    iu, ju = np.triu_indices(S.shape[0], 1)
+    w = rho2[iu, ju]
+    used = np.zeros(S.shape[0], bool)
+    pairs = []
+    for k in np.argsort(-w, kind="stable"):
+        if w[k] < 1e-6:  # nothing left worth a rotation
+            break
+        i, j = iu[k], ju[k]
+        if not used[i] and not used[j]:
+            used[i] = used[j] = True
+            pairs.append(np.array([i, j]))
+    return pairs
+
+
+def _match_heads(S: np.ndarray, H: int, D: int) -> np.ndarray:
+    """A permutation of the coordinates within each head so that coordinate i of every head
+    is one strongly correlated with coordinate i of head 0 (greedy assignment on |rho|,
+    largest first; scipy is not a dependency)."""
+    d = np.sqrt(np.maximum(np.diag(S), 1e-300))
+    rho = np.abs(S / d[:, None] / d[None, :])
+    perm = np.arange(H * D)
+    for h in range(1, H):
+        block = rho[0:D, h * D:(h + 1) * D]
+        taken_r, taken_c = np.zeros(D, bool), np.zeros(D, bool)
+        for k in np.argsort(-block, axis=None, kind="stable"):
+            i, j = divmod(int(k), D)
+            if not taken_r[i] and not taken_c[j]:
+                taken_r[i] = taken_c[j] = True
+                perm[h * D + i] = h * D + j
+    return perm
+
+
+def stage_groups(kind: str, S: np.ndarray, H: int, D: int) -> list[np.ndarray]:
+    if kind == "head":
+        return [np.arange(h * D, (h + 1) * D) for h in range(H)]
+    if kind == "xidx":
+        return [np.arange(H) * D + i for i in range(D)]
+    if kind == "xrope":
+        half = D // 2
+        return [np.concatenate([np.arange(H) * D + j, np.arange(H) * D + j + half]) for j in range(half)]
+    if kind == "givens":
+        return _givens_pairs(S)
+    if kind.startswith("top"):
+        m = int(kind[3:])
+        return [np.argsort(-np.diag(S), kind="stable")[:m]]
+    raise ValueError(kind)
+
+
+def fit_structure(S: np.ndarray, stages: list[str], H: int, D: int) -> np.ndarray:
+    """The dense rotation R (columns: output axes, by decreasing variance) of one plane whose
+    covariance is S: the product of the stages, each fitted on the covariance the previous
+    ones leave."""
+    C = S.shape[0]
+    R = np.eye(C)
+    for kind in stages:
+        cur = R.T @ S @ R
+        if kind == "xmatch":
+            perm = _match_heads(cur, H, D)
+            P = np.eye(C)[:, perm]  # column i of P picks coordinate perm[i]
+            cur2 = P.T @ cur @ P
+            R = R @ P @ _rotate_groups(cur2, stage_groups("xidx", cur2, H, D))
+            continue
+        R = R @ _rotate_groups(cur, stage_groups(kind, cur, H, D))
+    var = np.einsum("ci,cd,di->i", R, S, R)
+    return R[:, np.argsort(-var, kind="stable")]
+
+
+def stage_cost(kind: str, H: int, D: int) -> float:
+    """Multiply-adds per value of one stage for H heads of D."""
+    C = H * D
+    if kind == "head":
+        return D
+    if kind in ("xidx", "xmatch"):
+        return H
+    if kind == "xrope":
+        return 2 * H
+    if kind == "givens":
+        return 2
+    if kind.startswith("top"):
+        m = int(kind[3:])
+        return m * m / C
+    raise ValueError(kind)
+
+
+def structures(H: int, D: int, C: int) -> dict[str, tuple[list[str] | None, str]]:
+    """name -> (stages, how its cost scales); stages None: the package's own fit (full / per head).
+    ``top`` sizes are fractions of C so that the Llama cost uses the same fraction."""
+    t8, t4, t2 = C // 8, C // 4, C // 2
+    out = {
+        "none": ([], "0"),
+        "full": (None, "C"),
+        "per head": (None, "D"),
+        "head → xidx": (["head", "xidx"], "D + H"),
+        "xidx → head": (["xidx", "head"], "H + D"),
+        "xrope → head": (["xrope", "head"], "2H + D"),
+        "head → xmatch": (["head", "xmatch"], "D + H"),
+        "head → xidx → head": (["head", "xidx", "head"], "2D + H"),
+        "xrope → head → xidx": (["xrope", "head", "xidx"], "2H + D + H"),
+        f"head → top{t8}": (["head", f"top{t8}"], "D + C/64"),
+        f"head → top{t4}": (["head", f"top{t4}"], "D + C/16"),
+        f"head → top{t2}": (["head", f"top{t2}"], "D + C/4"),
+        "givens x8": (["givens"] * 8, "16"),
+        "givens x32": (["givens"] * 32, "64"),
+        "head → givens x8": (["head"] + ["givens"] * 8, "D + 16"),
+        "head → givens x32": (["head"] + ["givens"] * 32, "D + 64"),
+    }
+    return out
+
+
+def structure_cost(name: str, stages: list[str] | None, H: int, D: int, llama: bool = False) -> float:
+    """Cost per value; for Llama's shape the ``top`` stages keep their fraction of C."""
+    if stages is None:
+        return H * D if name == "full" else D
+    total = 0.0
+    for k in stages:
+        if llama and k.startswith("top"):
+            k = f"top{int(k[3:]) * (H * D) // (SMOL_C or 1)}"
+        total += stage_cost(k, H, D)
+    return total
+
+
+SMOL_C = 0  # set in main: the measured model's C (so Llama's top-m keeps the same m / C)
+
+
+def fit_calibration(name: str, stages, others: list[torch.Tensor], S: np.ndarray, H: int, D: int):
+    if name == "full":
+        return calibration.fit(others, skip_tokens=SINK, blocks=1)
+    if name == "per head":
+        return calibration.fit(others, skip_tokens=SINK, blocks=H)
+    if name == "none":
+        return None
+    L, _, C, _ = S.shape
+    rot = np.empty((L, 2, C, C), np.float32)
+    for layer in range(L):
+        for kv in range(2):
+            R = fit_structure(S[layer, kv], stages, H, D)
+            # float64 -> float32 keeps the matrix orthonormal to ~1e-7, well within the 1e-4 readers check
+            rot[layer, kv] = R.astype(np.float32)
+    return calibration.Calibration(rot, {"format": calibration.FORMAT_NAME, "version": calibration.FORMAT_VERSION,
+                                         "structure": name})
+
+
+def masked(cal: calibration.Calibration, mask: np.ndarray) -> calibration.Calibration:
+    """The calibration with the identity on the planes where ``mask`` [L, 2] is False."""
+    L, _, _, C, _ = cal.rotation.shape
+    rot = np.array(cal.rotation[:, :, 0])
+    rot[~mask] = np.eye(C, dtype=np.float32)
+    return calibration.Calibration(rot, dict(cal.metadata))
+
+
+# ---- measuring ------------------------------------------------------------------------------
+
+def measure(cache: torch.Tensor, heads: int, head_dim: int, quality: str, cal, ref=None) -> dict:
+    layers = evaluate.layers_from_internal(cache, heads, head_dim, torch.bfloat16)
+    tensors = capture.layers_to_tensors(layers, "stacked", torch.bfloat16)
+    blob = cg.encode(tensors, quality=quality, calibration=cal, device="cpu")
+    data = evaluate.tensors_to_internal(cg.decode(blob, device="cpu", calibration=cal))
+    x = cache[:, :, SINK:].double()
+    y = data[:, :, SINK:].double()
+    err = float((y - x).pow(2).sum()) / float((x - x.mean(dim=2, keepdim=True)).pow(2).sum())
+    row = {"bits": 8 * len(blob) / cache.numel(), "rel_err": err}
+    if ref is not None:
+        s = evaluate.score(ref, data)
+        row.update(kl=s["kl_mean"], top1=s["top1_agreement"])
+    return row
+
+
+def logdet_split(S: np.ndarray, H: int, D: int) -> tuple[float, float, float]:
+    """Gaussian high-rate gain in bits/value of one plane's covariance (held-out data): (full
+    PCA, per-head PCA, what the per-index cross-head groups of raw channels alone give) =
+    0.5 / C x (sum log2 diag - log2 det of the blocks)."""
+    C = S.shape[0]
+    eps = 1e-12 * np.trace(S) / C  # a floor: near-singular directions would dominate a log
+
+    def ld(M):
+        w = np.linalg.eigvalsh(M)
+        return np.log2(np.maximum(w, eps)).sum()
+
+    diag = np.log2(np.maximum(np.diag(S), eps)).sum()
+    full = diag - ld(S)
+    head = diag - sum(ld(S[h * D:(h + 1) * D, h * D:(h + 1) * D]) for h in range(H))
+    xidx = diag - sum(ld(S[np.ix_(g, g)]) for g in stage_groups("xidx", S, H, D))
+    return 0.5 * full / C, 0.5 * head / C, 0.5 * xidx / C
+
+
+# ---- main -----------------------------------------------------------------------------------
+
+def load_caches(context: int, want_refs: bool):
+    """{text: cache [L, 2, T, C] bf16}, heads, head_dim, and the references when ``want_refs``."""
+    path = CACHE_DIR / f"caches_{context}.pt"
+    if not want_refs and path.is_file():
+        saved = torch.load(path)
+        return saved["caches"], saved["heads"], saved["head_dim"], None
+    model, tokenizer = capture.load_model(None)
+    refs = text_references(model, tokenizer, context)
+    r0 = next(iter(refs.values()))
+    caches = {k: r.cache for k, r in refs.items()}
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    torch.save({"caches": caches, "heads": r0.num_kv_heads, "head_dim": r0.head_dim}, path)
+    return caches, r0.num_kv_heads, r0.head_dim, refs
+
+
+def main() -> None:
+    global SMOL_C
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--texts", nargs="+", default=list(TEXTS), help="held-out texts to measure (default: all)")
+    ap.add_argument("--qualities", nargs="+", default=["high", "balanced", "small"])
+    ap.add_argument("--only", nargs="+", default=None, help="structure names to run (default: all)")
+    ap.add_argument("--kl", action="store_true", help="also score with the model (KL, top-1)")
+    ap.add_argument("--attribution", action="store_true", help="also: where the full rotation's gain comes from")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    t_start = time.time()
+    caches, H, D, refs = load_caches(args.context, args.kl)
+    C = H * D
+    SMOL_C = C
+    L = next(iter(caches.values())).shape[0]
+    structs = structures(H, D, C)
+    names = [n for n in structs if args.only is None or n in args.only or n in ("none", "full")]
+    log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    rows = {}  # (text, quality, name) -> row
+    attr = {}  # (text, quality, subset) -> bits
+    split = []  # per text: [L, 2, 3] log-det gains
+    for text in args.texts:
+        others = [c for o, c in caches.items() if o != text]
+        S = covariance(others)
+        cache = caches[text]
+        ref = refs[text] if refs else None
+        cals = {}
+        for name in names:
+            t0 = time.perf_counter()
+            cals[name] = fit_calibration(name, structs[name][0], others, S, H, D)
+            log(f"# {text}: fitted {name} ({time.perf_counter() - t0:.1f} s)")
+        for q in args.qualities:
+            for name in names:
+                rows[text, q, name] = r = measure(cache, H, D, q, cals[name], ref)
+                log(f"# {text} {q} {name}: {r['bits']:.4f} bits, rel err {r['rel_err']:.4e}"
+                    + (f", KL {r['kl']:.2e}" if "kl" in r else ""))
+        if args.attribution:
+            split.append(np.array([[logdet_split(covariance([cache])[layer, kv], H, D) for kv in range(2)]
+                                   for layer in range(L)]))
+            full = cals["full"]
+            thirds = [(0, L // 3), (L // 3, 2 * L // 3), (2 * L // 3, L)]
+            subsets = {"K only": np.tile([True, False], (L, 1)), "V only": np.tile([False, True], (L, 1))}
+            for a, b in thirds:
+                m = np.zeros((L, 2), bool)
+                m[a:b] = True
+                subsets[f"layers {a}-{b - 1} (K+V)"] = m
+            for q in args.qualities:
+                for sub, mask in subsets.items():
+                    attr[text, q, sub] = measure(cache, H, D, q, masked(full, mask))["bits"]
+                    log(f"# {text} {q} attribution {sub}: {attr[text, q, sub]:.4f}")
+    report(args, rows, attr, split, names, structs, H, D, C, L, time.time() - t_start)
+
+
+def report(args, rows, attr, split, names, structs, H, D, C, L, seconds) -> None:
+    texts = args.texts
+    cmd = "python scripts/rotation_structures.py" + "".join(
+        f" {a}" for a in sys.argv[1:])
+    print(f"Generated by `{cmd}` on {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC} "
+          f"({seconds / 60:.0f} min); {_machine()}; SmolLM2-135M-Instruct ({H} KV heads of {D}, C = {C}), "
+          f"{args.context}-token contexts of {', '.join(texts)} (quality_report.py's texts); each structure fitted "
+          f"on the other texts' caches (leave one out: {', '.join(t for t in TEXTS)}), measured with the real "
+          "encoder (cg.encode, device cpu) as a dense full-rotation calibration. Values are means over the "
+          "measured texts.\n")
+    kl = "kl" in next(iter(rows.values()))
+    print("Cost: multiply-adds per value to apply the rotation (encode; decoding costs the same), for this model "
+          f"({H} x {D}) and for Llama-3.1-8B's shape ({LLAMA[0]} x {LLAMA[1]}, C = {LLAMA[0] * LLAMA[1]}). "
+          "'kept': (bits none - bits structure) / (bits none - bits full). 'rel err': sum (x' - x)^2 / "
+          "sum (x - mean)^2 over tokens past the sink.\n")
+    print("| structure | cost formula | cost here | cost Llama-8B | quality | bits/value | vs none | kept | rel err |"
+          + (" KL | top-1 |" if kl else ""))
+    print("|---|---|---:|---:|---|---:|---:|---:|---:|" + ("---:|---:|" if kl else ""))
+    mean = lambda q, n, k: float(np.mean([rows[t, q, n][k] for t in texts]))  # noqa: E731
+    for q in args.qualities:
+        b0, bf = mean(q, "none", "bits"), mean(q, "full", "bits")
+        for n in names:
+            stages, formula = structs[n]
+            b = mean(q, n, "bits")
+            kept = (b0 - b) / (b0 - bf) if b0 != bf else float("nan")
+            line = (f"| {n} | {formula} | {structure_cost(n, stages, H, D):.0f} | "
+                    f"{structure_cost(n, stages, *LLAMA, llama=True):.0f} | {q} | {b:.3f} | {b / b0 - 1:+.2%} | "
+                    f"{kept:.0%} | {mean(q, n, 'rel_err'):.3e} |")
+            if kl:
+                line += f" {mean(q, n, 'kl'):.2e} | {mean(q, n, 'top1'):.3f} |"
+            print(line)
+    if len(texts) > 1:
+        print("\nPer text, share of the full rotation's gain kept (bits none - bits structure over bits none - "
+              "bits full):\n")
+        print("| structure | " + " | ".join(f"{t} {q}" for q in args.qualities for t in texts) + " |")
+        print("|---|" + "---:|" * (len(texts) * len(args.qualities)))
+        for n in names:
+            if n in ("none", "full"):
+                continue
+            cells = []
+            for q in args.qualities:
+                for t in texts:
+                    b0, bf, b = (rows[t, q, k]["bits"] for k in ("none", "full", n))
+                    cells.append(f"{(b0 - b) / (b0 - bf):.0%}")
+            print(f"| {n} | " + " | ".join(cells) + " |")
+    if attr:
+        print("\n### Where the full rotation's gain comes from\n")
+        print("The full (leave-one-out) rotation on a subset of the planes only, identity elsewhere; bits/value "
+              "saved against no rotation (share of the whole rotation's saving), mean over the texts:\n")
+        subs = list(dict.fromkeys(k[2] for k in attr))
+        print("| planes rotated | " + " | ".join(args.qualities) + " |")
+        print("|---|" + "---:|" * len(args.qualities))
+        for sub in subs + ["all (full)"]:
+            cells = []
+            for q in args.qualities:
+                b0, bf = mean(q, "none", "bits"), mean(q, "full", "bits")
+                b = bf if sub == "all (full)" else float(np.mean([attr[t, q, sub] for t in texts]))
+                cells.append(f"{b0 - b:.3f} ({(b0 - b) / (b0 - bf):.0%})")
+            print(f"| {sub} | " + " | ".join(cells) + " |")
+        sp = np.mean(split, axis=0)  # [L, 2, 3]
+        print("\nGaussian high-rate gain of each text's own covariance (0.5 x mean over channels of log2 "
+              "variance minus log2 eigenvalue, bits/value; an upper-bound-like proxy, not the coded size: "
+              "the encoder cannot save bits on coordinates already below its step). 'cross-head' = full - per "
+              "head; 'same index' = what rotating only the H raw channels of each within-head index together "
+              "gives:\n")
+        print("| layers | K full | K per head | K cross-head | K same index | V full | V per head | V cross-head "
+              "| V same index |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for a, b in [(0, L // 3), (L // 3, 2 * L // 3), (2 * L // 3, L), (0, L)]:
+            s = sp[a:b].mean(axis=0)
+            cells = []
+            for kv in range(2):
+                cells += [f"{s[kv, 0]:.2f}", f"{s[kv, 1]:.2f}", f"{s[kv, 0] - s[kv, 1]:.2f}", f"{s[kv, 2]:.2f}"]
+            print(f"| {a}-{b - 1} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
