@@ -100,23 +100,58 @@ def _rotate_groups(S: np.ndarray, groups: list[np.ndarray]) -> np.ndarray:
     return R
 
 
-def _givens_pairs(S: np.ndarray) -> list[np.ndarray]:
-    """Disjoint pairs, greedily by decreasing -log(1 - rho^2) (the high-rate bits a 2 x 2
-    rotation saves on a Gaussian pair)."""
-    d = np.sqrt(np.maximum(np.diag(S), 1e-300))
-    rho2 = np.clip((S / d[:, None] / d[None, :]) ** 2, 0.0, 1.0 - 1e-15)
-    iu, ju = np.triu_indices(S.shape[0], 1)
-    w = rho2[iu, ju]
-    used = np.zeros(S.shape[0], bool)
-    pairs = []
+#: The step the rate-aware Givens stages assume: balanced's relative step (0.5 x the plane's
+#: RMS).  One calibration serves every quality, so the fit cannot know the step it will meet.
+FIT_REL_STEP = 0.5
+
+
+def _pair_weights(S: np.ndarray, kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(i, j, bits saved per pair) for every pair of coordinates of covariance S.
+    ``givens``: the Gaussian high-rate saving -0.5 log2(1 - rho^2), which also counts pairs far
+    below the quantizer's step (already ~free); ``rgivens``: the saving of the rate model
+    h(v) = 0.5 log2(1 + 12 v / step^2) (a Gaussian channel with the quantizer's noise), so
+    pairs below the step are worth ~nothing."""
+    C = S.shape[0]
+    iu, ju = np.triu_indices(C, 1)
+    a = np.diag(S)
+    ai, aj, c = a[iu], a[ju], S[iu, ju]
+    if kind == "givens":
+        rho2 = np.clip(c * c / np.maximum(ai * aj, 1e-300), 0.0, 1.0 - 1e-15)
+        return iu, ju, -0.5 * np.log2(1.0 - rho2)
+    s2 = (FIT_REL_STEP ** 2) * np.trace(S) / C
+    m, r = 0.5 * (ai + aj), np.sqrt((0.5 * (ai - aj)) ** 2 + c * c)
+    h = lambda v: 0.5 * np.log2(1.0 + 12.0 * np.maximum(v, 0.0) / s2)  # noqa: E731
+    return iu, ju, h(ai) + h(aj) - h(m + r) - h(m - r)
+
+
+def _givens_stage(S: np.ndarray, R: np.ndarray, kind: str) -> None:
+    """One stage of disjoint Jacobi rotations, pairs chosen greedily by decreasing saving;
+    updates S (the current covariance) and R (the rotation so far) in place."""
+    C = S.shape[0]
+    iu, ju, w = _pair_weights(S, kind)
+    used = np.zeros(C, bool)
+    I, J = [], []
     for k in np.argsort(-w, kind="stable"):
-        if w[k] < 1e-6:  # nothing left worth a rotation
+        if w[k] < 1e-9 or len(I) == C // 2:  # nothing left worth a rotation, or every coordinate paired
             break
         i, j = iu[k], ju[k]
         if not used[i] and not used[j]:
             used[i] = used[j] = True
-            pairs.append(np.array([i, j]))
-    return pairs
+            I.append(i)
+            J.append(j)
+    if not I:
+        return
+    I, J = np.array(I), np.array(J)
+    # The angle that diagonalizes each 2 x 2 block, the larger variance on the first coordinate.
+    t = 0.5 * np.arctan2(2.0 * S[I, J], S[I, I] - S[J, J])
+    c, s = np.cos(t), np.sin(t)
+    for M in (R,):  # columns of R: new axis i = c e_i + s e_j, j = -s e_i + c e_j
+        Mi, Mj = M[:, I].copy(), M[:, J].copy()
+        M[:, I], M[:, J] = Mi * c + Mj * s, Mj * c - Mi * s
+    Si, Sj = S[I, :].copy(), S[J, :].copy()
+    S[I, :], S[J, :] = c[:, None] * Si + s[:, None] * Sj, c[:, None] * Sj - s[:, None] * Si
+    Si, Sj = S[:, I].copy(), S[:, J].copy()
+    S[:, I], S[:, J] = Si * c + Sj * s, Sj * c - Si * s
 
 
 def _match_heads(S: np.ndarray, H: int, D: int) -> np.ndarray:
@@ -145,8 +180,6 @@ def stage_groups(kind: str, S: np.ndarray, H: int, D: int) -> list[np.ndarray]:
     if kind == "xrope":
         half = D // 2
         return [np.concatenate([np.arange(H) * D + j, np.arange(H) * D + j + half]) for j in range(half)]
-    if kind == "givens":
-        return _givens_pairs(S)
     if kind.startswith("top"):
         m = int(kind[3:])
         return [np.argsort(-np.diag(S), kind="stable")[:m]]
@@ -159,15 +192,19 @@ def fit_structure(S: np.ndarray, stages: list[str], H: int, D: int) -> np.ndarra
     ones leave."""
     C = S.shape[0]
     R = np.eye(C)
+    cur = S.copy()
     for kind in stages:
-        cur = R.T @ S @ R
-        if kind == "xmatch":
-            perm = _match_heads(cur, H, D)
-            P = np.eye(C)[:, perm]  # column i of P picks coordinate perm[i]
-            cur2 = P.T @ cur @ P
-            R = R @ P @ _rotate_groups(cur2, stage_groups("xidx", cur2, H, D))
+        if kind in ("givens", "rgivens"):
+            _givens_stage(cur, R, kind)
             continue
-        R = R @ _rotate_groups(cur, stage_groups(kind, cur, H, D))
+        G = np.eye(C)
+        if kind == "xmatch":
+            G = G[:, _match_heads(cur, H, D)]  # column i picks coordinate perm[i]: a permutation first
+            kind = "xidx"
+        P = G.T @ cur @ G
+        G = G @ _rotate_groups(P, stage_groups(kind, P, H, D))
+        R = R @ G
+        cur = G.T @ cur @ G
     var = np.einsum("ci,cd,di->i", R, S, R)
     return R[:, np.argsort(-var, kind="stable")]
 
@@ -181,7 +218,7 @@ def stage_cost(kind: str, H: int, D: int) -> float:
         return H
     if kind == "xrope":
         return 2 * H
-    if kind == "givens":
+    if kind in ("givens", "rgivens"):
         return 2
     if kind.startswith("top"):
         m = int(kind[3:])
@@ -206,11 +243,17 @@ def structures(H: int, D: int, C: int) -> dict[str, tuple[list[str] | None, str]
         f"head → top{t8}": (["head", f"top{t8}"], "D + C/64"),
         f"head → top{t4}": (["head", f"top{t4}"], "D + C/16"),
         f"head → top{t2}": (["head", f"top{t2}"], "D + C/4"),
-        "givens x8": (["givens"] * 8, "16"),
-        "givens x32": (["givens"] * 32, "64"),
         "head → givens x8": (["head"] + ["givens"] * 8, "D + 16"),
         "head → givens x32": (["head"] + ["givens"] * 32, "D + 64"),
     }
+    for n in (8, 16, 32, 64):
+        out[f"givens x{n}"] = (["givens"] * n, f"{2 * n}")
+    for n in (8, 16, 32, 64):
+        out[f"rgivens x{n}"] = (["rgivens"] * n, f"{2 * n}")
+    out.update({
+        "xrope → rgivens x16": (["xrope"] + ["rgivens"] * 16, "2H + 32"),
+        "xrope → head → rgivens x16": (["xrope", "head"] + ["rgivens"] * 16, "2H + D + 32"),
+    })
     return out
 
 
@@ -315,7 +358,8 @@ def main() -> None:
     ap.add_argument("--qualities", nargs="+", default=["high", "balanced", "small"])
     ap.add_argument("--only", nargs="+", default=None, help="structure names to run (default: all)")
     ap.add_argument("--kl", action="store_true", help="also score with the model (KL, top-1)")
-    ap.add_argument("--attribution", action="store_true", help="also: where the full rotation's gain comes from")
+    ap.add_argument("--attribution", nargs="*", default=None, metavar="QUALITY",
+                    help="also: where the full rotation's gain comes from, at these qualities (default balanced)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     t_start = time.time()
@@ -344,7 +388,7 @@ def main() -> None:
                 rows[text, q, name] = r = measure(cache, H, D, q, cals[name], ref)
                 log(f"# {text} {q} {name}: {r['bits']:.4f} bits, rel err {r['rel_err']:.4e}"
                     + (f", KL {r['kl']:.2e}" if "kl" in r else ""))
-        if args.attribution:
+        if args.attribution is not None:
             split.append(np.array([[logdet_split(covariance([cache])[layer, kv], H, D) for kv in range(2)]
                                    for layer in range(L)]))
             full = cals["full"]
@@ -354,7 +398,7 @@ def main() -> None:
                 m = np.zeros((L, 2), bool)
                 m[a:b] = True
                 subsets[f"layers {a}-{b - 1} (K+V)"] = m
-            for q in args.qualities:
+            for q in args.attribution or ["balanced"]:
                 for sub, mask in subsets.items():
                     attr[text, q, sub] = measure(cache, H, D, q, masked(full, mask))["bits"]
                     log(f"# {text} {q} attribution {sub}: {attr[text, q, sub]:.4f}")
@@ -411,11 +455,12 @@ def report(args, rows, attr, split, names, structs, H, D, C, L, seconds) -> None
         print("The full (leave-one-out) rotation on a subset of the planes only, identity elsewhere; bits/value "
               "saved against no rotation (share of the whole rotation's saving), mean over the texts:\n")
         subs = list(dict.fromkeys(k[2] for k in attr))
-        print("| planes rotated | " + " | ".join(args.qualities) + " |")
-        print("|---|" + "---:|" * len(args.qualities))
+        aq = list(dict.fromkeys(k[1] for k in attr))
+        print("| planes rotated | " + " | ".join(aq) + " |")
+        print("|---|" + "---:|" * len(aq))
         for sub in subs + ["all (full)"]:
             cells = []
-            for q in args.qualities:
+            for q in aq:
                 b0, bf = mean(q, "none", "bits"), mean(q, "full", "bits")
                 b = bf if sub == "all (full)" else float(np.mean([attr[t, q, sub] for t in texts]))
                 cells.append(f"{b0 - b:.3f} ({(b0 - b) / (b0 - bf):.0%})")
