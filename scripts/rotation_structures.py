@@ -333,6 +333,68 @@ def logdet_split(S: np.ndarray, H: int, D: int) -> tuple[float, float, float]:
     return 0.5 * full / C, 0.5 * head / C, 0.5 * xidx / C
 
 
+def analysis(caches: dict, H: int, D: int) -> None:
+    """Where the correlation a full rotation removes sits (no encoder: the covariance of all
+    the texts' caches pooled).  Prints two markdown tables."""
+    L = next(iter(caches.values())).shape[0]
+    S = covariance(list(caches.values()))
+    C = H * D
+    eps = 1e-12
+
+    def ld(M):
+        return np.log2(np.maximum(np.linalg.eigvalsh(M), eps * np.trace(M) / len(M))).sum()
+
+    gains = np.zeros((L, 2, 4))  # full, per head, same index across heads, RoPE pair across heads
+    cls = np.zeros((L, 2, 6))  # pair-MI sums: cross same / cross partner / cross other / in partner / in other; outlier
+    head = np.arange(C) // D
+    dim = np.arange(C) % D
+    for layer in range(L):
+        for kv in range(2):
+            P = S[layer, kv]
+            diag = np.log2(np.maximum(np.diag(P), eps * np.trace(P) / C)).sum()
+            gains[layer, kv, 0] = diag - ld(P)
+            gains[layer, kv, 1] = diag - sum(ld(P[h * D:(h + 1) * D, h * D:(h + 1) * D]) for h in range(H))
+            for k, kind in ((2, "xidx"), (3, "xrope")):
+                gains[layer, kv, k] = diag - sum(ld(P[np.ix_(g, g)]) for g in stage_groups(kind, P, H, D))
+            d = np.sqrt(np.maximum(np.diag(P), 1e-300))
+            mi = -0.5 * np.log2(1.0 - np.clip((P / d[:, None] / d[None, :]) ** 2, 0, 1 - 1e-15))
+            iu, ju = np.triu_indices(C, 1)
+            w = mi[iu, ju]
+            cross = head[iu] != head[ju]
+            same = dim[iu] == dim[ju]
+            partner = np.abs(dim[iu] - dim[ju]) == D // 2
+            top = np.argsort(-np.diag(P))[: max(1, C // 20)]  # the top 5 % channels by variance
+            out = np.isin(iu, top) | np.isin(ju, top)
+            cls[layer, kv] = [w[cross & same].sum(), w[cross & partner].sum(), w[cross & ~same & ~partner].sum(),
+                              w[~cross & partner].sum(), w[~cross & ~partner].sum(), w[cross & out].sum()]
+    gains *= 0.5 / C
+    print("Gaussian high-rate gain (bits/value: 0.5 x mean over channels of log2 variance minus log2 "
+          "eigenvalue, of the groups each structure rotates; a proxy, not the coded size), covariance of the "
+          "three 1024-token caches pooled, mean over the layers of each range:\n")
+    print("| layers | K full | K per head | K same index across heads | K RoPE pair across heads | V full | V per head "
+          "| V same index | V RoPE pair |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for a, b in [(0, L // 3), (L // 3, 2 * L // 3), (2 * L // 3, L), (0, L)]:
+        g = gains[a:b].mean(axis=0)
+        print(f"| {a}-{b - 1} | " + " | ".join(f"{g[kv, k]:.3f}" for kv in range(2) for k in range(4)) + " |")
+    print("\nWhere the pairwise correlation sits: share of the sum over channel pairs of -0.5 log2(1 - rho^2) "
+          "(pairwise mutual information of Gaussians; it overcounts, but shows which pairs carry it), all layers; "
+          "'partner': dims d and d + D/2 (one rotate-half RoPE pair); 'outlier': pairs across heads that involve "
+          "one of the plane's top 5 % channels by variance:\n")
+    print("| plane | across heads, same dim | across heads, RoPE partner | across heads, other | within head, "
+          "RoPE partner | within head, other | across heads with an outlier channel |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for kv, name in ((0, "K"), (1, "V")):
+        t = cls[:, kv].sum(axis=0)
+        tot = t[:5].sum()
+        print(f"| {name} | " + " | ".join(f"{x / tot:.1%}" for x in t[:5]) + f" | {t[5] / tot:.1%} |")
+    iu, ju = np.triu_indices(C, 1)
+    cross, same = head[iu] != head[ju], dim[iu] == dim[ju]
+    partner = np.abs(dim[iu] - dim[ju]) == D // 2
+    n = [cross & same, cross & partner, cross & ~same & ~partner, ~cross & partner, ~cross & ~partner]
+    print("| share of the pairs | " + " | ".join(f"{m.sum() / len(iu):.1%}" for m in n) + " | |")
+
+
 # ---- main -----------------------------------------------------------------------------------
 
 def load_caches(context: int, want_refs: bool):
@@ -360,10 +422,23 @@ def main() -> None:
     ap.add_argument("--kl", action="store_true", help="also score with the model (KL, top-1)")
     ap.add_argument("--attribution", nargs="*", default=None, metavar="QUALITY",
                     help="also: where the full rotation's gain comes from, at these qualities (default balanced)")
+    ap.add_argument("--analysis", action="store_true", help="only the covariance analysis (no encoder)")
+    ap.add_argument("--heads", type=int, default=None, help="use only the first N KV heads (C = N x head_dim)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     t_start = time.time()
     caches, H, D, refs = load_caches(args.context, args.kl)
+    if args.heads is not None:  # a smaller C from the same model: how a structure's share scales with C
+        if args.kl or not 1 <= args.heads <= H:
+            raise SystemExit(f"error: --heads needs 1..{H} and no --kl")
+        H = args.heads
+        caches = {k: c[..., : H * D].contiguous() for k, c in caches.items()}
+    if args.analysis:
+        print(f"Generated by `python scripts/rotation_structures.py {' '.join(sys.argv[1:])}` on "
+              f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}; SmolLM2-135M-Instruct "
+              f"({H} KV heads of {D}), {args.context}-token caches of {', '.join(caches)}.\n")
+        analysis(caches, H, D)
+        return
     C = H * D
     SMOL_C = C
     L = next(iter(caches.values())).shape[0]
