@@ -18,6 +18,9 @@ onto its own principal axes (PCA of the current covariance restricted to the gro
   correlation (an assignment; a permutation costs no arithmetic): H per value;
 * ``top<m>``: the m coordinates of largest variance in one group, the others left alone:
   m^2 / C per value;
+* ``blk<k>``: disjoint groups of k coordinates, agglomerated greedily by correlation (pairs,
+  then pairs of pairs), each rotated onto its axes: k per value (a butterfly-like stage with
+  k-point kernels);
 * ``givens``: a greedy Jacobi stage: disjoint pairs of coordinates, most correlated first
   (weight -log(1 - rho^2), the high-rate bits a 2 x 2 rotation saves), each pair rotated
   onto its axes: 2 per value (4 multiply-adds per pair).
@@ -172,6 +175,33 @@ def _match_heads(S: np.ndarray, H: int, D: int) -> np.ndarray:
     return perm
 
 
+def _block_groups(S: np.ndarray, k: int) -> list[np.ndarray]:
+    """Disjoint groups of k (a power of 2) coordinates that belong together: pairs matched
+    greedily by their pairwise Gaussian mutual information, then pairs of pairs by the sum of
+    their members' (the agglomeration a butterfly with k-point kernels would use)."""
+    C = S.shape[0]
+    d = np.sqrt(np.maximum(np.diag(S), 1e-300))
+    w = -0.5 * np.log2(1.0 - np.clip((S / d[:, None] / d[None, :]) ** 2, 0.0, 1.0 - 1e-15))
+    np.fill_diagonal(w, 0.0)
+    groups = [np.array([i]) for i in range(C)]
+    while len(groups[0]) < k and len(groups) > 1:
+        M = np.zeros((len(groups), C))
+        for g, members in enumerate(groups):
+            M[g, members] = 1.0
+        A = M @ w @ M.T
+        iu, ju = np.triu_indices(len(groups), 1)
+        used = np.zeros(len(groups), bool)
+        merged = []
+        for t in np.argsort(-A[iu, ju], kind="stable"):
+            a, b = iu[t], ju[t]
+            if not used[a] and not used[b]:
+                used[a] = used[b] = True
+                merged.append(np.concatenate([groups[a], groups[b]]))
+        merged += [groups[g] for g in np.flatnonzero(~used)]  # an odd one out stays as it is
+        groups = merged
+    return groups
+
+
 def stage_groups(kind: str, S: np.ndarray, H: int, D: int) -> list[np.ndarray]:
     if kind == "head":
         return [np.arange(h * D, (h + 1) * D) for h in range(H)]
@@ -183,6 +213,8 @@ def stage_groups(kind: str, S: np.ndarray, H: int, D: int) -> list[np.ndarray]:
     if kind.startswith("top"):
         m = int(kind[3:])
         return [np.argsort(-np.diag(S), kind="stable")[:m]]
+    if kind.startswith("blk"):
+        return _block_groups(S, int(kind[3:]))
     raise ValueError(kind)
 
 
@@ -223,6 +255,8 @@ def stage_cost(kind: str, H: int, D: int) -> float:
     if kind.startswith("top"):
         m = int(kind[3:])
         return m * m / C
+    if kind.startswith("blk"):
+        return int(kind[3:])
     raise ValueError(kind)
 
 
@@ -250,6 +284,8 @@ def structures(H: int, D: int, C: int) -> dict[str, tuple[list[str] | None, str]
         out[f"givens x{n}"] = (["givens"] * n, f"{2 * n}")
     for n in (8, 16, 32, 64):
         out[f"rgivens x{n}"] = (["rgivens"] * n, f"{2 * n}")
+    for k, n in ((4, 8), (8, 4), (8, 8), (16, 4)):
+        out[f"blk{k} x{n}"] = ([f"blk{k}"] * n, f"{k * n}")
     out.update({
         "xrope → rgivens x16": (["xrope"] + ["rgivens"] * 16, "2H + 32"),
         "xrope → head → rgivens x16": (["xrope", "head"] + ["rgivens"] * 16, "2H + D + 32"),
