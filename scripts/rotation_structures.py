@@ -50,6 +50,7 @@ kept under build/rotation_structures/ so that runs without ``--kl`` skip the mod
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import pathlib
@@ -66,6 +67,7 @@ from quality_report import TEXTS, _machine, text_references  # noqa: E402
 
 import cachegen_cli as cg  # noqa: E402
 from cachegen_cli.methods import calibration  # noqa: E402
+from cachegen_cli.methods.config import QUALITY_PRESETS  # noqa: E402
 from cachegen_cli.model import capture, evaluate  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -355,12 +357,28 @@ def rope(cache: torch.Tensor, heads: int, head_dim: int, sign: float) -> torch.T
     return x.reshape(L, 2, T, C)
 
 
+def plane_rms(cache: torch.Tensor) -> np.ndarray:
+    """[L, 2] RMS around the channel means past the sink (what the encoder's steps are relative to)."""
+    x = cache[:, :, SINK:].double()
+    return (x - x.mean(dim=2, keepdim=True)).pow(2).mean(dim=(2, 3)).sqrt().numpy()
+
+
 def measure(cache: torch.Tensor, heads: int, head_dim: int, quality: str, cal, ref=None, original=None) -> dict:
     """Bits/value and relative error of one encode + decode; ``original``: the cache the error is
     measured against after putting RoPE back on the keys (``cache`` then has it removed)."""
     layers = evaluate.layers_from_internal(cache, heads, head_dim, torch.bfloat16)
     tensors = capture.layers_to_tensors(layers, "stacked", torch.bfloat16)
-    blob = cg.encode(tensors, quality=quality, calibration=cal, device="cpu")
+    if original is None:
+        blob = cg.encode(tensors, quality=quality, calibration=cal, device="cpu")
+    else:
+        # Steps are relative to each plane's RMS around its channel means, and removing RoPE
+        # moves much of the keys' energy into those means: the keys' relative steps are scaled
+        # so that their absolute steps (so the error) stay those of the cache as captured.
+        preset = QUALITY_PRESETS[quality]
+        f = (plane_rms(original) / plane_rms(cache))[:, 0]
+        cfg = dataclasses.replace(preset, key_step=tuple(float(preset.key_step[0] * v) for v in f),
+                                  name=f"{quality} (key steps of the captured cache)")
+        blob = cg.encode(tensors, quantization=cfg, calibration=cal, device="cpu")
     data = evaluate.tensors_to_internal(cg.decode(blob, device="cpu", calibration=cal))
     if original is not None:
         data, cache = rope(data, heads, head_dim, +1.0), original
