@@ -381,7 +381,8 @@ def measure(cache: torch.Tensor, heads: int, head_dim: int, quality: str, cal, r
         blob = cg.encode(tensors, quantization=cfg, calibration=cal, device="cpu")
     data = evaluate.tensors_to_internal(cg.decode(blob, device="cpu", calibration=cal))
     if original is not None:
-        data, cache = rope(data, heads, head_dim, +1.0), original
+        # back to the source dtype, as a decoder that puts RoPE back would write it
+        data, cache = rope(data, heads, head_dim, +1.0).to(cache.dtype), original
     x = cache[:, :, SINK:].double()
     y = data[:, :, SINK:].double()
     err = float((y - x).pow(2).sum()) / float((x - x.mean(dim=2, keepdim=True)).pow(2).sum())
@@ -516,8 +517,6 @@ def main() -> None:
     if args.derope:
         # KVTC's step before its PCA: keys without their position; coded as bf16 (a rounding
         # ~400x below the coding error); token 0 (the sink) is at angle 0, so it is unchanged.
-        if args.kl:
-            raise SystemExit("error: --derope has no --kl (the model would need the keys put back first)")
         originals = caches
         caches = {k: rope(c, H, D, -1.0).to(torch.bfloat16) for k, c in caches.items()}
     if args.analysis:
@@ -551,6 +550,9 @@ def main() -> None:
                                                   originals[text] if originals else None)
                 log(f"# {text} {q} {name}: {r['bits']:.4f} bits, rel err {r['rel_err']:.4e}"
                     + (f", KL {r['kl']:.2e}" if "kl" in r else ""))
+            if originals:  # the baseline that needs no format change: the captured cache, no rotation
+                rows[text, q, "captured"] = r = measure(originals[text], H, D, q, None, ref)
+                log(f"# {text} {q} captured, no rotation: {r['bits']:.4f} bits, rel err {r['rel_err']:.4e}")
         if args.attribution is not None:
             split.append(np.array([[logdet_split(covariance([cache])[layer, kv], H, D) for kv in range(2)]
                                    for layer in range(L)]))
@@ -584,12 +586,21 @@ def report(args, rows, attr, split, names, structs, H, D, C, L, seconds) -> None
           f"({H} x {D}) and for Llama-3.1-8B's shape ({LLAMA[0]} x {LLAMA[1]}, C = {LLAMA[0] * LLAMA[1]}). "
           "'kept': (bits none - bits structure) / (bits none - bits full). 'rel err': sum (x' - x)^2 / "
           "sum (x - mean)^2 over tokens past the sink.\n")
+    cap = args.derope
+    if cap:
+        print("With --derope every row (none included) codes the keys without RoPE, at the absolute key steps of "
+              "the captured cache; 'vs captured' compares with the captured cache coded without a rotation "
+              "(today's no-calibration file).\n")
     print("| structure | cost formula | cost here | cost Llama-8B | quality | bits/value | vs none | kept | rel err |"
-          + (" KL | top-1 |" if kl else ""))
-    print("|---|---|---:|---:|---|---:|---:|---:|---:|" + ("---:|---:|" if kl else ""))
+          + (" vs captured |" if cap else "") + (" KL | top-1 |" if kl else ""))
+    print("|---|---|---:|---:|---|---:|---:|---:|---:|" + ("---:|" if cap else "") + ("---:|---:|" if kl else ""))
     mean = lambda q, n, k: float(np.mean([rows[t, q, n][k] for t in texts]))  # noqa: E731
     for q in args.qualities:
         b0, bf = mean(q, "none", "bits"), mean(q, "full", "bits")
+        if cap:
+            print(f"| captured cache, no rotation | | | | {q} | {mean(q, 'captured', 'bits'):.3f} | | | "
+                  f"{mean(q, 'captured', 'rel_err'):.3e} | |"
+                  + (f" {mean(q, 'captured', 'kl'):.2e} | {mean(q, 'captured', 'top1'):.3f} |" if kl else ""))
         for n in names:
             stages, formula = structs[n]
             b = mean(q, n, "bits")
@@ -597,6 +608,8 @@ def report(args, rows, attr, split, names, structs, H, D, C, L, seconds) -> None
             line = (f"| {n} | {formula} | {structure_cost(n, stages, H, D):.0f} | "
                     f"{structure_cost(n, stages, *LLAMA, llama=True):.0f} | {q} | {b:.3f} | {b / b0 - 1:+.2%} | "
                     f"{kept:.0%} | {mean(q, n, 'rel_err'):.3e} |")
+            if cap:
+                line += f" {b / mean(q, 'captured', 'bits') - 1:+.2%} |"
             if kl:
                 line += f" {mean(q, n, 'kl'):.2e} | {mean(q, n, 'top1'):.3f} |"
             print(line)
