@@ -39,8 +39,15 @@ to a subset of the (layer, K/V) planes only (identity elsewhere; planes are code
 independently, so the savings add up), and the log-determinant split of the Gaussian
 high-rate gain into within-head and cross-head parts.
 
-    python scripts/rotation_structures.py --texts docs --qualities balanced      # quick look
-    python scripts/rotation_structures.py --kl --attribution > docs/results/...md  # leave one out, 3 texts
+    python scripts/rotation_structures.py --texts docs --qualities balanced      # quick look, one text
+    python scripts/rotation_structures.py --only "per head" "givens x32" --attribution balanced  # 3 texts
+    python scripts/rotation_structures.py --derope --kl --only "per head"       # keys without RoPE first
+    python scripts/rotation_structures.py --analysis [--derope]                 # covariance only, seconds
+    python scripts/rotation_structures.py --heads 2 --texts docs --qualities balanced  # a smaller C
+
+``--derope`` removes RoPE from the keys first (KVTC's step; not in the format, so only
+measured): the keys are coded at the captured cache's absolute steps and put back before the
+error and KL are taken.  Results: docs/results/2026-12-01d_rotation_structures.md.
 
 Calibrations are fitted on the other texts' caches (leave one out), skipping the sink token
 as ``calibration.fit`` does.  Caches are rebuilt with the model (as rotation_blocks.py) and
