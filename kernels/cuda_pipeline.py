@@ -41,6 +41,8 @@ thread, as many as one 8-byte word holds, see ``lanes``):
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .cuda import BLOCK, SIM, _bits_f32, _bits_f64, _crc_span, _f32_bits, _grid, _placeholder, as_device, cuda  # noqa: F401
@@ -396,6 +398,159 @@ def transform_stats(words, itemsize, fmt, sink, part1, part2, sums, sumsq, strea
             as_device(part1), as_device(part2))
     _stats_reduce_kernel[(*_cfg(L * 2 * C), stream)](as_device(part1), as_device(part2), as_device(sums),
                                                       as_device(sumsq))
+
+
+# ---------------------------------------------------------------- steps (method 2)
+#
+# The offsets and steps of methods/transform.step_params from the sums on the device, so the
+# encoder need not wait for them on the host.  The same IEEE operations as the CPU's
+# (cpu_transform.plane_offsets_rms): products that feed a sum are rounded on their own
+# (mul_rn), never fused into a multiply-add as the compiler would otherwise do, and the sum
+# over channels follows numpy's pairwise tree (_pairwise_block / the explicit stack below).
+
+if SIM:
+    @cuda.jit(device=True)
+    def _mul_rn(x, y):
+        return x * y
+else:
+    from numba.cuda import libdevice as _libdevice
+
+    @cuda.jit(device=True)
+    def _mul_rn(x, y):
+        return _libdevice.dmul_rn(x, y)
+
+
+@cuda.jit(device=True)
+def _pairwise_leaf(a, lo, n):
+    if n < 8:
+        res = 0.0
+        for i in range(n):
+            res += a[lo + i]
+        return res
+    r0 = a[lo]
+    r1 = a[lo + 1]
+    r2 = a[lo + 2]
+    r3 = a[lo + 3]
+    r4 = a[lo + 4]
+    r5 = a[lo + 5]
+    r6 = a[lo + 6]
+    r7 = a[lo + 7]
+    i = 8
+    while i < n - n % 8:
+        r0 += a[lo + i]
+        r1 += a[lo + i + 1]
+        r2 += a[lo + i + 2]
+        r3 += a[lo + i + 3]
+        r4 += a[lo + i + 4]
+        r5 += a[lo + i + 5]
+        r6 += a[lo + i + 6]
+        r7 += a[lo + i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += a[lo + i]
+        i += 1
+    return res
+
+
+@cuda.jit(device=True)
+def _pairwise(a, n):
+    """sum(a[:n]) in numpy's pairwise order (cpu_transform._pairwise_sum, the same stack walk)."""
+    if n <= 128:
+        return _pairwise_leaf(a, 0, n)
+    los = cuda.local.array(64, np.int64)
+    ns = cuda.local.array(64, np.int64)
+    stage = cuda.local.array(64, np.int64)
+    left = cuda.local.array(64, np.float64)
+    top = 0
+    los[0] = 0
+    ns[0] = n
+    stage[0] = 0
+    value = 0.0
+    have = False
+    while top >= 0:
+        if have:
+            if stage[top] == 1:
+                left[top] = value
+                have = False
+                stage[top] = 2
+                n2 = ns[top] // 2
+                n2 -= n2 % 8
+                if ns[top] - n2 <= 128:
+                    value = _pairwise_leaf(a, los[top] + n2, ns[top] - n2)
+                    have = True
+                else:
+                    los[top + 1] = los[top] + n2
+                    ns[top + 1] = ns[top] - n2
+                    stage[top + 1] = 0
+                    top += 1
+            else:
+                value = left[top] + value
+                top -= 1
+            continue
+        n2 = ns[top] // 2
+        n2 -= n2 % 8
+        stage[top] = 1
+        if n2 <= 128:
+            value = _pairwise_leaf(a, los[top], n2)
+            have = True
+        else:
+            los[top + 1] = los[top]
+            ns[top + 1] = n2
+            stage[top + 1] = 0
+            top += 1
+    return value
+
+
+@cuda.jit
+def _plane_steps_kernel(sums, sumsq, n, bf16_max, rel, obits, offs, sbits, steps, resid, bad):
+    p = cuda.grid(1)
+    L, _, C = sums.shape
+    if p >= L * 2:
+        return
+    l = p // 2
+    kv = p % 2
+    fn = np.float64(n)
+    denom = np.float64(max(n * C, 1))
+    row = resid[l, kv]
+    for c in range(C):
+        s1 = sums[l, kv, c]
+        s2 = sumsq[l, kv, c]
+        if not (abs(s1) <= 1.7976931348623157e308 and abs(s2) <= 1.7976931348623157e308):
+            bad[0] = 1  # a NaN or an Inf among the values: the caller raises check_finite's error
+            s1 = 0.0
+            s2 = 0.0
+        mean = s1 / fn if n > 0 else 0.0
+        mean = min(max(mean, -bf16_max), bf16_max)
+        b = _bf16_nearest(np.float32(mean)) & 0xFFFF
+        obits[l, kv, c] = b
+        mf = _bits_f32(b << 16)
+        offs[l, kv, c] = mf
+        m = np.float64(mf)
+        r = (s2 - _mul_rn(2.0 * m, s1)) + _mul_rn(fn * m, m)
+        row[c] = 0.0 if r < 0.0 else r
+    rms = math.sqrt(_pairwise(row, C) / denom)
+    step = rel[l, kv] * rms
+    if not step > 1e-30:
+        step = 1.0
+    step = min(step, 3.0e38)
+    sb = _bf16_nearest(np.float32(step)) & 0xFFFF
+    sbits[l, kv] = sb
+    steps[l, kv] = np.float64(_bits_f32(sb << 16))
+
+
+def plane_steps(sums, sumsq, n, bf16_max, rel, obits, offs, sbits, steps, resid, bad, stream=0):
+    """methods/transform.step_params without a calibration's sensitivities, on the device:
+    from sums / sumsq [L, 2, C] (transform_stats) over n tokens and the relative steps rel
+    [L, 2], obits (int32 [L, 2, C]: the offsets' bfloat16 bits), offs (float32 [L, 2, C]: their
+    values), sbits (int32 [L, 2]) and steps (float64 [L, 2]); resid: float64 [L, 2, C] scratch;
+    bad[0] (int32, zeroed by the caller) = 1 when a sum is not finite.  One thread per plane."""
+    L = sums.shape[0]
+    if L == 0:
+        return
+    _plane_steps_kernel[(*_cfg(2 * L), stream)](as_device(sums), as_device(sumsq), np.int64(n), np.float64(bf16_max),
+                                                as_device(rel), as_device(obits), as_device(offs), as_device(sbits),
+                                                as_device(steps), as_device(resid), as_device(bad))
 
 
 # ---------------------------------------------------------------- levels and their statistics

@@ -366,3 +366,35 @@ def test_header_crc_checked_on_the_device():
         with pytest.raises(ChecksumError):
             _device_decode(bytes(bad))
     assert torch.equal(_words(_device_decode(blob).reshape(kv.shape)), _words(cg.decode(blob, device="cpu")["kv"]))
+
+
+@pytest.mark.parametrize("C, n", [(5, 7), (129, 300), (1024, 4096), (3000, 1), (64, 0)])
+def test_plane_steps_kernel_is_step_params(C, n):
+    """kernels/cuda_pipeline.plane_steps (the steps on the device) gives methods/transform.
+    step_params' bits, also where the channel sum takes numpy's pairwise stack (C > 128), for
+    a mean past bfloat16's range, a plane without spread and no tokens; a sum that is not
+    finite is flagged."""
+    from cachegen_cli.methods import transform as tc
+
+    rng = np.random.default_rng(C + n)
+    L = 2
+    mean = rng.standard_t(3, size=(L, 2, C)) * 10.0
+    sums = mean * n + rng.normal(size=mean.shape)
+    sumsq = mean ** 2 * n + np.abs(rng.normal(size=mean.shape)) * max(n, 1)
+    sums[0, 0, 0] = 1e300
+    sums[1, 1] = 0.0
+    sumsq[1, 1] = 0.0
+    rel = rng.random((L, 2))
+    want = tc.step_params(sums, sumsq, n, rel)
+    obits = np.zeros((L, 2, C), np.int32)
+    offs = np.zeros((L, 2, C), np.float32)
+    sbits = np.zeros((L, 2), np.int32)
+    steps = np.zeros((L, 2), np.float64)
+    bad = np.zeros(1, np.int32)
+    cuda_pipeline.plane_steps(sums, sumsq, n, tc.BF16_MAX, rel, obits, offs, sbits, steps, np.zeros((L, 2, C)), bad)
+    assert np.array_equal(obits.astype(np.uint16), want[0]) and np.array_equal(offs, want[1].astype(np.float32))
+    assert np.array_equal(sbits.astype(np.uint16), want[2]) and np.array_equal(steps.view(np.int64), want[3].view(np.int64))
+    assert bad[0] == 0
+    sums[1, 0, C - 1] = np.inf
+    cuda_pipeline.plane_steps(sums, sumsq, n, tc.BF16_MAX, rel, obits, offs, sbits, steps, np.zeros((L, 2, C)), bad)
+    assert bad[0] == 1

@@ -238,11 +238,13 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     if not checked and not lossless and x.dtype == torch.float16:
         check_finite(x)  # the kernels read float16's all-ones exponent as a finite power of two
         checked = True
-    bad = torch.zeros(L, dtype=torch.int32, device=dev)  # lossless: layers with a NaN or an Inf
+    # [layers with a NaN or an Inf (lossless), a sum not finite, a sink token not finite]
+    bad = torch.zeros(L + 2, dtype=torch.int32, device=dev)
+    step_bits_d = None
     if lossless:
         nraw = itemsize - 1
         k.split_levels(_nb(wv), itemsize, 8 * nraw, ct, _nb(qv), _nb(stats), 0 if checked else EXPONENT_WORDS[x.dtype][1],
-                       _nb(bad))
+                       _nb(bad[:L]))
         _mark("levels")
         method, allow_delta, fixed = METHOD_LOSSLESS, False, b""
         ref = torch.zeros((1, 1, 1, 1), dtype=torch.uint8, device=dev)
@@ -266,33 +268,49 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
         sums = _empty((2, L, 2, C), torch.float64, dev)
         k.transform_stats(_nb(wv), vitem, fmt, sink, _nb(part[0]), _nb(part[1]), _nb(sums[0]), _nb(sums[1]))
         _mark("statistics")
-        if checked:
-            sums_h = sums.cpu().numpy()  # synchronisation 1: the steps come from the sums
-        else:
-            # A value past the sink tokens is NaN or Inf exactly when a sum is not finite (finite
-            # squares summed in float64 stay finite); the sink tokens, stored as they are, are
-            # checked here: one copy back either way.
-            sink_bad = (~torch.isfinite(x[:, :, :sink])).any().to(torch.float64).reshape(1)
-            sums_h = torch.cat([sums.reshape(-1), sink_bad]).cpu().numpy()
-            if not np.isfinite(sums_h).all() or sums_h[-1] != 0:
-                _nonfinite(cache)
-            sums_h = sums_h[:-1].reshape(sums.shape)
-        _mark("sums to the host (sync)")
-        offsets_bits, m, steps_bits, steps = tc.step_params(sums_h[0], sums_h[1], T - sink, cfg.steps_table(L),
-                                                            tc.plane_sensitivity(cfg, calibration))
-        if rot_h.size:
-            check_rotated_range(steps_bits, offsets_bits)
         R, bits = tc.refine_plan(cfg, T, sink)
         ref = _empty((L, 2, max(R, 1), C), torch.uint8, dev)
-        m_d = _to_device(np.asarray(m, np.float32), dev)
-        steps_d = _to_device(np.asarray(steps, np.float64), dev)
-        _mark("steps (host) + upload")
+        if calibration is None:
+            # The steps on the device (kernels/cuda_pipeline.plane_steps, the CPU's arithmetic):
+            # nothing waits for them, their bits come back with the sizes (synchronisation 2).
+            m_d = _empty((L, 2, C), torch.float32, dev)
+            steps_d = _empty((L, 2), torch.float64, dev)
+            step_bits_d = _empty((L * 2 * (C + 1),), torch.int32, dev)  # steps', then offsets' bfloat16 bits
+            k.plane_steps(_nb(sums[0]), _nb(sums[1]), T - sink, tc.BF16_MAX,
+                          _nb(_to_device(np.asarray(cfg.steps_table(L), np.float64), dev)),
+                          _nb(step_bits_d[2 * L :].view(L, 2, C)), _nb(m_d), _nb(step_bits_d[: 2 * L].view(L, 2)),
+                          _nb(steps_d), _nb(_empty((L, 2, C), torch.float64, dev)), _nb(bad[L : L + 1]))
+            if not checked and sink:
+                # the sink tokens, stored as they are: not in the sums (a sum not finite flags the rest)
+                bad[L + 1 :].copy_((~torch.isfinite(x[:, :, :sink])).any().reshape(1))
+            fixed = None  # made once the bits are back
+            _mark("steps (device)")
+        else:
+            if checked:
+                sums_h = sums.cpu().numpy()  # synchronisation 1: the steps come from the sums
+            else:
+                # A value past the sink tokens is NaN or Inf exactly when a sum is not finite (finite
+                # squares summed in float64 stay finite); the sink tokens, stored as they are, are
+                # checked here: one copy back either way.
+                sink_bad = (~torch.isfinite(x[:, :, :sink])).any().to(torch.float64).reshape(1)
+                sums_h = torch.cat([sums.reshape(-1), sink_bad]).cpu().numpy()
+                if not np.isfinite(sums_h).all() or sums_h[-1] != 0:
+                    _nonfinite(cache)
+                sums_h = sums_h[:-1].reshape(sums.shape)
+            _mark("sums to the host (sync)")
+            offsets_bits, m, steps_bits, steps = tc.step_params(sums_h[0], sums_h[1], T - sink, cfg.steps_table(L),
+                                                                tc.plane_sensitivity(cfg, calibration))
+            if rot_h.size:
+                check_rotated_range(steps_bits, offsets_bits)
+            m_d = _to_device(np.asarray(m, np.float32), dev)
+            steps_d = _to_device(np.asarray(steps, np.float64), dev)
+            fixed = (digest + np.ascontiguousarray(steps_bits, "<u2").tobytes()
+                     + np.ascontiguousarray(offsets_bits, "<u2").tobytes())
+            _mark("steps (host) + upload")
         k.quantize_levels(_nb(wv), vitem, fmt, sink, _nb(m_d), _nb(steps_d), float(cfg.rounding), T - R, bits,
                           ct, _nb(qv), _nb(ref), _nb(stats))
         method, allow_delta = METHOD_TRANSFORM, cfg.token_delta
         _mark("levels")
-        fixed = (digest + np.ascontiguousarray(steps_bits, "<u2").tobytes()
-                 + np.ascontiguousarray(offsets_bits, "<u2").tobytes())
         if rot_h.size:
             wv = words.view(_TORCH_WORD[k.lanes(C, itemsize, k.WIDTH["levels"]) * itemsize])  # the raw sections' words
             del y
@@ -338,7 +356,8 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     refine = struct.pack("<IB", R, bits) if R else b""
     flags = (container.FLAG_REFINED if R else 0) | (container.FLAG_ROTATED if digest != bytes(32) else 0)
     params_at = 64 + len(desc)
-    tables_at = params_at + len(fixed) + sink_bytes + len(refine)
+    fixed_len = len(fixed) if fixed is not None else 32 + 4 * L + 4 * L * C  # digest, steps, offsets
+    tables_at = params_at + fixed_len + sink_bytes + len(refine)
     kk = np.arange(K, dtype=np.int64)
     t0s = kk * ct
     tks = np.minimum(ct, T - t0s)
@@ -351,14 +370,18 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     heads["token_count"] = tks
     heads["raw_size"] = raw
     heads["lengths_size"] = 2 * per
-    fixed_size = len(fixed) + sink_bytes + len(refine)
+    fixed_size = fixed_len + sink_bytes + len(refine)
     hb = container.CHUNK_HEADER.size
+    bits_h = None if step_bits_d is None else step_bits_d.to("cpu", non_blocking=dev.type == "cuda")
     if dev.type == "cuda":
         torch.cuda.current_stream(dev).synchronize()  # synchronisation 2: the layout
     ends = ends_d.numpy()
     if ends[K + 1 :].any():
         _nonfinite(cache)
     ends = ends[: K + 1]
+    if fixed is None:
+        sb = bits_h.numpy().astype("<u2")
+        fixed = digest + sb[: 2 * L].tobytes() + sb[2 * L :].tobytes()
     _mark("sizes to the host (sync)")
     payload = np.diff(ends[:-1], prepend=0).astype(np.int64)
     tables_size = int(ends[-1])
