@@ -100,7 +100,9 @@ def _nb(t: torch.Tensor):
     that host time is the GPU's too while it waits for launches; the views are cached by
     what they describe (address, shape, strides, dtype) and hold no reference to the tensor,
     so a cached view is exactly a view of whichever live tensor has that description (torch's
-    caching allocator hands the same blocks back call after call)."""
+    caching allocator hands the same blocks back call after call).  Hence the rule: a tensor a
+    kernel gets must be named (alive) until its launch is queued, never a temporary made in the
+    argument list (tests/test_device_pipeline.py checks this file for such calls)."""
     if not t.is_cuda:
         return t.numpy()
     key = (t.data_ptr(), tuple(t.shape), tuple(t.stride()), t.dtype)
@@ -276,10 +278,15 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
             m_d = _empty((L, 2, C), torch.float32, dev)
             steps_d = _empty((L, 2), torch.float64, dev)
             step_bits_d = _empty((L * 2 * (C + 1),), torch.int32, dev)  # steps', then offsets' bfloat16 bits
-            k.plane_steps(_nb(sums[0]), _nb(sums[1]), T - sink, tc.BF16_MAX,
-                          _nb(_to_device(np.asarray(cfg.steps_table(L), np.float64), dev)),
+            # Named, not temporaries: a numba view holds no reference, and a tensor freed before
+            # the launch is queued can be handed to the next allocation (here the scratch), so
+            # the kernel would read one through the other (seen on the H200: rel and the scratch
+            # of a 16-channel cache shared a block, and the steps came out wrong).
+            rel_d = _to_device(np.asarray(cfg.steps_table(L), np.float64), dev)
+            resid_d = _empty((L, 2, C), torch.float64, dev)
+            k.plane_steps(_nb(sums[0]), _nb(sums[1]), T - sink, tc.BF16_MAX, _nb(rel_d),
                           _nb(step_bits_d[2 * L :].view(L, 2, C)), _nb(m_d), _nb(step_bits_d[: 2 * L].view(L, 2)),
-                          _nb(steps_d), _nb(_empty((L, 2, C), torch.float64, dev)), _nb(bad[L : L + 1]))
+                          _nb(steps_d), _nb(resid_d), _nb(bad[L : L + 1]))
             if not checked and sink:
                 # the sink tokens, stored as they are: not in the sums (a sum not finite flags the rest)
                 bad[L + 1 :].copy_((~torch.isfinite(x[:, :, :sink])).any().reshape(1))
@@ -334,8 +341,9 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     tab = _empty((L, 2, C, 257), torch.int32, dev)
     lo_eff = _empty((L, 2, C), torch.int32, dev)
     alphabet_eff = _empty((L, 2, C), torch.int32, dev)
+    lut_unused = _empty((1, 1, 1, 1), torch.uint8, dev)  # named: see plane_steps' call
     k.coder_tables(_nb(cum), _nb(refc), _nb(lo), _nb(alphabet), _nb(tab), _nb(lo_eff), _nb(alphabet_eff),
-                   _nb(_empty((1, 1, 1, 1), torch.uint8, dev)))
+                   _nb(lut_unused))
     k.symbol_bytes(_nb(lo_eff), _nb(modes), _nb(lob[1]), _nb(dmb))
     slots = _empty((n, max_stream_bytes(ct * G)), torch.uint8, dev)
     lengths = _empty((n,), torch.int32, dev)
