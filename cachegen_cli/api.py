@@ -45,6 +45,7 @@ def encode(
     device: str = "auto",
     names: str | None = None,
     extras: str = "keep",
+    rope=None,
 ) -> bytes:
     """Compress a KV cache to the bytes of a .cgen file.
 
@@ -62,6 +63,11 @@ def encode(
     file (format version 3).  ``names``: a regular expression naming the K / V / latent
     tensors (groups ``layer``, ``kind``, ``seq``); ``extras``: "keep" (stored exactly) or
     "drop" the tensors that are not K / V / latent.
+
+    ``rope`` (a ``methods.rope.Rope``, e.g. ``rope.from_theta(500000.0, head_dim=128)`` or
+    ``rope.from_model(model)``): code the keys without this rotary embedding (a transform
+    quality; smaller at the same error, docs/config.md).  A cache captured by ``cachegen
+    capture`` carries its RoPE in its metadata: ``TransformConfig(rope_keys=True)`` uses it.
     """
     cache, parts = _analyse(kv, layout, metadata, names, extras)
     if parts is not None:
@@ -74,6 +80,8 @@ def encode(
         return buf.getvalue()
     quant = resolve_quantization(cache.num_layers, quantization=quantization, preset_name=preset, bins=bins,
                                  quality=quality)
+    if rope is not None:
+        quant = _with_rope(cache, quant, rope)
     cal = _calibration(calibration)
     if codec.resolve_device(device) == "cuda":
         from .pipeline import lmcache_device as gpu_codec
@@ -85,6 +93,20 @@ def encode(
     buf = codec.ByteCollector()
     codec.encode_to_stream(cache, buf, quant, chunk_tokens, device=device, calibration=cal)
     return buf.getvalue()
+
+
+def _with_rope(cache: kvio.KVCache, quant, rope):
+    """``quant`` coding the keys without ``rope`` (set on the cache), checked against it."""
+    import dataclasses
+
+    from .errors import ConfigError
+    from .methods import rope as rope_methods
+
+    if not isinstance(quant, TransformConfig) or quant.method != "transform":
+        raise ConfigError("rope applies to the transform qualities (high, balanced, small)",
+                          cli="--rope-theta applies to --quality high/balanced/small")
+    cache.rope = rope_methods.for_cache(rope, cache.num_layers, cache.num_channels, cache.num_tokens)
+    return dataclasses.replace(quant, rope_keys=True)
 
 
 def _analyse(kv, layout: str, metadata, names, extras: str, hints=None):

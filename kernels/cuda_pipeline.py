@@ -50,6 +50,7 @@ from .cdf import codes_to_cum, counts_to_codes
 from .coding_params import MASK32, PROB_BITS, PROB_TOTAL, RANGE_INIT, RANGE_TOP
 from .crc import CRC_TABLE, multmodp, x8nmodp
 from .quantize import float_from_bits16
+from . import rope as _rope
 
 import os as _os
 
@@ -1708,3 +1709,50 @@ def dequantize(sym, modes, lo_eff, chunk_tokens, method2, sink, offsets, steps, 
         np.int64(chunk_tokens), np.int64(sink), as_device(offsets), as_device(steps), np.int64(refine_start),
         np.int64(bits), as_device(blob), as_device(raw_at), np.int64(nraw), as_device(out.reshape(-1)),
         as_device(bad))
+
+
+# ---------------------------------------------------------------- keys without RoPE (flags bit 2)
+#
+# kernels/rope.py's arithmetic over dmul_rn (no product fused into a sum, as on the CPU).
+
+_sincos_rn = _rope.make_sincos(_mul_rn)
+_unturn_rn, _turn_rn = _rope.make_pair_ops(_mul_rn)
+
+
+@cuda.jit
+def _turn_keys_kernel(x, L, T, C, inv_freq, rows, F, style, rotary_dim, head_dim, pos0, t_first, sink, forward):
+    """One thread per (layer, token, pair): the pair's angle once, then the pair in every head."""
+    i = cuda.grid(1)
+    if i >= L * T * F:
+        return
+    j = i % F
+    t = (i // F) % T
+    l = i // (F * T)
+    if t_first + t < sink:
+        return
+    f = inv_freq[(l if rows > 1 else 0) * F + j]
+    s, c = _sincos_rn(_mul_rn(float(pos0 + t_first + t), f))
+    a, b = _rope.pair_channels(j, style, rotary_dim)
+    base = (l * 2 * T + t) * C  # the key plane's row of token t
+    for h in range(C // head_dim):
+        ca = base + h * head_dim + a
+        cb = base + h * head_dim + b
+        if forward:
+            x[ca], x[cb] = _turn_rn(float(x[ca]), float(x[cb]), s, c)
+        else:
+            x[ca], x[cb] = _unturn_rn(float(x[ca]), float(x[cb]), s, c)
+
+
+def turn_keys(x, freq, rope, t_first, sink, forward, stream=0):
+    """In place on float32 x [L, 2, T, C] (tokens t_first ..): the keys' RoPE removed
+    (forward False: rope.unturn_keys) or restored (True: rope.turn_keys), for the tokens at or
+    past ``sink``.  ``rope``: format.params.Rope; ``freq``: its frequencies, float64, on the device."""
+    L, _, T, C = x.shape
+    F = rope.rotary_dim // 2
+    n = L * T * F
+    if n == 0:
+        return
+    _turn_keys_kernel[_grid(n), BLOCK, stream](
+        as_device(x.reshape(-1)), np.int64(L), np.int64(T), np.int64(C), as_device(freq.reshape(-1)),
+        np.int64(rope.inv_freq.shape[0]), np.int64(F), np.int64(rope.style), np.int64(rope.rotary_dim),
+        np.int64(rope.head_dim), np.int64(rope.position_start), np.int64(t_first), np.int64(sink), bool(forward))

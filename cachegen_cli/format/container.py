@@ -51,7 +51,8 @@ CDF_CODING_NIBBLES = 1
 CDF_CODING_SHARED = 2  # version 2: one table per (layer, K/V, channel) in the Params block
 FLAG_ROTATED = 1
 FLAG_REFINED = 2  # method 2: the last tokens carry refinement bits (Params block + chunks' raw sections)
-KNOWN_FLAGS = FLAG_ROTATED | FLAG_REFINED
+FLAG_ROPE = 4  # method 2: the keys are coded without their rotary embedding (Params block's RoPE block)
+KNOWN_FLAGS = FLAG_ROTATED | FLAG_REFINED | FLAG_ROPE
 MAX_PARAMS_BYTES = 1 << 30
 
 # Caps: a reader refuses anything beyond these before allocating.
@@ -355,7 +356,8 @@ def _read_file_header_v2(f: BinaryIO, raw: bytes, file_size: int | None,
     try:
         descriptor = _parse_descriptor(desc_raw, num_layers, num_tokens, num_channels)
         params = parse_params(params_raw, method, num_layers, num_channels, sink_tokens, dtype,
-                              bool(flags & FLAG_ROTATED), bool(flags & FLAG_REFINED), num_tokens, defer_tables)
+                              bool(flags & FLAG_ROTATED), bool(flags & FLAG_REFINED), num_tokens, defer_tables,
+                              bool(flags & FLAG_ROPE))
     except CacheGenError:
         # defer_crc: a corrupt header still gets the checksum's error first, as without it
         if defer_crc and _crc(raw[:-4], desc_raw, params_raw) != crc:

@@ -1,6 +1,6 @@
 """The Params block of a version-2 .cgen file: what every chunk shares.
 
-    method 2 (transform):  calibration SHA-256 | steps | offsets | sink tokens | [refinement] | tables
+    method 2 (transform):  calibration SHA-256 | steps | offsets | sink tokens | [refinement] | [RoPE] | tables
     method 3 (lossless):   tables
 
 A table per (layer, K/V, channel) replaces version 1's per-chunk CDF codes: one
@@ -24,7 +24,67 @@ METHOD_LOSSLESS = 3
 MAX_TABLE_ALPHABET = 256
 MAX_REFINE_BITS = 8
 REFINEMENT_BYTES = 5  # u32 tokens, u8 bits
+ROPE_BYTES = 16  # u8 style, u8 zero, u16 head_dim, u16 rotary_dim, u16 frequency rows, u64 position of token 0
+MAX_ROPE_POSITION = 1 << 31  # position of the last token + 1 (kernels/rope: the angle's reduction is exact below)
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
+
+
+@dataclass
+class Rope:
+    """The rotary embedding removed from the keys (FLAG_ROPE; kernels/rope.py): pairs of each
+    head's first ``rotary_dim`` channels, turned by (position_start + t) x inv_freq."""
+
+    style: int  # kernels.rope.STYLE_HALF (pairs j, j + r/2) or STYLE_INTERLEAVED (2j, 2j + 1)
+    head_dim: int
+    rotary_dim: int
+    position_start: int
+    inv_freq: np.ndarray  # float64 [F, rotary_dim / 2], F = 1 (every layer) or num_layers
+
+    def pack(self) -> bytes:
+        f = np.ascontiguousarray(self.inv_freq, "<f8")
+        return struct.pack("<BBHHHQ", self.style, 0, self.head_dim, self.rotary_dim, f.shape[0],
+                           self.position_start) + f.tobytes()
+
+    @property
+    def size(self) -> int:
+        return ROPE_BYTES + 8 * int(np.asarray(self.inv_freq).size)
+
+
+def check_rope(rope: Rope, num_layers: int, num_channels: int, num_tokens: int) -> None:
+    """The rules of docs/format.md for a RoPE block (SizeError naming the field)."""
+    if rope.style not in (0, 1):
+        raise SizeError(f"RoPE style {rope.style} (0 or 1)")
+    if not 2 <= rope.head_dim <= num_channels or num_channels % rope.head_dim:
+        raise SizeError(f"RoPE head_dim {rope.head_dim} does not divide the {num_channels} channels")
+    if rope.rotary_dim % 2 or not 2 <= rope.rotary_dim <= rope.head_dim:
+        raise SizeError(f"RoPE rotary_dim {rope.rotary_dim} (even, 2..head_dim {rope.head_dim})")
+    f = np.asarray(rope.inv_freq)
+    if f.ndim != 2 or f.shape[0] not in (1, num_layers) or f.shape[1] != rope.rotary_dim // 2:
+        raise SizeError(f"RoPE frequencies of shape {tuple(f.shape)} (1 or {num_layers} rows of "
+                        f"{rope.rotary_dim // 2})")
+    if not (np.isfinite(f).all() and (f >= 0).all() and (f <= 1).all()):
+        raise SizeError("a RoPE frequency is not in [0, 1]")
+    if rope.position_start + num_tokens > MAX_ROPE_POSITION:
+        raise SizeError(f"RoPE positions {rope.position_start} + {num_tokens} tokens reach past 2^31")
+
+
+def parse_rope(raw: bytes, o: int, num_layers: int, num_channels: int, num_tokens: int) -> tuple[Rope, int]:
+    """The RoPE block at raw[o:], checked; and the offset after it."""
+    if o + ROPE_BYTES > len(raw):
+        raise SizeError("the Params block ends inside its RoPE block")
+    style, zero, head_dim, rotary_dim, rows, start = struct.unpack_from("<BBHHHQ", raw, o)
+    if zero:
+        raise SizeError("a reserved RoPE byte is not zero")
+    o += ROPE_BYTES
+    if rows not in (1, num_layers) or rotary_dim % 2 or not rotary_dim:
+        raise SizeError(f"RoPE block with {rows} frequency rows and rotary_dim {rotary_dim}")
+    n = rows * (rotary_dim // 2)
+    if o + 8 * n > len(raw):
+        raise SizeError("the Params block ends inside its RoPE frequencies")
+    freq = np.frombuffer(raw, "<f8", n, o).reshape(rows, rotary_dim // 2).astype(np.float64)
+    rope = Rope(style, head_dim, rotary_dim, start, freq)
+    check_rope(rope, num_layers, num_channels, num_tokens)
+    return rope, o + 8 * n
 
 
 @dataclass
@@ -43,6 +103,7 @@ class Params:
     shared: np.ndarray | None = None  # bool [L, 2, C]: uses the table of the previous own-table channel
     refine_tokens: int = 0  # the last refine_tokens tokens carry refine_bits more bits each (FLAG_REFINED)
     refine_bits: int = 0
+    rope: Rope | None = None  # FLAG_ROPE: the keys are coded without their rotary embedding
     #: Set instead of modes / lo / alphabet / codes when the tables were only walked
     #: (parse_params(defer_tables=True)): where each entry's codes start in the Params block,
     #: and the table each entry uses (its own index, or the entry it shares).
@@ -99,6 +160,8 @@ def pack_params(p: Params) -> bytes:
                   np.ascontiguousarray(p.offsets, "<u2").tobytes(), np.ascontiguousarray(p.sink, np.uint8).tobytes()]
         if p.refine_tokens:
             parts.append(struct.pack("<IB", p.refine_tokens, p.refine_bits))
+        if p.rope is not None:
+            parts.append(p.rope.pack())
     shared = p.shared if p.shared is not None else np.zeros(p.modes.shape, np.bool_)
     parts.append(pack_tables(p.modes, p.lo, p.alphabet, p.codes, shared))
     return b"".join(parts)
@@ -139,7 +202,8 @@ def pack_tables(modes: np.ndarray, lo: np.ndarray, alphabet: np.ndarray, codes: 
 
 
 def parse_params(raw: bytes, method: int, num_layers: int, num_channels: int, sink_tokens: int, dtype: str,
-                 rotated: bool, refined: bool = False, num_tokens: int = 0, defer_tables: bool = False) -> Params:
+                 rotated: bool, refined: bool = False, num_tokens: int = 0, defer_tables: bool = False,
+                 roped: bool = False) -> Params:
     """Parse and check a Params block of exactly len(raw) bytes (``refined``: the header's FLAG_REFINED).
 
     With ``defer_tables`` the tables are only walked (every entry's size checked against the
@@ -152,6 +216,7 @@ def parse_params(raw: bytes, method: int, num_layers: int, num_channels: int, si
     calibration = bytes(32)
     steps = offsets = sink = None
     refine_tokens = refine_bits = 0
+    rope = None
     if method == METHOD_TRANSFORM:
         fixed = 32 + 4 * L + 4 * L * C + 2 * L * sink_tokens * C * itemsize + (REFINEMENT_BYTES if refined else 0)
         if fixed > len(raw):
@@ -175,6 +240,8 @@ def parse_params(raw: bytes, method: int, num_layers: int, num_channels: int, si
             if not 1 <= refine_tokens <= num_tokens - sink_tokens:
                 raise SizeError(f"{refine_tokens} refined tokens in a cache of {num_tokens} with {sink_tokens} sink "
                                 "token(s)")
+        if roped:
+            rope, o = parse_rope(raw, o, L, C, num_tokens)
         if (steps & 0x8000).any() or ((steps & 0x7F80) == 0x7F80).any() or (steps == 0).any():
             raise SizeError("a quantization step is not positive and finite")
         if ((offsets & 0x7F80) == 0x7F80).any():
@@ -183,19 +250,21 @@ def parse_params(raw: bytes, method: int, num_layers: int, num_channels: int, si
             check_rotated_range(steps, offsets)
     elif method != METHOD_LOSSLESS:
         raise UnsupportedVersionError(f"unknown quantization method {method}")
+    elif roped:
+        raise SizeError("the RoPE flag is set on a lossless file")
     if defer_tables:
         # each entry's table: its own, or the nearest preceding own one (a plane's first entry is own)
         starts, heads, source = walk_table_entries(raw, o, L * 2 * C, C)
         shared = heads == MODE_SAME
         return Params(method, None, None, None, None, calibration, steps, offsets, sink, shared.reshape(L, 2, C),
-                      refine_tokens, refine_bits, starts, source)
+                      refine_tokens, refine_bits, rope, starts, source)
     modes, lo, alphabet, codes, shared = parse_tables(raw, o, L * 2 * C, method, C)
     shape = (L, 2, C)
     shared = shared.reshape(shape)
     arrays = [modes.reshape(shape), lo.reshape(shape), alphabet.reshape(shape), codes.reshape(shape + (codes.shape[-1],))]
     if shared.any():
         arrays = expand_shared(shared, *arrays)
-    return Params(method, *arrays, calibration, steps, offsets, sink, shared, refine_tokens, refine_bits)
+    return Params(method, *arrays, calibration, steps, offsets, sink, shared, refine_tokens, refine_bits, rope)
 
 
 def walk_table_entries(raw: bytes, start: int, count: int, per_plane: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -183,6 +183,9 @@ class TransformConfig:
     #: step is scaled by its allocation factor (methods/transform.py step_params); "none": the steps
     #: as given (what `cachegen tune` writes: its steps are already allocated).
     allocation: str = "sensitivity"
+    #: Code the keys without their rotary embedding (format flags bit 2, methods/rope.py): the RoPE
+    #: comes from the cache (its "rope" metadata, or given) or from a calibration fitted that way.
+    rope_keys: bool = False
     name: str = field(default="custom", compare=False)
 
     def __post_init__(self) -> None:

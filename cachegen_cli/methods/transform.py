@@ -30,12 +30,14 @@ import numpy as np
 import torch
 
 from ..format import container
+from . import rope as rope_methods
 from .calibration import Calibration, CalibrationError
 from .config import ALLOCATION_MAX_STEP, ALLOCATION_STRENGTH, MIN_STEP, TransformConfig
 from ..format.container import Chunk, FileHeader
 from ..errors import ConfigError, SizeError
 from ..kernels import cpu as cpu_kernels
 from ..kernels import cpu_transform as k2
+from ..kernels import rope as rope_kernels
 from ..kernels.coding_params import max_stream_bytes
 from ..kernels.tables import SYMBOL_COST
 from ..kernels.transform import MODE_DELTA, MODE_DIRECT, TRANSFORM_QMAX
@@ -75,7 +77,8 @@ def make_header_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, para
         group=container.choose_group_v2(chunk_tokens, cache.num_channels), dtype=cache.dtype_name,
         layout=cache.layout, bins=np.zeros((cache.num_layers, 2), np.int32), descriptor=cache.descriptor(),
         method=params.method, cdf_coding=container.CDF_CODING_SHARED, version=container.FORMAT_VERSION_2,
-        flags=(container.FLAG_ROTATED if rotated else 0) | (container.FLAG_REFINED if params.refine_tokens else 0),
+        flags=((container.FLAG_ROTATED if rotated else 0) | (container.FLAG_REFINED if params.refine_tokens else 0)
+               | (container.FLAG_ROPE if params.rope is not None else 0)),
         sink_tokens=sink, params=params)
 
 
@@ -137,9 +140,14 @@ def allocate(rel: np.ndarray, rms: np.ndarray, sensitivity: np.ndarray) -> np.nd
     return np.clip(rel * factor, MIN_STEP, np.maximum(ALLOCATION_MAX_STEP, rel))
 
 
-def step_params(sums: np.ndarray, sumsq: np.ndarray, n: int, rel: np.ndarray, sensitivity: np.ndarray | None = None):
+def step_params(sums: np.ndarray, sumsq: np.ndarray, n: int, rel: np.ndarray, sensitivity: np.ndarray | None = None,
+                rms_sums: tuple[np.ndarray, np.ndarray] | None = None):
     """(offset bits, offsets, step bits, steps) from transform_stats' sums over n tokens;
-    ``sensitivity`` [L, 2] (a calibration's) scales the relative steps ``rel`` (:func:`allocate`)."""
+    ``sensitivity`` [L, 2] (a calibration's) scales the relative steps ``rel`` (:func:`allocate`).
+    ``rms_sums``: the (sums, sumsq) the RMS comes from when they are not the coded values' (keys
+    coded without RoPE: the step is relative to the keys as the model has them, so that a preset
+    means the same error with and without RoPE removal; removing it moves key energy into the
+    channel means, which would shrink a step relative to the residuals)."""
     L, _, C = sums.shape
     offsets_bits = np.empty((L, 2, C), np.uint16)
     m = np.empty((L, 2, C), np.float64)
@@ -147,8 +155,12 @@ def step_params(sums: np.ndarray, sumsq: np.ndarray, n: int, rel: np.ndarray, se
     # A mean beyond bfloat16's largest finite value (a float32 channel near float32's top)
     # would round to an Inf offset, which readers refuse: the largest one it is.  The RMS is
     # of the residuals around the stored (rounded) means: sum (v - m)^2 = sumsq - 2 m sum + n m^2.
+    if rms_sums is not None:
+        k2.plane_offsets_rms(np.ascontiguousarray(rms_sums[0], np.float64), np.ascontiguousarray(rms_sums[1], np.float64),
+                             int(n), BF16_MAX, offsets_bits, m, rms)
+        rms = rms.copy()
     k2.plane_offsets_rms(np.ascontiguousarray(sums, np.float64), np.ascontiguousarray(sumsq, np.float64), int(n),
-                         BF16_MAX, offsets_bits, m, rms)
+                         BF16_MAX, offsets_bits, m, rms if rms_sums is None else np.empty((L, 2), np.float64))
     if sensitivity is not None:
         rel = allocate(rel, rms, sensitivity)
     step = rel * rms
@@ -237,6 +249,7 @@ class _SlabEncoder:
         # slab's: its arrays are kept from pass to pass).
         self.buf = None if self.single else SlabBuffers()
         check = source.finite_check()
+        self.rope = None  # the RoPE removed from the keys (_prepare_transform)
         if self.lossless:
             self.nraw = ITEMSIZE[cache.dtype_name] - 1
             params, sink = self._prepare_lossless(check), 0
@@ -281,6 +294,16 @@ class _SlabEncoder:
             x = self._empty("x", tuple(block.shape), np.float32)
             torch.from_numpy(x).copy_(block)  # torch's conversion, on every core
             src, shift = x.view(np.uint32), 0
+        if self.rope is not None:
+            # The keys without their RoPE (float32, kernels/rope.unturn_keys), the values widened.
+            x = self._empty("unturned", tuple(block.shape), np.float32)
+            if shift == 16:
+                rope_kernels.widen_bf16(src, x.view(np.uint32))
+            else:
+                x.view(np.uint32)[...] = src
+            r = self.rope
+            rope_kernels.unturn_keys(x, r.inv_freq, r.style, r.rotary_dim, r.head_dim, r.position_start, t0, self.sink)
+            src, shift = x.view(np.uint32), 0
         rot = self.rot
         if self.single and rot.size and src.size * 8 <= ROTATED_CACHE_BYTES:
             y = np.empty(src.shape, np.float64)
@@ -289,6 +312,13 @@ class _SlabEncoder:
         if self.single:
             self.kept_values = (src, shift, rot)
         return src, shift, rot
+
+    def _source_bits(self, t0: int, t1: int):
+        """(src, shift) of a slab as the model has it (for the RMS of keys coded without RoPE)."""
+        block = self.source.read(t0, t1, None)
+        if block.dtype == torch.bfloat16:
+            return block.contiguous().view(torch.int16).numpy().view(np.uint16), 16
+        return block.contiguous().to(torch.float32).view(torch.int32).numpy().view(np.uint32), 0
 
     def _quantize(self, t0: int, t1: int):
         """Transform: (levels, refinement indices of the slab's refined tokens or None, level
@@ -343,14 +373,20 @@ class _SlabEncoder:
         cfg, L, T, C = self.cfg, self.L, self.T, self.C
         self.sink = sink = min(cfg.sink_tokens, T)
         self.rot, digest = encoder_rotation(calibration, L, C)
+        self.rope = rope_methods.resolve(self.source.cache, cfg, calibration)
         s1, s2, b1, b2 = (np.zeros((L, 2, C), np.float64) for _ in range(4))
+        r1, r2, rb1, rb2 = (np.zeros((L, 2, C), np.float64) for _ in range(4))
         for t0, t1 in self.bounds:
             src, shift, rot = self._values(t0, t1, check)
             k2.transform_stats_carry(src, rot, sink, t0, T, s1, s2, b1, b2, shift)
+            if self.rope is not None:
+                osrc, oshift = self._source_bits(t0, t1)
+                k2.transform_stats_carry(osrc, _NO_ROTATION, sink, t0, T, r1, r2, rb1, rb2, oshift)
         if check is not None:
             check.raise_if_bad()
         offsets_bits, m, steps_bits, self.steps = step_params(s1, s2, T - sink, cfg.steps_table(L),
-                                                              plane_sensitivity(cfg, calibration))
+                                                              plane_sensitivity(cfg, calibration),
+                                                              None if self.rope is None else (r1, r2))
         if self.rot.size:  # the reader's rule: a writer must not write what it rejects (as the GPU's writer)
             from ..format.params import check_rotated_range
 
@@ -368,7 +404,8 @@ class _SlabEncoder:
         sink_bytes = (sink_words(self.source.cache, sink) if isinstance(self.source, TensorSource)
                       else _sink_bytes(self.source.read(0, sink), sink))
         params = Params(METHOD_TRANSFORM, modes, lo, alphabet, np.zeros((L, 2, C, 1), np.uint8), digest,
-                        steps_bits, offsets_bits, sink_bytes, refine_tokens=self.R, refine_bits=self.bits)
+                        steps_bits, offsets_bits, sink_bytes, refine_tokens=self.R, refine_bits=self.bits,
+                        rope=self.rope)
         return params, sink
 
     def _tables(self, params: Params) -> None:
@@ -660,7 +697,20 @@ class V2SlabDecoder:
         first_refined = max(h.refine_start - T0, 0)
         args += (self.rot_t, sink, self.offsets, self.steps, first_refined, p.refine_bits,
                  ref)
-        if h.dtype == "bfloat16":
+        if p.rope is not None:
+            # float32 values, the keys turned back by their RoPE, then the source dtype
+            r = p.rope
+            tmp = self.buf.get("f32", (L, 2, Ts, C), np.float32)
+            k2.decode_transform_planes(*args, tmp, 0, False)
+            rope_kernels.turn_keys(tmp, r.inv_freq, r.style, r.rotary_dim, r.head_dim, r.position_start, T0, h.sink_tokens)
+            if h.dtype == "float16":  # torch's float32 -> float16 rounding, saturating
+                np.clip(tmp, -65504.0, 65504.0, out=tmp)
+                dst = torch.from_numpy(out.view(np.int16)[:, :, t_out + sink : t_out + Ts]).view(torch.float16)
+                dst.copy_(torch.from_numpy(tmp[:, :, sink:]))
+            else:
+                rope_kernels.store_values(tmp, sink, out, t_out, rope_kernels.KIND_BFLOAT16 if h.dtype == "bfloat16"
+                                          else rope_kernels.KIND_FLOAT32)
+        elif h.dtype == "bfloat16":
             k2.decode_transform_planes(*args, out, t_out, True)
         elif h.dtype == "float32":
             k2.decode_transform_planes(*args, out.view(np.float32), t_out, False)

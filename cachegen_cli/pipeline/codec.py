@@ -444,7 +444,8 @@ def raw_bytes(cache: KVCache) -> int:
 def _host_cache(cache: KVCache) -> KVCache:
     if cache.data.device.type == "cpu":
         return cache
-    return KVCache(cache.data.cpu(), cache.layout, cache.num_kv_heads, cache.head_dim, cache.tensors, cache.metadata)
+    return KVCache(cache.data.cpu(), cache.layout, cache.num_kv_heads, cache.head_dim, cache.tensors, cache.metadata,
+                   cache.rope)
 
 
 def smallest_encoding(cache: KVCache, data: bytes, chunk_tokens: int,

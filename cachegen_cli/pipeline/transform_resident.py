@@ -46,6 +46,7 @@ from ..kernels.tables import SYMBOL_COST
 from ..kernels.transform import STATS_BLOCK
 from ..storage.kvio import EXPONENT_WORDS, DTYPE_BY_NAME, KVCache, check_finite
 from ..format.params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, bf16_values
+from ..methods import rope as rope_methods
 
 _FMT = {"float32": 0, "bfloat16": 1, "float16": 2}
 _TORCH_WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a word of n bytes
@@ -237,6 +238,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     sink = R = bits = 0
     nraw = 0
     digest = bytes(32)
+    rope = None
     if not checked and not lossless and x.dtype == torch.float16:
         check_finite(x)  # the kernels read float16's all-ones exponent as a finite power of two
         checked = True
@@ -253,10 +255,24 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     else:
         sink = min(cfg.sink_tokens, T)
         rot_h, digest = tc.encoder_rotation(calibration, L, C)
+        rope = rope_methods.resolve(cache, cfg, calibration)
         vitem, fmt = itemsize, _FMT[dt]
+        x32 = None
+        if rope is not None:
+            # The keys without their RoPE (float32) replace the cache's words as the kernels' values;
+            # the step still comes from the keys as they are (rms_sums below).
+            x32 = x.to(torch.float32, copy=True)  # torch's conversion (exact), as the CPU's
+            freq_d = _to_device(np.ascontiguousarray(rope.inv_freq, np.float64), dev)
+            k.turn_keys(_nb(x32), _nb(freq_d), rope, 0, sink, False)
+            vitem, fmt = 4, _FMT["float32"]
+            V = k.lanes(C, 4, k.WIDTH["levels"])
+            wv = x32.view(torch.int32).view(_TORCH_WORD[V * 4])
+            qv = q.view(_TORCH_WORD[V])
+            _mark("keys without RoPE")
         if rot_h.size:
             # The rotated rows (float64) replace the cache's words as the kernels' values.
-            x32 = x if x.dtype == torch.float32 else x.to(torch.float32)  # torch's conversion, as the CPU's
+            if x32 is None:
+                x32 = x if x.dtype == torch.float32 else x.to(torch.float32)  # torch's conversion, as the CPU's
             y = _empty((L, 2, T, C), torch.float64, dev)
             k.rotate_blocks(_nb(x32), _nb(_device_rotation(rot_h, digest, dev, False)), sink, _nb(y))
             del x32
@@ -269,10 +285,16 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
         part = _empty((2, L, 2, NB, C), torch.float64, dev)
         sums = _empty((2, L, 2, C), torch.float64, dev)
         k.transform_stats(_nb(wv), vitem, fmt, sink, _nb(part[0]), _nb(part[1]), _nb(sums[0]), _nb(sums[1]))
+        if rope is not None:  # the keys' own sums, for the step (and the finiteness check)
+            rope_sums = _empty((2, L, 2, C), torch.float64, dev)
+            Vs = k.lanes(C, itemsize, k.WIDTH["levels"])
+            k.transform_stats(_nb(words.view(_TORCH_WORD[Vs * itemsize])), itemsize, _FMT[dt], sink, _nb(part[0]),
+                              _nb(part[1]), _nb(rope_sums[0]), _nb(rope_sums[1]))
+            sums = torch.cat([sums, rope_sums])
         _mark("statistics")
         R, bits = tc.refine_plan(cfg, T, sink)
         ref = _empty((L, 2, max(R, 1), C), torch.uint8, dev)
-        if calibration is None:
+        if calibration is None and rope is None:
             # The steps on the device (kernels/cuda_pipeline.plane_steps, the CPU's arithmetic):
             # nothing waits for them, their bits come back with the sizes (synchronisation 2).
             m_d = _empty((L, 2, C), torch.float32, dev)
@@ -306,7 +328,8 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
                 sums_h = sums_h[:-1].reshape(sums.shape)
             _mark("sums to the host (sync)")
             offsets_bits, m, steps_bits, steps = tc.step_params(sums_h[0], sums_h[1], T - sink, cfg.steps_table(L),
-                                                                tc.plane_sensitivity(cfg, calibration))
+                                                                tc.plane_sensitivity(cfg, calibration),
+                                                                None if rope is None else (sums_h[2], sums_h[3]))
             if rot_h.size:
                 check_rotated_range(steps_bits, offsets_bits)
             m_d = _to_device(np.asarray(m, np.float32), dev)
@@ -318,9 +341,9 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
                           ct, _nb(qv), _nb(ref), _nb(stats))
         method, allow_delta = METHOD_TRANSFORM, cfg.token_delta
         _mark("levels")
-        if rot_h.size:
+        if rot_h.size or rope is not None:
             wv = words.view(_TORCH_WORD[k.lanes(C, itemsize, k.WIDTH["levels"]) * itemsize])  # the raw sections' words
-            del y
+            y = x32 = None
     modes = _empty((L, 2, C), torch.uint8, dev)
     lo = _empty((L, 2, C), torch.int32, dev)
     alphabet = _empty((L, 2, C), torch.int32, dev)
@@ -361,8 +384,9 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     # the device codes them (the launches above are queued, not run).
     desc = json.dumps(cache.descriptor(), separators=(",", ":"), ensure_ascii=False, sort_keys=True).encode("utf-8")
     sink_bytes = 2 * L * sink * C * itemsize
-    refine = struct.pack("<IB", R, bits) if R else b""
-    flags = (container.FLAG_REFINED if R else 0) | (container.FLAG_ROTATED if digest != bytes(32) else 0)
+    refine = (struct.pack("<IB", R, bits) if R else b"") + (b"" if lossless or rope is None else rope.pack())
+    flags = ((container.FLAG_REFINED if R else 0) | (container.FLAG_ROTATED if digest != bytes(32) else 0)
+             | (container.FLAG_ROPE if not lossless and rope is not None else 0))
     params_at = 64 + len(desc)
     fixed_len = len(fixed) if fixed is not None else 32 + 4 * L + 4 * L * C  # digest, steps, offsets
     tables_at = params_at + fixed_len + sink_bytes + len(refine)
@@ -590,7 +614,8 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
     lossless = h.method == METHOD_LOSSLESS
     nraw = h.raw_bytes_per_value
     rotated = rot_t is not None
-    if lossless or (dtype == torch.bfloat16 and not rotated):
+    rope = None if lossless else p.rope
+    if lossless or (dtype == torch.bfloat16 and not rotated and rope is None):
         words = _empty((L, 2, T, C), torch.int16 if ITEMSIZE[h.dtype] == 2 else torch.int32, dev)
     else:
         # float32 bits; float16 files are cast after, rotated ones rotated back first
@@ -609,12 +634,20 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
                  _nb(words.view(_TORCH_WORD[V * out_bytes])), _nb(tables_bad[1:]))
     if lossless:
         data = words.view(dtype)
-    elif rotated:
-        # x = z R^T, block by block: the same product with each block transposed
-        data = _empty((L, 2, T, C), torch.float32, dev)
-        k.rotate_blocks(_nb(words.view(torch.float32)), _nb(rot_t), S, _nb(data))
-        del words
+    elif rotated or rope is not None:
+        data = words.view(torch.float32)
+        if rotated:
+            # x = z R^T, block by block: the same product with each block transposed
+            data = _empty((L, 2, T, C), torch.float32, dev)
+            k.rotate_blocks(_nb(words.view(torch.float32)), _nb(rot_t), S, _nb(data))
+            del words
+        if rope is not None:  # the keys turned back by their RoPE (float32, saturating)
+            freq_d = _to_device(np.ascontiguousarray(rope.inv_freq, np.float64), dev)
+            k.turn_keys(_nb(data), _nb(freq_d), rope, 0, S, True)
         if dtype != torch.float32:
+            if rope is not None:  # saturating: a turned pair can reach past the dtype's largest value
+                lim = float(torch.finfo(dtype).max)
+                data.clamp_(-lim, lim)
             data = data.to(dtype)  # round to nearest even, as the CPU's rows
     elif dtype == torch.bfloat16:
         data = words.view(torch.bfloat16)

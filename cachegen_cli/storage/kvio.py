@@ -65,6 +65,9 @@ class KVCache:
     head_dim: int
     tensors: list[dict] = field(default_factory=list)  # [{"name": ..., "shape": [...]}] in file order
     metadata: dict[str, str] = field(default_factory=dict)
+    #: The RoPE of the keys (format.params.Rope) when given explicitly (api.encode(rope=...), the CLI's
+    #: --rope-theta); otherwise methods/rope.resolve reads the metadata's "rope" entry.  Not stored as such.
+    rope: object = field(default=None, compare=False)
 
     @property
     def num_layers(self) -> int:
@@ -612,7 +615,7 @@ class SafetensorsSource:
         c = self.cache
         data = self.read(0, c.num_tokens)
         check_finite(data)
-        return KVCache(data, c.layout, c.num_kv_heads, c.head_dim, c.tensors, c.metadata)
+        return KVCache(data, c.layout, c.num_kv_heads, c.head_dim, c.tensors, c.metadata, c.rope)
 
     def close(self) -> None:
         self._fh.close()
