@@ -69,6 +69,7 @@ LAYOUTS = {1: "stacked", 2: "per-layer"}
 
 FLAG_ROTATED = 1
 FLAG_REFINED = 2
+FLAG_ROPE = 4
 
 #: layers.{i}.key / layers.{i}.value, {i} one to nine ASCII digits (docs/format.md, "Descriptor")
 PER_LAYER_NAME = re.compile(r"layers\.([0-9]{1,9})\.(key|value)")
@@ -188,7 +189,7 @@ def parse_file_header(f: Bytes) -> Header:
         check(reserved == 0, "reserved header field is not zero")
         check(method in (2, 3), f"unknown method {method} for version 2")
         check(cdf_coding == 2, f"unknown cdf_coding {cdf_coding} for version 2")
-        check(flags & ~(FLAG_ROTATED | FLAG_REFINED) == 0, "unknown header flags")
+        check(flags & ~(FLAG_ROTATED | FLAG_REFINED | FLAG_ROPE) == 0, "unknown header flags")
         check(method == 2 or (flags == 0 and sink_tokens == 0), "method 3 has no flags and no sink tokens")
         check(sink_tokens <= num_tokens, "more sink tokens than tokens")
         check(1 <= params_size <= MAX_PARAMS_BYTES, "params_size out of range")
@@ -385,6 +386,7 @@ class Params:
     sink: np.ndarray | None = None  # words [L, 2, S, C]
     refine_tokens: int = 0
     refine_bits: int = 0
+    rope: tuple | None = None  # (style, head_dim, rotary_dim, position_start, frequencies float64 [F, r/2])
     tables: list = field(default_factory=list)  # [L][2][C] Table
 
 
@@ -414,6 +416,20 @@ def parse_params(raw: bytes, h: Header) -> Params:
             o += 5
             check(1 <= p.refine_bits <= 8, "refine_bits out of range")
             check(1 <= p.refine_tokens <= h.num_tokens - S, "refine_tokens out of range")
+        if h.flags & FLAG_ROPE:
+            check(o + 16 <= len(raw), "the Params block ends inside the RoPE block")
+            style, zero, D, r, F, p0 = struct.unpack_from("<BBHHHQ", raw, o)
+            o += 16
+            check(style in (0, 1) and zero == 0, "RoPE style or reserved byte")
+            check(2 <= D <= C and C % D == 0, "RoPE head_dim does not divide the channels")
+            check(r % 2 == 0 and 2 <= r <= D, "RoPE rotary_dim")
+            check(F in (1, L), "RoPE frequency rows")
+            check(o + 8 * F * (r // 2) <= len(raw), "the Params block ends inside the RoPE frequencies")
+            freq = np.frombuffer(raw, "<f8", F * (r // 2), o).reshape(F, r // 2)
+            o += 8 * F * (r // 2)
+            check(bool(np.all((freq >= 0) & (freq <= 1))), "a RoPE frequency is outside [0, 1]")
+            check(p0 + h.num_tokens <= 1 << 31, "RoPE positions reach 2^31")
+            p.rope = (style, D, r, p0, freq)
         if h.flags & FLAG_ROTATED:
             top = 128 * p.steps + np.abs(p.offsets).max(axis=2)
             check(not (top > FLOAT32_MAX).any(), "128 x s + max |m| exceeds float32's range in a rotated file")
@@ -637,11 +653,69 @@ def decode_v2_chunk(ch: ChunkSections, h: Header, p: Params, rotation: np.ndarra
         for d in range(C):  # x'[c] = sum over d = 0..C-1, in that order, of z[d] x R[c, d]
             acc += zz[:, :, :, d : d + 1] * R[:, :, None, :, d]
         z = acc.astype(np.float32)
+    if p.rope is not None:
+        z = turn_keys(z, p.rope, t0)
     words = to_dtype_words(z, h.dtype)
     S = h.sink_tokens
     if t0 < S:  # the first S tokens are the sink words, verbatim
         words[:, :, : min(S, t0 + Tk) - t0] = p.sink[:, :, t0 : min(S, t0 + Tk)]
     out[:, :, t0 : t0 + Tk] = words
+
+
+# RoPE (flags bit 2): the angle's sine and cosine as docs/format.md defines them, operation by
+# operation in float64 (numpy's element-wise operations round each result; nothing is fused).
+_H = float.fromhex
+_ROPE_K = dict(two_over_pi=_H("0x1.45f306dc9c883p-1"), p1=_H("0x1.921fb00000000p+0"), p2=_H("0x1.5110b00000000p-22"),
+               p3=_H("0x1.18469898cc517p-44"))
+_ROPE_S = [_H(v) for v in ("0x1.952c77030ad4ap-49", "-0x1.ae7f3e733b81fp-41", "0x1.6124613a86d09p-33",
+                           "-0x1.ae64567f544e4p-26", "0x1.71de3a556c734p-19", "-0x1.a01a01a01a01ap-13",
+                           "0x1.1111111111111p-7", "-0x1.5555555555555p-3")]  # S17 .. S3
+_ROPE_C = [_H(v) for v in ("0x1.ae7f3e733b81fp-45", "-0x1.93974a8c07c9dp-37", "0x1.1eed8eff8d898p-29",
+                           "-0x1.27e4fb7789f5cp-22", "0x1.a01a01a01a01ap-16", "-0x1.6c16c16c16c17p-10",
+                           "0x1.5555555555555p-5", "-0x1.0000000000000p-1")]  # C16 .. C2
+
+
+def rope_sincos(theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    n = np.floor(theta * _ROPE_K["two_over_pi"] + 0.5)
+    r = ((theta - n * _ROPE_K["p1"]) - n * _ROPE_K["p2"]) - n * _ROPE_K["p3"]
+    z = r * r
+    ps = np.full_like(z, _ROPE_S[0])
+    for c in _ROPE_S[1:]:
+        ps = ps * z + c
+    sin = r + (r * z) * ps
+    pc = np.full_like(z, _ROPE_C[0])
+    for c in _ROPE_C[1:]:
+        pc = pc * z + c
+    cos = 1.0 + z * pc
+    quad = n.astype(np.int64) & 3
+    s_out = np.select([quad == 0, quad == 1, quad == 2], [sin, cos, -sin], -cos)
+    c_out = np.select([quad == 0, quad == 1, quad == 2], [cos, -sin, -cos], sin)
+    return s_out, c_out
+
+
+def _sat32(v: np.ndarray) -> np.ndarray:
+    return np.clip(v, -FLOAT32_MAX, FLOAT32_MAX).astype(np.float32)
+
+
+def turn_keys(z: np.ndarray, rope: tuple, t0: int) -> np.ndarray:
+    """The keys (z[:, 0], float32 [L, 2, Tk, C], tokens t0 ..) turned by their RoPE angles."""
+    style, D, r, p0, freq = rope
+    z = z.copy()
+    L, _, Tk, C = z.shape
+    half = r // 2
+    j = np.arange(half)
+    a, b = (j, j + half) if style == 0 else (2 * j, 2 * j + 1)
+    pos = (p0 + t0 + np.arange(Tk)).astype(np.float64)
+    for l in range(L):
+        f = freq[l if freq.shape[0] > 1 else 0]
+        s, c = rope_sincos(pos[:, None] * f[None, :])  # [Tk, r/2]
+        keys = z[l, 0]  # [Tk, C], a view
+        for hd in range(C // D):
+            xa = keys[:, hd * D + a].astype(np.float64)
+            xb = keys[:, hd * D + b].astype(np.float64)
+            keys[:, hd * D + a] = _sat32(xa * c - xb * s)
+            keys[:, hd * D + b] = _sat32(xb * c + xa * s)
+    return z
 
 
 # ---------------------------------------------------------------- the file

@@ -106,6 +106,14 @@ def _sources() -> dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]]:
             {n: (t if n.endswith("key") else t[..., :15].contiguous()) for n, t in per_layer.items()},
             {"source": f"sample_data/{PER_LAYER.name} layers {LAYERS} head 0 tokens [0, {TOKENS}); "
                        "keys dims [0, 32), values dims [0, 15)"}),
+        # Keys without RoPE (flags bit 2): the RoPE parameters in the source's metadata (what
+        # `cachegen capture` writes).  Not the model's RoPE (the cut keeps 32 of a head's 64 dims):
+        # two "heads" of 16 with a partial rotary dim of 12, a frequency row per layer, position 7;
+        # and, for the rotated case, interleaved pairs over all 16 dims, one row, position 0.
+        "source_bf16_rope.safetensors": (
+            {"kv": bf16}, {"source": note + " dims [0, 32)", "rope": _rope_metadata(0, 16, 12, 7, (10000.0, 500000.0))}),
+        "source_bf16_c16_rope.safetensors": (
+            {"kv": _stacked(16)}, {"source": note + " dims [0, 16)", "rope": _rope_metadata(1, 16, 16, 0, (10000.0,))}),
         # ... and the stacked cache next to an extra tensor (stored exactly): its token ids.
         "source_bf16_extras.safetensors": (
             {"kv": bf16, "input_ids": torch.tensor([_token_ids()], dtype=torch.int64)},
@@ -114,6 +122,16 @@ def _sources() -> dict[str, tuple[dict[str, torch.Tensor], dict[str, str]]]:
 
 
 CALIBRATION = "calibration_c16.safetensors"
+
+
+def _rope_metadata(style: int, head_dim: int, rotary_dim: int, position_start: int, thetas: tuple) -> str:
+    """A "rope" metadata value (methods/rope.to_metadata) with one frequency row per theta."""
+    import numpy as np
+
+    from cachegen_cli.methods import rope
+
+    rows = [rope.from_theta(t, head_dim, rotary_dim).inv_freq[0] for t in thetas]
+    return rope.to_metadata(rope.Rope(style, head_dim, rotary_dim, position_start, np.stack(rows)))
 
 
 def _calibration() -> calib.Calibration:
@@ -192,6 +210,15 @@ CASES: dict[str, dict] = {
                      expect=dict(version=2, method=2, flags=0, sink_tokens=0, dtype=2, num_tokens=0)),
     "v2_empty_lossless": dict(source="source_bf16_empty.safetensors", config=_transform(method="lossless"),
                               expect=dict(version=2, method=3, flags=0, sink_tokens=0, dtype=2, num_tokens=0)),
+    # ---- keys without their rotary embedding (flags bit 2, 2026-12-02): with a sink, token deltas
+    # and refinement (flags 6); with a rotation (flags 5)
+    "v2_rope": dict(source="source_bf16_rope.safetensors",
+                    config=_transform(sink_tokens=1, token_delta=True, recent_tokens=6, recent_bits=2, rope_keys=True),
+                    expect=dict(version=2, method=2, flags=6, sink_tokens=1, dtype=2, refine_tokens=6, refine_bits=2,
+                                rope=[0, 16, 12, 2, 7])),
+    "v2_rope_rotated": dict(source="source_bf16_c16_rope.safetensors", calibration=CALIBRATION,
+                            config=_transform(sink_tokens=1, rope_keys=True),
+                            expect=dict(version=2, method=2, flags=5, sink_tokens=1, dtype=2, rope=[1, 16, 16, 1, 0])),
     # format version 1 (method 1): LMCache's table for a small model is 32 bins everywhere; the
     # per-layer case has an odd 17 (17 symbols) and an even 16 (15 symbols)
     "v1_fp16": dict(source="source_fp16.safetensors", config=_bins([[0, None, 32]], [[0, None, 32]]),

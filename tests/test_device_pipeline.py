@@ -9,6 +9,7 @@ NUMBA_ENABLE_CUDASIM=0 (then the tensors live on the GPU).
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import zlib
 
@@ -32,9 +33,13 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
-def _device_bytes(kv, quality=None, chunk_tokens=8, quantization=None, layout="auto", calibration=None) -> bytes:
+def _device_bytes(kv, quality=None, chunk_tokens=8, quantization=None, layout="auto", calibration=None,
+                  rope=None) -> bytes:
     cache = kvio.from_tensors(kv, layout, None)
     cfg = quantization or resolve_quantization(cache.num_layers, quality=quality)
+    if rope is not None:
+        cache.rope = rope
+        cfg = dataclasses.replace(cfg, rope_keys=True)
     out, payload = transform_resident.encode(cache, cfg, chunk_tokens, calibration)
     assert 0 <= payload < out.numel()
     return out.cpu().numpy().tobytes()
@@ -48,10 +53,10 @@ def _device_decode(blob: bytes, calibration=None) -> torch.Tensor:
     return transform_resident.decode(t, h, offsets, size, calibration).cpu()
 
 
-def _check(kv, quality=None, chunk_tokens=8, quantization=None, calibration=None):
+def _check(kv, quality=None, chunk_tokens=8, quantization=None, calibration=None, rope=None):
     cpu = cg.encode(kv, quality=quality, quantization=quantization, chunk_tokens=chunk_tokens, device="cpu",
-                    calibration=calibration)
-    assert _device_bytes(kv, quality, chunk_tokens, quantization, calibration=calibration) == cpu
+                    calibration=calibration, rope=rope)
+    assert _device_bytes(kv, quality, chunk_tokens, quantization, calibration=calibration, rope=rope) == cpu
     want = cg.decode(cpu, device="cpu", calibration=calibration)["kv"]
     got = _device_decode(cpu, calibration).reshape(want.shape)
     assert got.dtype == want.dtype and torch.equal(_words(got), _words(want))
@@ -75,6 +80,27 @@ def test_rotated_same_bytes_and_values_as_the_cpu(dtype, quality, blocks, head_d
     blob = _check(kv, quality, chunk_tokens=8, calibration=cal)
     h, _, _, _ = codec.read_header_and_index(codec.open_input(blob)[0])
     assert h.rotated and h.params.calibration == cal.sha256
+
+
+@pytest.mark.parametrize("dtype, quality, style, rotary_dim, blocks", [
+    (torch.bfloat16, "balanced", "half", 8, 0), (torch.float16, "high", "interleaved", 4, 0),
+    (torch.float32, "small", "half", 6, 0), (torch.bfloat16, "balanced", "interleaved", 8, 2),
+])
+def test_keys_without_rope_same_bytes_and_values_as_the_cpu(dtype, quality, style, rotary_dim, blocks):
+    """Flags bit 2 (kernels/rope.py over dmul_rn on the device), alone and with a per-head
+    rotation; positions far from 0, so the angles' reduction is exercised."""
+    from cachegen_cli.methods import calibration as calib
+    from cachegen_cli.methods import rope
+
+    cal = None
+    if blocks:
+        sample = realistic_kv(layers=2, tokens=30, heads=2, head_dim=8, dtype=torch.float32, seed=11)
+        cal = calib.fit([sample.reshape(2, 2, 30, 16)], blocks=blocks)
+    kv = realistic_kv(layers=2, tokens=21, heads=2, head_dim=8, dtype=dtype, seed=4)
+    r = rope.from_theta(10000.0, 8, rotary_dim, style, position_start=123457)
+    blob = _check(kv, quality, chunk_tokens=8, calibration=cal, rope=r)
+    h, _, _, _ = codec.read_header_and_index(codec.open_input(blob)[0])
+    assert h.flags & container.FLAG_ROPE
 
 
 @pytest.mark.parametrize("quality, dtype", [

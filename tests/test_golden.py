@@ -160,6 +160,11 @@ def _params(blob: bytes, h: dict) -> dict:
         if h["flags"] & 2:
             out["refine_tokens"], out["refine_bits"] = struct.unpack_from("<IB", blob, o)
             o += 5
+        if h["flags"] & 4:  # the RoPE block: style, reserved, head_dim, rotary_dim, rows, position_start, f64s
+            style, zero, head_dim, rotary_dim, rows, start = struct.unpack_from("<BBHHHQ", blob, o)
+            assert zero == 0
+            out["rope"] = [style, head_dim, rotary_dim, rows, start]
+            o += 16 + 8 * rows * (rotary_dim // 2)
     kinds, alphabets = [], []
     for i in range(L * 2 * C):
         mode = blob[o]
@@ -244,6 +249,7 @@ def _check_regular(case: dict, blob: bytes) -> None:
     p = _params(blob, h)
     for key in ("refine_tokens", "refine_bits"):
         assert p[key] == expect.get(key, 0), key
+    assert p.get("rope") == expect.get("rope")
     assert h["cdf_coding"] == 2
     if h["method"] == 2:  # the Raw section: refinement indices of the chunk's refined tokens only
         R, b = p["refine_tokens"], p["refine_bits"]
@@ -302,6 +308,8 @@ def test_golden_cases_cover_every_method_and_flag():
     for version, method in ((1, 1), (2, 2), (2, 3)):
         assert {e["dtype"] for e in regular if (e["version"], e["method"]) == (version, method)} >= {1, 2, 3}, method
     assert {e["flags"] for e in regular if e["version"] == 2} >= {0, 1, 2, 3}  # rotation and refinement, and both
+    assert {e["flags"] & 5 for e in regular if e.get("flags", 0) & 4} == {4, 5}  # keys without RoPE, alone and rotated
+    assert {e["rope"][0] for e in regular if "rope" in e} == {0, 1}  # both pair styles
     assert {e.get("refine_bits") for e in regular} >= {1, 2, 3, 8}
     chunk = make_golden.CHUNK_TOKENS  # refined tokens in two chunks: [20 - R, 20) crosses a chunk boundary
     assert any((make_golden.TOKENS - e["refine_tokens"]) // chunk != (make_golden.TOKENS - 1) // chunk
