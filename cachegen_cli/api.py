@@ -105,7 +105,8 @@ def _with_rope(cache: kvio.KVCache, quant, rope):
     if not isinstance(quant, TransformConfig) or quant.method != "transform":
         raise ConfigError("rope applies to the transform qualities (high, balanced, small)",
                           cli="--rope-theta applies to --quality high/balanced/small")
-    cache.rope = rope_methods.for_cache(rope, cache.num_layers, cache.num_channels, cache.num_tokens)
+    if rope is not None:
+        cache.rope = rope_methods.for_cache(rope, cache.num_layers, cache.num_channels, cache.num_tokens)
     return dataclasses.replace(quant, rope_keys=True)
 
 
@@ -423,6 +424,9 @@ def encode_file(
     threads: int | None = None,
     names: str | None = None,
     extras: str = "keep",
+    rope_keys: bool = False,
+    rope_theta: float | None = None,
+    rope_start: int | None = None,
 ):
     """Compress a safetensors KV file to a .cgen file (atomically; never over the input).
 
@@ -430,7 +434,9 @@ def encode_file(
     they are coded, so memory stays a few slabs whatever the cache's size.  ``threads``: numba
     and torch threads for the call (None or 0: all cores).  A cache of any other shape (see
     encode: ``names``, ``extras``) is read whole and written as a multi-part file (format
-    version 3); its summary is then a pipeline.parts.PartsSummary."""
+    version 3); its summary is then a pipeline.parts.PartsSummary.  ``rope_keys``: code the keys
+    without their RoPE, as the file's "rope" metadata (``cachegen capture``) or ``rope_theta``
+    (plain RoPE frequencies) describes it; ``rope_start``: the position of its first token."""
     from .errors import DTypeError, LayoutError, ShapeError
 
     src = Path(src)
@@ -452,9 +458,26 @@ def encode_file(
             cal = _calibration(calibration)
             quant = resolve_quantization(source.cache.num_layers, quantization=quantization, preset_name=preset,
                                          bins=bins, quality=quality)
+            if rope_keys or rope_theta is not None or rope_start is not None:
+                quant = _with_rope(source.cache, quant, _file_rope(source.cache, rope_theta, rope_start))
             with atomic_output(dst) as tmp, open(tmp, "wb") as out:
                 summary = codec.encode_to_stream(source, out, quant, chunk_tokens, progress, device, cal)
     return summary
+
+
+def _file_rope(cache: kvio.KVCache, theta: float | None, start: int | None):
+    """The RoPE encode_file removes: plain frequencies of ``theta``, else the cache's metadata's
+    (or its calibration's, which methods/rope.resolve finds: None here), at ``start``."""
+    import dataclasses
+
+    from .methods import rope as rope_methods
+
+    if theta is not None:
+        return rope_methods.from_theta(theta, cache.head_dim, position_start=start or 0)
+    if rope_methods.METADATA_KEY not in cache.metadata:
+        return None
+    found = rope_methods.from_metadata(cache.metadata[rope_methods.METADATA_KEY])
+    return found if start is None else dataclasses.replace(found, position_start=int(start))
 
 
 def _encode_parts_file(src: Path, dst: Path, force: bool, names, extras, quantization, preset, bins, quality,

@@ -189,3 +189,43 @@ def test_reader_rejects_bad_rope_blocks(field, value, message):
     if field not in ("rows", "rotary_dim"):  # those change the block's length: a size error first
         with pytest.raises(SizeError, match=message):
             cg.decode(bad, device="cpu")
+
+
+def _cli():
+    from typer.testing import CliRunner
+
+    from cachegen_cli.cli import app
+
+    return CliRunner(), app
+
+
+def test_cli_encode_and_calibrate_with_rope_keys(tmp_path):
+    """--rope-keys needs a RoPE (one error line, exit 2: a usage error, as every ConfigError); --rope-theta gives one; a calibration
+    fitted with --rope-keys --per-head records it, and files encoded with it have flags 5."""
+    import shutil
+
+    runner, app = _cli()
+    src = tmp_path / "kv.safetensors"
+    shutil.copyfile(SAMPLE_STACKED, src)
+    r = runner.invoke(app, ["encode", str(src), "--rope-keys", "-o", str(tmp_path / "a.cgen")])
+    assert r.exit_code == 2 and r.output.count("\n") == 1 and r.output.startswith("error:") and "--rope-theta" in r.output
+    r = runner.invoke(app, ["encode", str(src), "--quality", "lossless", "--rope-theta", "100000", "-o",
+                            str(tmp_path / "a.cgen")])
+    assert r.exit_code == 2 and r.output.startswith("error:") and "--quality high/balanced/small" in r.output
+    r = runner.invoke(app, ["encode", str(src), "--rope-theta", "100000", "--rope-start", "3", "-o", str(tmp_path / "a.cgen")])
+    assert r.exit_code == 0, r.output
+    h, _, _, _ = codec.read_header_and_index(codec.open_input((tmp_path / "a.cgen").read_bytes())[0])
+    assert h.flags & container.FLAG_ROPE and h.params.rope.position_start == 3
+    cal = tmp_path / "cal.safetensors"
+    r = runner.invoke(app, ["calibrate", str(src), "--per-head", "--rope-theta", "100000", "-o", str(cal)])
+    assert r.exit_code == 0, r.output
+    from cachegen_cli.methods import calibration
+
+    loaded = calibration.load(cal)
+    assert loaded.rope is not None and loaded.rope.rotary_dim == 64 and loaded.blocks == 3
+    r = runner.invoke(app, ["encode", str(src), "--calibration", str(cal), "-o", str(tmp_path / "b.cgen")])
+    assert r.exit_code == 0, r.output
+    h, _, _, _ = codec.read_header_and_index(codec.open_input((tmp_path / "b.cgen").read_bytes())[0])
+    assert h.flags & 5 == 5
+    r = runner.invoke(app, ["decode", str(tmp_path / "b.cgen"), "--calibration", str(cal), "-o", str(tmp_path / "b.safetensors")])
+    assert r.exit_code == 0, r.output

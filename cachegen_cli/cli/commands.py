@@ -219,6 +219,9 @@ def encode(
     layout: Layout = typer.Option(Layout.auto, "--layout", help="Input layout."),
     names: Optional[str] = typer.Option(None, "--names", metavar="REGEX", help="How the K / V / latent tensors are named, if not by a built-in scheme: a regular expression with groups (?P<layer>...), (?P<kind>key|value|...) and optionally (?P<seq>...); see docs/shapes.md."),
     drop_extras: bool = typer.Option(False, "--drop-extras", help="Leave out the tensors that are not K / V / latent (input_ids, attention_mask, ...) instead of storing them exactly."),
+    rope_keys: bool = typer.Option(False, "--rope-keys", help="Code the keys without their rotary embedding (smaller at the same error; the RoPE from `cachegen capture`'s metadata, a calibration fitted with --rope-keys, or --rope-theta); docs/config.md."),
+    rope_theta: Optional[float] = typer.Option(None, "--rope-theta", help="With a cache that records no RoPE: the model's RoPE base (plain frequencies over the whole head); implies --rope-keys."),
+    rope_start: Optional[int] = typer.Option(None, "--rope-start", min=0, help="Position of the cache's first token \\[default: the metadata's, or 0]."),
     device: Device = typer.Option(Device.auto, "--device", help="Where the kernels run: auto picks the GPU when one is present."),
     threads: int = typer.Option(0, "-T", "--threads", min=0, help="CPU threads for the kernels \\[default: 0, all cores]."),
     output_dir: Optional[Path] = typer.Option(None, "--output-dir", help=_batch.OUTPUT_DIR_HELP, show_default=False),
@@ -272,6 +275,8 @@ def encode(
         if chunk_tokens is None:
             chunk_tokens = DEFAULT_CHUNK_TOKENS
         _kernels_note(quiet or as_json, device.value)
+        if batch and (rope_keys or rope_theta is not None or rope_start is not None):
+            raise_config("--rope-keys, --rope-theta and --rope-start apply to single files, not to a batch (yet)")
         if batch:
             _batch.run("encode", inputs, output_dir=output_dir, recursive=recursive, backend=backend, workers=workers,
                        device=device.value, threads=threads, force=force, quiet=quiet, verbose=verbose,
@@ -291,7 +296,8 @@ def encode(
                 src, dst, force=force or job.to_stdout, preset=preset, bins=bins, quantization=quantization,
                 quality=quality_name, calibration=calibration, chunk_tokens=chunk_tokens, layout=layout.value,
                 device=device.value, progress=progress, threads=threads, names=names,
-                extras="drop" if drop_extras else "keep",
+                extras="drop" if drop_extras else "keep", rope_keys=rope_keys, rope_theta=rope_theta,
+                rope_start=rope_start,
             )
         took = time.perf_counter() - t
         if getattr(summary, "version", None) == 3:
@@ -624,6 +630,11 @@ def calibrate(
     per_head: bool = typer.Option(
         False, "--per-head", help="One rotation block per KV head instead of one full matrix: 1/heads of the "
         "arithmetic and of the file, but most of the size gain is lost (docs/config.md)."),
+    rope_keys: bool = typer.Option(
+        False, "--rope-keys", help="Fit on the keys without their rotary embedding (the caches' RoPE from `cachegen "
+        "capture`, or --rope-theta): with --per-head, smaller than a full rotation at 1/heads of its arithmetic "
+        "(docs/config.md); files encoded with it code their keys so too."),
+    rope_theta: Optional[float] = typer.Option(None, "--rope-theta", help="With caches that record no RoPE: the model's RoPE base; implies --rope-keys."),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress notes on stderr."),
 ) -> None:
@@ -646,7 +657,8 @@ def calibrate(
         elif model is not None:
             raise ConfigError("--model is only used with --sensitivity")
         fitted = cal.calibrate_files(inputs, output, layout=layout.value, sensitivity=sensitivity, model_path=model,
-                                     loaded=load, force=force, log=log, per_head=per_head)
+                                     loaded=load, force=force, log=log, per_head=per_head, rope_keys=rope_keys,
+                                     rope_theta=rope_theta)
         what = ("rotation" if fitted.blocks == 1 else f"rotation ({fitted.blocks} blocks)") + (
             " and sensitivities" if fitted.sensitivity is not None else "")
         out.print(f"{_escape(str(output))}: {what} for {fitted.num_layers} layers x {fitted.num_channels} channels "

@@ -117,6 +117,16 @@ class Calibration:
             meta["sensitivity"] = note
         return Calibration(self.rotation, meta, s)
 
+    @property
+    def rope(self):
+        """The RoPE removed from the sample keys before fitting (format.params.Rope at position 0),
+        or None: the encoder then removes it too (methods/rope.resolve)."""
+        if "rope" not in self.metadata:
+            return None
+        from .rope import from_metadata
+
+        return from_metadata(self.metadata["rope"])
+
     def check_shape(self, num_layers: int, num_channels: int) -> None:
         if (self.num_layers, self.num_channels) != (num_layers, num_channels):
             raise CalibrationError(

@@ -10,18 +10,43 @@ from ..methods.calibration import Calibration, fit, save
 
 
 def calibrate_files(inputs: list, output, *, layout: str = "auto", sensitivity: bool = False, model_path=None,
-                    loaded=None, force: bool = False, log=None, per_head: bool = False) -> Calibration:
+                    loaded=None, force: bool = False, log=None, per_head: bool = False, rope_keys: bool = False,
+                    rope_theta: float | None = None) -> Calibration:
     """``cachegen calibrate``: fit the rotation on the sample caches (KV .safetensors files) and,
     with ``sensitivity``, measure the per-plane sensitivities with the model the caches were
     captured with (their token ids come from ``cachegen capture``'s metadata); write the file
-    atomically.  ``per_head``: one rotation block per KV head (methods/calibration.fit).  ``loaded``: an already loaded (model, tokenizer) or a function returning one."""
+    atomically.  ``per_head``: one rotation block per KV head (methods/calibration.fit).  ``rope_keys``:
+    fit on the keys without their RoPE (each cache's metadata, or plain ``rope_theta``
+    frequencies), recorded in the calibration so that encoding with it removes the same.  ``loaded``: an already loaded (model, tokenizer) or a function returning one."""
     from ..storage import kvio
     from ..storage.outputs import check_output
 
     paths = [Path(p) for p in inputs]
     check_output(Path(output), paths, force)
     caches = [kvio.read_safetensors(p, layout) for p in paths]
-    fitted = fit([c.data for c in caches], blocks=caches[0].num_kv_heads if per_head else 1)
+    data = [c.data for c in caches]
+    used = None
+    if rope_keys or rope_theta is not None:
+        # Fitted on the keys as the encoder will code them: without their RoPE (each cache's own
+        # positions); the calibration records the RoPE, so encoding with it removes the same one.
+        import dataclasses
+
+        from ..methods import rope as rope_methods
+        from ..methods.config import TransformConfig
+
+        cfg = TransformConfig(rope_keys=True)
+        data = []
+        for c in caches:
+            if rope_theta is not None:
+                c.rope = rope_methods.from_theta(rope_theta, c.head_dim)
+            r = rope_methods.resolve(c, cfg)
+            data.append(rope_methods.unturn(c.data, r))
+            used = used or dataclasses.replace(r, position_start=0)
+    fitted = fit(data, blocks=caches[0].num_kv_heads if per_head else 1)
+    if used is not None:
+        from ..methods import rope as rope_methods
+
+        fitted = Calibration(fitted.rotation, dict(fitted.metadata, rope=rope_methods.to_metadata(used)), fitted.sensitivity)
     if sensitivity:
         from . import evaluate
         from .capture import ModelError, _resolve_loaded, model_id, resolve_model_path

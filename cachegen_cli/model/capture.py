@@ -495,7 +495,8 @@ def capture_kv(
       Face DynamicCache entry with batch 1).
 
     Metadata keys: ``model``, ``text_sha256`` (of ``text`` as given, UTF-8),
-    ``num_tokens``, ``token_ids`` (JSON list), ``layout``, ``captured_with``.
+    ``num_tokens``, ``token_ids`` (JSON list), ``layout``, ``captured_with``, and ``rope`` (the
+    model's rotary embedding, methods/rope.to_metadata) when it has one.
 
     Raises ValueError for an unknown layout or a non-positive ``num_tokens``,
     TextError (a ValueError) for a text that tokenizes to fewer than
@@ -532,7 +533,21 @@ def capture_kv(
         "layout": layout,
         "captured_with": "cachegen_cli.capture",
     }
+    rope = model_rope(model)
+    if rope is not None:  # what `cachegen encode --rope-keys` removes from the keys (methods/rope.py)
+        metadata["rope"] = rope
     return tensors, metadata
+
+
+def model_rope(model) -> str | None:
+    """The "rope" metadata value of a model's rotary embedding, or None for a model without one."""
+    from ..errors import ConfigError
+    from ..methods import rope as rope_methods
+
+    try:
+        return rope_methods.to_metadata(rope_methods.from_model(model))
+    except (ConfigError, AttributeError, TypeError, ValueError):
+        return None
 
 
 def is_regular(layers: list[tuple[torch.Tensor, torch.Tensor]], num_tokens: int) -> bool:

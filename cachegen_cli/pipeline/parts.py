@@ -68,7 +68,9 @@ def group_quantization(quant, g: "kvparts.Group", model_layers: int):
             k, v = tuple(float(table[l, 0]) for l in layers), tuple(float(table[l, 1]) for l in layers)
         else:
             k = v = tuple(float(table[l, c]) for l, c in zip(layers, cols))
-        return dataclasses.replace(quant, key_step=k, value_step=v)
+        # Keys without RoPE are not applied inside a multi-part file yet: a group's layers may hold
+        # windows of different positions (the format would need a RoPE block per group).
+        return dataclasses.replace(quant, key_step=k, value_step=v, rope_keys=False)
     table = quant.bins_table(model_layers)
     if g.kind == "kv":
         kb, vb = [int(table[l, 0]) for l in layers], [int(table[l, 1]) for l in layers]
