@@ -185,6 +185,7 @@ def encode_to_device(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     layout: str = "auto",
     metadata: Mapping[str, str] | None = None,
+    rope=None,
 ) -> torch.Tensor:
     """Like encode(), on a CUDA GPU, but the .cgen bytes stay on the GPU: returns a uint8
     CUDA tensor (byte for byte what encode() returns), e.g. to send over NVLink/NCCL.
@@ -200,6 +201,8 @@ def encode_to_device(
     cache = kvio.from_tensors(kv, layout, metadata, check=False)
     quant = resolve_quantization(cache.num_layers, quantization=quantization, preset_name=preset, bins=bins,
                                  quality=quality)
+    if rope is not None:
+        quant = _with_rope(cache, quant, rope)
     cal = _calibration(calibration)
     if _device_resident(cache, quant, cal):
         blob = _encode_on_device(cache, quant, cal, chunk_tokens, checked=False)
@@ -211,7 +214,7 @@ def encode_to_device(
         return blob if best is data else gpu_codec.device_bytes(best)
     kvio.check_finite(cache.data)
     blob = encode(kv, preset=preset, bins=bins, quantization=quantization, quality=quality, calibration=cal,
-                  chunk_tokens=chunk_tokens, layout=layout, metadata=metadata, device="cuda")
+                  chunk_tokens=chunk_tokens, layout=layout, metadata=metadata, device="cuda", rope=rope)
     return gpu_codec.device_bytes(blob)
 
 
