@@ -57,7 +57,7 @@ def make_sincos(mul):
 
     @register_jitable
     def sincos(theta):
-        n = math.floor(mul(theta, TWO_OVER_PI) + 0.5)  # an integer below 2^31: exact as a float64
+        n = int(math.floor(mul(theta, TWO_OVER_PI) + 0.5))  # below 2^31 (a float on a GPU, an int on a CPU)
         k = float(n)
         r = ((theta - mul(k, PIO2_1)) - mul(k, PIO2_2)) - mul(k, PIO2_3)
         z = mul(r, r)
