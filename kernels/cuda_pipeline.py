@@ -1756,3 +1756,131 @@ def turn_keys(x, freq, rope, t_first, sink, forward, stream=0):
         as_device(x.reshape(-1)), np.int64(L), np.int64(T), np.int64(C), as_device(freq.reshape(-1)),
         np.int64(rope.inv_freq.shape[0]), np.int64(F), np.int64(rope.style), np.int64(rope.rotary_dim),
         np.int64(rope.head_dim), np.int64(rope.position_start), np.int64(t_first), np.int64(sink), bool(forward))
+
+
+@cuda.jit(device=True)
+def _rope_partner(d, style, rotary_dim):
+    """(pair index j, the partner's index, whether d is the pair's first) of rotary index d."""
+    half = rotary_dim // 2
+    if style == 0:
+        if d < half:
+            return d, d + half, True
+        return d - half, d - half, False
+    return d // 2, d ^ 1, d % 2 == 0
+
+
+def _make_rope_value(get):
+    """value(x, i, c, t, l, kv, ...): value i (channel c of token t) after its pair's turn (keys'
+    rotary channels at or past the sink; any other value as it is); get(x, i) reads one as float64."""
+
+    @cuda.jit(device=True)
+    def value(x, i, c, t, l, kv, D, freq, rows, F, style, rotary_dim, pos0, sink, forward):
+        v = get(x, i)
+        d = c % D
+        if kv != 0 or t < sink or d >= rotary_dim:
+            return v
+        j, partner, first = _rope_partner(d, style, rotary_dim)
+        w = get(x, i - d + partner)
+        s, cs = _sincos_rn(_mul_rn(float(pos0 + t), freq[(l if rows > 1 else 0) * F + j]))
+        if first:
+            if forward:
+                a, b = _turn_rn(v, w, s, cs)
+            else:
+                a, b = _unturn_rn(v, w, s, cs)
+            return float(a)
+        if forward:
+            a, b = _turn_rn(w, v, s, cs)
+        else:
+            a, b = _unturn_rn(w, v, s, cs)
+        return float(b)
+
+    return value
+
+
+@cuda.jit(device=True)
+def _get_bf16(x, i):
+    return float(_bits_f32((np.int64(x[i]) & 0xFFFF) << 16))
+
+
+@cuda.jit(device=True)
+def _get_f32bits(x, i):
+    return float(_bits_f32(np.int64(x[i]) & MASK32))
+
+
+@cuda.jit(device=True)
+def _get_f32(x, i):
+    return float(x[i])
+
+
+_rope_value_f32 = _make_rope_value(_get_f32)
+
+
+def _make_rope_read(get):
+    value = _make_rope_value(get)
+
+    @cuda.jit
+    def kernel(words, L, T, C, D, freq, rows, F, style, rotary_dim, pos0, sink, out):
+        i = cuda.grid(1)
+        if i >= L * 2 * T * C:
+            return
+        c = i % C
+        t = (i // C) % T
+        kv = (i // (C * T)) % 2
+        l = i // (2 * C * T)
+        out[i] = np.float32(value(words, i, c, t, l, kv, D, freq, rows, F, style, rotary_dim, pos0, sink, False))
+
+    return kernel
+
+
+@cuda.jit
+def _rope_write_kernel(x, L, T, C, D, freq, rows, F, style, rotary_dim, pos0, sink, out, to_bf16):
+    """One thread per value: the decoded float32 x with the keys turned forward, cast to bfloat16
+    bits (rounded to nearest even, saturating) or kept as float32 (out float32)."""
+    i = cuda.grid(1)
+    if i >= L * 2 * T * C:
+        return
+    c = i % C
+    t = (i // C) % T
+    kv = (i // (C * T)) % 2
+    l = i // (2 * C * T)
+    v = np.float32(_rope_value_f32(x, i, c, t, l, kv, D, freq, rows, F, style, rotary_dim, pos0, sink, True))
+    if not to_bf16:
+        out[i] = v
+        return
+    u = _f32_bits(v) & MASK32
+    b = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    if (b & 0x7FFF) == 0x7F80:  # rounded up to an infinity: the largest finite value
+        b -= 1
+    if b >= 0x8000:
+        b -= 0x10000
+    out[i] = np.int16(b)
+
+
+def rope_read(words, itemsize, freq, rope, sink, out, stream=0):
+    """out (float32 [L, 2, T, C]) = the cache's values (words: bfloat16 bits, itemsize 2, or
+    float32 bits, itemsize 4) with the keys' RoPE removed past ``sink``: kernels/rope.unturn_keys
+    in one pass (no float32 copy first).  The angle's sine and cosine are computed per value."""
+    L, _, T, C = out.shape
+    n = L * 2 * T * C
+    if n == 0:
+        return
+    kern = _made(_make_rope_read, _get_bf16 if itemsize == 2 else _get_f32bits)
+    kern[_grid(n), BLOCK, stream](
+        as_device(words.reshape(-1)), np.int64(L), np.int64(T), np.int64(C), np.int64(rope.head_dim),
+        as_device(freq.reshape(-1)), np.int64(rope.inv_freq.shape[0]), np.int64(rope.rotary_dim // 2),
+        np.int64(rope.style), np.int64(rope.rotary_dim), np.int64(rope.position_start), np.int64(sink),
+        as_device(out.reshape(-1)))
+
+
+def rope_write(x, freq, rope, sink, out, to_bf16, stream=0):
+    """out = x (float32 [L, 2, T, C], decoded) with the keys turned forward by their RoPE past
+    ``sink`` (kernels/rope.turn_keys), as bfloat16 bits (int16 out, saturating) or float32."""
+    L, _, T, C = x.shape
+    n = L * 2 * T * C
+    if n == 0:
+        return
+    _rope_write_kernel[_grid(n), BLOCK, stream](
+        as_device(x.reshape(-1)), np.int64(L), np.int64(T), np.int64(C), np.int64(rope.head_dim),
+        as_device(freq.reshape(-1)), np.int64(rope.inv_freq.shape[0]), np.int64(rope.rotary_dim // 2),
+        np.int64(rope.style), np.int64(rope.rotary_dim), np.int64(rope.position_start), np.int64(sink),
+        as_device(out.reshape(-1)), bool(to_bf16))
