@@ -261,13 +261,9 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
         if rope is not None:
             # The keys without their RoPE (float32) replace the cache's words as the kernels' values;
             # the step still comes from the keys as they are (rms_sums below).
+            x32 = x.to(torch.float32, copy=True)  # torch's conversion (exact), as the CPU's
             freq_d = _to_device(np.ascontiguousarray(rope.inv_freq, np.float64), dev)
-            if x.dtype == torch.float16:
-                x32 = x.to(torch.float32, copy=True)  # torch's conversion (exact), as the CPU's
-                k.turn_keys(_nb(x32), _nb(freq_d), rope, 0, sink, False)
-            else:  # one pass from the source bits
-                x32 = _empty((L, 2, T, C), torch.float32, dev)
-                k.rope_read(_nb(words), itemsize, _nb(freq_d), rope, sink, _nb(x32))
+            k.turn_keys(_nb(x32), _nb(freq_d), rope, 0, sink, False)
             vitem, fmt = 4, _FMT["float32"]
             V = k.lanes(C, 4, k.WIDTH["levels"])
             wv = x32.view(torch.int32).view(_TORCH_WORD[V * 4])
@@ -645,16 +641,10 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
             data = _empty((L, 2, T, C), torch.float32, dev)
             k.rotate_blocks(_nb(words.view(torch.float32)), _nb(rot_t), S, _nb(data))
             del words
-        if rope is not None and dtype != torch.float16:
-            # the keys turned forward by their RoPE and the cast (saturating), in one pass
-            freq_d = _to_device(np.ascontiguousarray(rope.inv_freq, np.float64), dev)
-            out_d = _empty((L, 2, T, C), torch.int16 if dtype == torch.bfloat16 else torch.float32, dev)
-            k.rope_write(_nb(data), _nb(freq_d), rope, S, _nb(out_d), dtype == torch.bfloat16)
-            data = out_d.view(dtype)
-        elif rope is not None:  # float16: turned in place, then torch's cast, saturating
+        if rope is not None:  # the keys turned back by their RoPE (float32, saturating)
             freq_d = _to_device(np.ascontiguousarray(rope.inv_freq, np.float64), dev)
             k.turn_keys(_nb(data), _nb(freq_d), rope, 0, S, True)
-        if dtype != torch.float32 and data.dtype == torch.float32:
+        if dtype != torch.float32:
             if rope is not None:  # saturating: a turned pair can reach past the dtype's largest value
                 lim = float(torch.finfo(dtype).max)
                 data.clamp_(-lim, lim)
