@@ -70,7 +70,7 @@ def encode(
         buf = codec.ByteCollector()
         from .pipeline import parts as parts_codec
 
-        parts_codec.encode_parts(parts, buf, quant, chunk_tokens, None, device, _calibration(calibration))
+        parts_codec.encode_parts(parts, buf, quant, chunk_tokens, None, device, _calibration(calibration, True))
         return buf.getvalue()
     quant = resolve_quantization(cache.num_layers, quantization=quantization, preset_name=preset, bins=bins,
                                  quality=quality)
@@ -192,10 +192,19 @@ def encode_to_device(
     return gpu_codec.device_bytes(blob)
 
 
-def _calibration(calibration: Calibration | str | Path | None) -> Calibration | None:
-    if calibration is None or isinstance(calibration, Calibration):
-        return calibration
-    return load_calibration(calibration)
+def _calibration(calibration, multi_part: bool = False):
+    """The Calibration (or, for a multi-part cache or file, a version-3 PartsCalibration) of a
+    file or object; a version-3 one given for a regular cache is refused here, before any work."""
+    from .methods.parts_calibration import PartsCalibration, load_any
+
+    cal = calibration if calibration is None or isinstance(calibration, (Calibration, PartsCalibration)) \
+        else load_any(calibration)
+    if isinstance(cal, PartsCalibration) and not multi_part:
+        from .methods.calibration import CalibrationError
+
+        raise CalibrationError("this calibration (version 3) is for caches of several shapes (multi-part files); "
+                               "this cache or file is of one regular shape: use a calibration made from such caches")
+    return cal
 
 
 def decode(data: bytes | bytearray | memoryview | torch.Tensor | str | os.PathLike, *, device: str = "auto",
@@ -233,7 +242,7 @@ def _decode_tensors(data, device: str, calibration, max_output_size):
     elif not isinstance(data, (bytes, bytearray, memoryview, torch.Tensor)):
         raise InputError(f"decode takes the bytes of a .cgen file, a uint8 tensor or a file path, "
                          f"not {type(data).__name__}")
-    cal = _calibration(calibration)
+    cal = _calibration(calibration, multi_part=True)  # a version-3 one is refused below for a v1 / v2 file
     if isinstance(data, torch.Tensor) and (data.dtype != torch.uint8 or data.dim() != 1):
         raise FormatError("a .cgen tensor must be one-dimensional uint8")
     _check_limit(max_output_size)
@@ -249,6 +258,7 @@ def _decode_tensors(data, device: str, calibration, max_output_size):
         if resolved == "cuda":
             tensors = {k: v.to("cuda") for k, v in tensors.items()}
         return tensors, _with_positions(manifest)
+    cal = _calibration(cal)
     if codec.resolve_device(device) == "cuda":
         from .pipeline import lmcache_device as gpu_codec
 
@@ -443,7 +453,7 @@ def _encode_parts_file(src: Path, dst: Path, force: bool, names, extras, quantiz
     tensors, metadata = kvio.read_tensors(src)
     pc = kvparts.analyse(tensors, metadata, names, extras)  # the input is checked before the output
     check_output(dst, [src], force)
-    cal = _calibration(calibration)
+    cal = _calibration(calibration, True)
     quant = resolve_quantization(pc.model_layers, quantization=quantization, preset_name=preset, bins=bins,
                                  quality=quality)
     with atomic_output(dst) as tmp, open(tmp, "wb") as out:
@@ -464,7 +474,7 @@ def _decode_parts_file(src: Path, dst: Path, force: bool, device: str, calibrati
     try:
         pf = parts_format.PartsFile(reader.view if hasattr(reader, "view") else reader.read())
         check_decoded_size(bytes(pf.view[:64]), max_output_size, str(src))
-        cal = _calibration(calibration)
+        cal = _calibration(calibration, True)
         check_output(dst, [src], force)
         m = pf.manifest
         data = [parts_codec.decode_group(pf, i, device, cal) for i in range(len(m["groups"]))]
@@ -556,7 +566,7 @@ def test_file(
         from .pipeline import parts as parts_codec
 
         with using_threads(threads):
-            cal = _calibration(calibration)
+            cal = _calibration(calibration, True)
             reader, closer = codec.open_input(src)
             try:
                 info = parts_codec.test_parts(reader.view if hasattr(reader, "view") else reader.read(), device, cal,

@@ -20,6 +20,11 @@ def calibrate_files(inputs: list, output, *, layout: str = "auto", sensitivity: 
 
     paths = [Path(p) for p in inputs]
     check_output(Path(output), paths, force)
+    from .calibrate_parts import calibrate_parts, read_samples
+
+    parts = read_samples(paths, layout)
+    if parts is not None:  # caches of several shapes: one rotation per plane kind and layer (calibration v3)
+        return calibrate_parts(parts, output, sensitivity=sensitivity, per_head=per_head)
     caches = [kvio.read_safetensors(p, layout) for p in paths]
     fitted = fit([c.data for c in caches], blocks=caches[0].num_kv_heads if per_head else 1)
     if sensitivity:

@@ -20,6 +20,7 @@ from ..errors import ConfigError, SizeError
 from ..format import parts as fmt
 from ..format.container import BufferReader
 from ..methods.config import QuantizationConfig, QuantizationSpec, TransformConfig
+from ..methods.parts_calibration import PartsCalibration, group_calibration, member_slots, slots_of_group
 from ..storage import kvio, kvparts
 from . import codec
 
@@ -86,8 +87,10 @@ def _group_cache(pc: "kvparts.PartsCache", g: "kvparts.Group") -> kvio.KVCache:
 
 def encode_parts(pc: "kvparts.PartsCache", out, quant, chunk_tokens: int, progress=None, device: str = "cpu",
                  calibration=None) -> PartsSummary:
-    """Write the version-3 file of ``pc`` to ``out`` (anything with write)."""
-    if calibration is not None:
+    """Write the version-3 file of ``pc`` to ``out`` (anything with write).  ``calibration``: a
+    version-3 calibration (methods/parts_calibration.py): each group's file is rotated with its
+    members' rotations, as a regular file with a calibration."""
+    if calibration is not None and not isinstance(calibration, PartsCalibration):
         raise ConfigError("a calibration applies to a cache of one shape; this cache is coded in "
                           f"{len(pc.groups)} group(s) of different shapes",
                           cli="--calibration applies to a cache of one shape (not to a multi-part file)")
@@ -100,7 +103,8 @@ def encode_parts(pc: "kvparts.PartsCache", out, quant, chunk_tokens: int, progre
         sink = codec.ByteCollector()
         base = done[0]
         report = (lambda d, t, base=base: progress(base + d, total_chunks)) if progress else None
-        s = codec.encode_to_stream(_group_cache(pc, g), sink, gq, chunk_tokens, report, device)
+        gcal = None if calibration is None else group_calibration(calibration, g.kind, g.channels, slots_of_group(g))
+        s = codec.encode_to_stream(_group_cache(pc, g), sink, gq, chunk_tokens, report, device, gcal)
         done[0] += s.header.num_chunks
         summaries.append(s)
         bodies.append((fmt.PART_GROUP, sink.getvalue()))
@@ -115,6 +119,27 @@ def encode_parts(pc: "kvparts.PartsCache", out, quant, chunk_tokens: int, progre
                         pc.extras, pc.dropped)
 
 
+def max_encoded_size_parts(pc: "kvparts.PartsCache", quant, chunk_tokens: int) -> int:
+    """The most bytes encode_parts can write for ``pc``'s shapes, dtypes and names with ``quant``,
+    whatever its values: each group's bound (pipeline/bounds.py, at the group's own settings),
+    the extras' bytes and the container around them (the manifest depends on shapes only)."""
+    import json
+
+    from . import bounds
+
+    total = 0
+    for g in pc.groups:
+        C2 = g.coded_channels
+        shape = (g.num_layers, 2, g.tokens, C2)
+        cache = kvio.KVCache(torch.empty(shape, dtype=kvparts.KV_DTYPE_BY_NAME[g.dtype], device="meta"), "stacked", 1,
+                             C2, [{"name": "group", "shape": [g.num_layers, 2, g.tokens, 1, C2]}], {})
+        total += bounds.max_encoded_size(cache, group_quantization(quant, g, pc.model_layers), chunk_tokens)
+    extras = [e for e in pc.entries if e["role"] == "extra"]
+    total += sum(kvparts._numel(e["shape"]) * kvparts._itemsize(e["dtype"]) for e in extras)
+    manifest = json.dumps(fmt.manifest_of(pc), separators=(",", ":"), ensure_ascii=False, sort_keys=True)
+    return fmt.PARTS_HEADER.size + len(manifest.encode("utf-8")) + fmt.PART_ENTRY.size * (len(pc.groups) + len(extras)) + total
+
+
 def _check_group_header(gi: int, g: dict, h) -> None:
     coded = g["channels"] if g["kind"] == "kv" else -(-g["channels"] // 2)
     if (h.num_layers, h.num_tokens, h.num_channels, h.dtype) != (len(g["members"]), g["tokens"], coded, g["dtype"]):
@@ -122,9 +147,24 @@ def _check_group_header(gi: int, g: dict, h) -> None:
                         f"{h.num_channels} channels of {h.dtype}, the manifest says otherwise")
 
 
+def group_rotation(pf: "fmt.PartsFile", gi: int, part, calibration):
+    """The calibration group ``gi``'s file is decoded with: a version-3 calibration gives the
+    group's own rotation (only a rotated group needs one: a group written unrotated, e.g. by
+    the small-cache rule, decodes without); any other is used as given (version 2's rules)."""
+    if not isinstance(calibration, PartsCalibration):
+        return calibration
+    head = bytes(part[:64])
+    if not (len(head) == 64 and head[8:10] == b"\x02\x00" and head[47] & 1):  # not a rotated v2 file
+        return None
+    g = pf.manifest["groups"][gi]
+    return group_calibration(calibration, g["kind"], g["channels"], member_slots(g, pf.manifest["tensors"]))
+
+
 def decode_group(pf: "fmt.PartsFile", gi: int, device: str = "cpu", calibration=None) -> torch.Tensor:
     """Group ``gi``'s regular cache [layers, 2, tokens, coded channels], checked against the manifest."""
-    reader = BufferReader(pf.part(gi))
+    part = pf.part(gi)
+    calibration = group_rotation(pf, gi, part, calibration)
+    reader = BufferReader(part)
     dec = codec.SlabDecoder(reader, device, calibration)
     _check_group_header(gi, pf.manifest["groups"][gi], dec.header)
     reader.seek(0)
@@ -147,8 +187,9 @@ def test_parts(buffer, device: str = "cpu", calibration=None, progress=None) -> 
     m = pf.manifest
     tokens = chunks = 0
     for i in range(len(m["groups"])):
-        reader = BufferReader(pf.part(i))
-        dec = codec.SlabDecoder(reader, device, calibration)
+        part = pf.part(i)
+        reader = BufferReader(part)
+        dec = codec.SlabDecoder(reader, device, group_rotation(pf, i, part, calibration))
         _check_group_header(i, m["groups"][i], dec.header)
         for _ in dec.blocks(progress):
             pass
