@@ -417,8 +417,9 @@ def encode_file(
     The input is read a slab (a run of whole chunks) at a time and the chunks are written as
     they are coded, so memory stays a few slabs whatever the cache's size.  ``threads``: numba
     and torch threads for the call (None or 0: all cores).  A cache of any other shape (see
-    encode: ``names``, ``extras``) is read whole and written as a multi-part file (format
-    version 3); its summary is then a pipeline.parts.PartsSummary."""
+    encode: ``names``, ``extras``) is written as a multi-part file (format version 3), read
+    a plane slab at a time too (storage/kvparts_files.py); its summary is then a
+    pipeline.parts.PartsSummary."""
     from .errors import DTypeError, LayoutError, ShapeError
 
     src = Path(src)
@@ -448,16 +449,19 @@ def encode_file(
 def _encode_parts_file(src: Path, dst: Path, force: bool, names, extras, quantization, preset, bins, quality,
                        calibration, chunk_tokens, progress, device):
     from .pipeline import parts as parts_codec
-    from .storage import kvparts
+    from .storage.kvparts_files import PlanesFile
 
-    tensors, metadata = kvio.read_tensors(src)
-    pc = kvparts.analyse(tensors, metadata, names, extras)  # the input is checked before the output
-    check_output(dst, [src], force)
-    cal = _calibration(calibration, True)
-    quant = resolve_quantization(pc.model_layers, quantization=quantization, preset_name=preset, bins=bins,
-                                 quality=quality)
-    with atomic_output(dst) as tmp, open(tmp, "wb") as out:
-        return parts_codec.encode_parts(pc, out, quant, chunk_tokens, progress, device, cal)
+    # Read a plane slab at a time (the group files coded straight into the output): the memory of
+    # a slab, not of the cache; the same bytes as encode() of the tensors.
+    with PlanesFile(src, names, extras) as planes:
+        planes.check_finite()  # the input is checked before the output
+        pc = planes.pc
+        check_output(dst, [src], force)
+        cal = _calibration(calibration, True)
+        quant = resolve_quantization(pc.model_layers, quantization=quantization, preset_name=preset, bins=bins,
+                                     quality=quality)
+        with atomic_output(dst) as tmp, open(tmp, "wb") as out:
+            return parts_codec.encode_parts_file(planes, out, quant, chunk_tokens, progress, device, cal, checked=True)
 
 
 def _file_version(path: Path) -> int | None:
@@ -468,7 +472,6 @@ def _file_version(path: Path) -> int | None:
 def _decode_parts_file(src: Path, dst: Path, force: bool, device: str, calibration, progress, max_output_size) -> None:
     from .format import parts as parts_format
     from .pipeline import parts as parts_codec
-    from .storage import kvparts
 
     reader, closer = codec.open_input(src)
     try:
@@ -476,20 +479,30 @@ def _decode_parts_file(src: Path, dst: Path, force: bool, device: str, calibrati
         check_decoded_size(bytes(pf.view[:64]), max_output_size, str(src))
         cal = _calibration(calibration, True)
         check_output(dst, [src], force)
-        m = pf.manifest
-        data = [parts_codec.decode_group(pf, i, device, cal) for i in range(len(m["groups"]))]
-        extras = [bytes(pf.part(i)) for i in range(len(m["groups"]), len(pf.parts))]
-        tensors = kvparts.tensors_from_groups(m, data, extras)
-        del data
-        with atomic_output(dst) as tmp, open(tmp, "wb") as out:
-            for piece in kvparts.safetensors_parts(tensors, m["metadata"]):
-                out.write(piece)
-        if progress:
-            progress(1, 1)
+        # group by group, slab by slab, straight into the output; a group's input pages are dropped
+        # once it is done (a mapping's pages would stay in the process: the whole file by the end)
+        with atomic_output(dst) as tmp:
+            parts_codec.decode_parts_file(pf, tmp, device, cal, progress, _page_release(closer))
     finally:
         del reader
         pf = None
         _close_quietly(closer)
+
+
+def _page_release(mapping):
+    """release(offset, size) dropping a read-only file mapping's pages of that range from the
+    process (they stay in the page cache), or None when ``mapping`` is not an mmap."""
+    import mmap
+
+    if not isinstance(mapping, mmap.mmap) or not hasattr(mapping, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return None
+
+    def release(offset: int, size: int) -> None:
+        start = offset - offset % mmap.PAGESIZE
+        if size > 0:
+            mapping.madvise(mmap.MADV_DONTNEED, start, offset + size - start)
+
+    return release
 
 
 def decode_file(
