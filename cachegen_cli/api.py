@@ -20,7 +20,6 @@ import torch
 from .pipeline import codec
 from .storage import kvio
 from .methods.calibration import Calibration
-from .methods.calibration import load as load_calibration
 from .methods.config import DEFAULT_CHUNK_TOKENS, QuantizationConfig, TransformConfig, resolve_quantization
 from .errors import FormatError
 from .format.container import check_decoded_size
