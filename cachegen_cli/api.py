@@ -20,7 +20,6 @@ import torch
 from .pipeline import codec
 from .storage import kvio
 from .methods.calibration import Calibration
-from .methods.calibration import load as load_calibration
 from .methods.config import DEFAULT_CHUNK_TOKENS, QuantizationConfig, TransformConfig, resolve_quantization
 from .errors import FormatError
 from .format.container import check_decoded_size
@@ -76,7 +75,7 @@ def encode(
         buf = codec.ByteCollector()
         from .pipeline import parts as parts_codec
 
-        parts_codec.encode_parts(parts, buf, quant, chunk_tokens, None, device, _calibration(calibration))
+        parts_codec.encode_parts(parts, buf, quant, chunk_tokens, None, device, _calibration(calibration, True))
         return buf.getvalue()
     quant = resolve_quantization(cache.num_layers, quantization=quantization, preset_name=preset, bins=bins,
                                  quality=quality)
@@ -218,10 +217,19 @@ def encode_to_device(
     return gpu_codec.device_bytes(blob)
 
 
-def _calibration(calibration: Calibration | str | Path | None) -> Calibration | None:
-    if calibration is None or isinstance(calibration, Calibration):
-        return calibration
-    return load_calibration(calibration)
+def _calibration(calibration, multi_part: bool = False):
+    """The Calibration (or, for a multi-part cache or file, a version-3 PartsCalibration) of a
+    file or object; a version-3 one given for a regular cache is refused here, before any work."""
+    from .methods.parts_calibration import PartsCalibration, load_any
+
+    cal = calibration if calibration is None or isinstance(calibration, (Calibration, PartsCalibration)) \
+        else load_any(calibration)
+    if isinstance(cal, PartsCalibration) and not multi_part:
+        from .methods.calibration import CalibrationError
+
+        raise CalibrationError("this calibration (version 3) is for caches of several shapes (multi-part files); "
+                               "this cache or file is of one regular shape: use a calibration made from such caches")
+    return cal
 
 
 def decode(data: bytes | bytearray | memoryview | torch.Tensor | str | os.PathLike, *, device: str = "auto",
@@ -259,7 +267,7 @@ def _decode_tensors(data, device: str, calibration, max_output_size):
     elif not isinstance(data, (bytes, bytearray, memoryview, torch.Tensor)):
         raise InputError(f"decode takes the bytes of a .cgen file, a uint8 tensor or a file path, "
                          f"not {type(data).__name__}")
-    cal = _calibration(calibration)
+    cal = _calibration(calibration, multi_part=True)  # a version-3 one is refused below for a v1 / v2 file
     if isinstance(data, torch.Tensor) and (data.dtype != torch.uint8 or data.dim() != 1):
         raise FormatError("a .cgen tensor must be one-dimensional uint8")
     _check_limit(max_output_size)
@@ -275,6 +283,7 @@ def _decode_tensors(data, device: str, calibration, max_output_size):
         if resolved == "cuda":
             tensors = {k: v.to("cuda") for k, v in tensors.items()}
         return tensors, _with_positions(manifest)
+    cal = _calibration(cal)
     if codec.resolve_device(device) == "cuda":
         from .pipeline import lmcache_device as gpu_codec
 
@@ -436,10 +445,11 @@ def encode_file(
     The input is read a slab (a run of whole chunks) at a time and the chunks are written as
     they are coded, so memory stays a few slabs whatever the cache's size.  ``threads``: numba
     and torch threads for the call (None or 0: all cores).  A cache of any other shape (see
-    encode: ``names``, ``extras``) is read whole and written as a multi-part file (format
-    version 3); its summary is then a pipeline.parts.PartsSummary.  ``rope_keys``: code the keys
-    without their RoPE, as the file's "rope" metadata (``cachegen capture``) or ``rope_theta``
-    (plain RoPE frequencies) describes it; ``rope_start``: the position of its first token."""
+    encode: ``names``, ``extras``) is written as a multi-part file (format version 3), read
+    a plane slab at a time too (storage/kvparts_files.py); its summary is then a
+    pipeline.parts.PartsSummary.  ``rope_keys``: code the keys without their RoPE, as the
+    file's "rope" metadata (``cachegen capture``) or ``rope_theta`` (plain RoPE frequencies)
+    describes it; ``rope_start``: the position of its first token."""
     from .errors import DTypeError, LayoutError, ShapeError
 
     src = Path(src)
@@ -486,16 +496,19 @@ def _file_rope(cache: kvio.KVCache, theta: float | None, start: int | None):
 def _encode_parts_file(src: Path, dst: Path, force: bool, names, extras, quantization, preset, bins, quality,
                        calibration, chunk_tokens, progress, device):
     from .pipeline import parts as parts_codec
-    from .storage import kvparts
+    from .storage.kvparts_files import PlanesFile
 
-    tensors, metadata = kvio.read_tensors(src)
-    pc = kvparts.analyse(tensors, metadata, names, extras)  # the input is checked before the output
-    check_output(dst, [src], force)
-    cal = _calibration(calibration)
-    quant = resolve_quantization(pc.model_layers, quantization=quantization, preset_name=preset, bins=bins,
-                                 quality=quality)
-    with atomic_output(dst) as tmp, open(tmp, "wb") as out:
-        return parts_codec.encode_parts(pc, out, quant, chunk_tokens, progress, device, cal)
+    # Read a plane slab at a time (the group files coded straight into the output): the memory of
+    # a slab, not of the cache; the same bytes as encode() of the tensors.
+    with PlanesFile(src, names, extras) as planes:
+        planes.check_finite()  # the input is checked before the output
+        pc = planes.pc
+        check_output(dst, [src], force)
+        cal = _calibration(calibration, True)
+        quant = resolve_quantization(pc.model_layers, quantization=quantization, preset_name=preset, bins=bins,
+                                     quality=quality)
+        with atomic_output(dst) as tmp, open(tmp, "wb") as out:
+            return parts_codec.encode_parts_file(planes, out, quant, chunk_tokens, progress, device, cal, checked=True)
 
 
 def _file_version(path: Path) -> int | None:
@@ -506,28 +519,37 @@ def _file_version(path: Path) -> int | None:
 def _decode_parts_file(src: Path, dst: Path, force: bool, device: str, calibration, progress, max_output_size) -> None:
     from .format import parts as parts_format
     from .pipeline import parts as parts_codec
-    from .storage import kvparts
 
     reader, closer = codec.open_input(src)
     try:
         pf = parts_format.PartsFile(reader.view if hasattr(reader, "view") else reader.read())
         check_decoded_size(bytes(pf.view[:64]), max_output_size, str(src))
-        cal = _calibration(calibration)
+        cal = _calibration(calibration, True)
         check_output(dst, [src], force)
-        m = pf.manifest
-        data = [parts_codec.decode_group(pf, i, device, cal) for i in range(len(m["groups"]))]
-        extras = [bytes(pf.part(i)) for i in range(len(m["groups"]), len(pf.parts))]
-        tensors = kvparts.tensors_from_groups(m, data, extras)
-        del data
-        with atomic_output(dst) as tmp, open(tmp, "wb") as out:
-            for piece in kvparts.safetensors_parts(tensors, m["metadata"]):
-                out.write(piece)
-        if progress:
-            progress(1, 1)
+        # group by group, slab by slab, straight into the output; a group's input pages are dropped
+        # once it is done (a mapping's pages would stay in the process: the whole file by the end)
+        with atomic_output(dst) as tmp:
+            parts_codec.decode_parts_file(pf, tmp, device, cal, progress, _page_release(closer))
     finally:
         del reader
         pf = None
         _close_quietly(closer)
+
+
+def _page_release(mapping):
+    """release(offset, size) dropping a read-only file mapping's pages of that range from the
+    process (they stay in the page cache), or None when ``mapping`` is not an mmap."""
+    import mmap
+
+    if not isinstance(mapping, mmap.mmap) or not hasattr(mapping, "madvise") or not hasattr(mmap, "MADV_DONTNEED"):
+        return None
+
+    def release(offset: int, size: int) -> None:
+        start = offset - offset % mmap.PAGESIZE
+        if size > 0:
+            mapping.madvise(mmap.MADV_DONTNEED, start, offset + size - start)
+
+    return release
 
 
 def decode_file(
@@ -604,7 +626,7 @@ def test_file(
         from .pipeline import parts as parts_codec
 
         with using_threads(threads):
-            cal = _calibration(calibration)
+            cal = _calibration(calibration, True)
             reader, closer = codec.open_input(src)
             try:
                 info = parts_codec.test_parts(reader.view if hasattr(reader, "view") else reader.read(), device, cal,

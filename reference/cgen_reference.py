@@ -512,6 +512,49 @@ def load_rotation(path: str, h: Header, want_sha: bytes) -> np.ndarray:
     return full
 
 
+def calibration_version(path: str) -> str | None:
+    return read_safetensors(path)[1].get("version")
+
+
+def load_group_rotation(path: str, g: dict, tensors: list, h: Header, want_sha: bytes) -> np.ndarray:
+    """A version 3 calibration's rotation of one group of a version 3 file, as the full float32
+    [L, 2, C, C] matrices of the group's file: each member's planes' rotation.{layer}.{kind}
+    blocks in the file's (layer, K/V) order (a "planes" group: the first half of a plane's
+    blocks in the K slot, the second in the V slot), checked against the group file's SHA-256."""
+    head, meta, data = read_safetensors(path)
+    check(meta.get("format") == "cachegen-calibration", f"{path}: not a cachegen calibration file")
+    rows = []
+    for member in g["members"]:
+        pair = []
+        for ti, *sel in member:
+            e = tensors[ti]
+            layer, kind = (sel[0], ("key", "value")[sel[1]]) if e["form"] == "L2THD" else (e["layer"], e["kind"])
+            t = head.get(f"rotation.{layer}.{kind}")
+            check(isinstance(t, dict) and t.get("dtype") == "F32" and isinstance(t.get("shape"), list)
+                  and len(t["shape"]) == 3 and t["shape"][1] == t["shape"][2] and all(
+                      isinstance(v, int) and v > 0 for v in t["shape"]),
+                  f"{path}: no float32 [B, D, D] rotation.{layer}.{kind}")
+            B, D = t["shape"][0], t["shape"][1]
+            a, b = t["data_offsets"]
+            check(b - a == 4 * B * D * D and b <= len(data), f"{path}: bad data offsets of rotation.{layer}.{kind}")
+            r = np.frombuffer(data[a:b], "<f4").reshape(B, D, D)
+            if g["kind"] == "kv":
+                pair.append(r)
+            else:
+                check(B % 2 == 0, f"{path}: rotation.{layer}.{kind} of a plane coded in halves has an odd block count")
+                pair += [r[: B // 2], r[B // 2 :]]
+        rows.append(pair)
+    check(len({p.shape for pair in rows for p in pair}) == 1, f"{path}: a group's rotations differ in blocks")
+    blocks = np.ascontiguousarray(np.stack([np.stack(pair) for pair in rows]), "<f4")  # [L, 2, B', D, D]
+    L, _, Bg, D, _ = blocks.shape
+    check((L, Bg * D) == (h.L, h.C), f"{path}: the group's rotations are for {Bg * D} channels, its file has {h.C}")
+    check(hashlib.sha256(blocks.tobytes()).digest() == want_sha, f"{path}: the group's rotation SHA-256 is not its file's")
+    full = np.zeros((h.L, 2, h.C, h.C), np.float32)
+    for k in range(Bg):
+        full[:, :, k * D : (k + 1) * D, k * D : (k + 1) * D] = blocks[:, :, k]
+    return full
+
+
 # ---------------------------------------------------------------- chunks
 
 
@@ -740,7 +783,7 @@ def decode(blob: bytes, calibration: str | None = None) -> Decoded:
     return decode_regular(f, calibration)
 
 
-def decode_regular(f: Bytes, calibration: str | None = None) -> Decoded:
+def decode_regular(f: Bytes, calibration: str | None = None, group_rotation=None) -> Decoded:
     """A version 1 or 2 file: one regular cache [layers, 2, tokens, channels]."""
     h = parse_file_header(f)
     o = 64
@@ -794,7 +837,10 @@ def decode_regular(f: Bytes, calibration: str | None = None) -> Decoded:
     rotation = None
     if h.version == 2 and h.flags & FLAG_ROTATED:
         check(calibration is not None, "a rotated file needs its calibration file (--calibration)")
-        rotation = load_rotation(calibration, h, params.calibration)
+        if group_rotation is not None:  # a group of a version 3 file with a version 3 calibration
+            rotation = group_rotation(h, params.calibration)
+        else:
+            rotation = load_rotation(calibration, h, params.calibration)
     at = header_end
     for k in range(h.num_chunks):
         check(offsets[k] == at, f"chunk {k} does not start where the previous one ends (Index offset {offsets[k]})")
@@ -1080,7 +1126,10 @@ def decode_parts(f: Bytes, calibration: str | None = None) -> Decoded:
         coded = g["channels"] if g["kind"] == "kv" else -(-g["channels"] // 2)
         check((gh.L, gh.num_tokens, gh.C, gh.dtype) == (len(g["members"]), g["tokens"], coded, KV_DTYPE_CODES[g["dtype"]]),
               f"group {gi}: its file's layers, tokens, channels or dtype are not the Manifest's")
-        d = decode_regular(gf, calibration)
+        rot = None
+        if calibration is not None and calibration_version(calibration) == "3":
+            rot = lambda gh, sha, g=g: load_group_rotation(calibration, g, tensors, gh, sha)  # noqa: E731
+        d = decode_regular(gf, calibration, rot)
         for j, member in enumerate(g["members"]):
             if g["kind"] == "kv":
                 planes = [d.cache[j, 0], d.cache[j, 1]]

@@ -11,15 +11,21 @@ on a machine without a GPU).  A serde that cannot run here is listed with the re
 Quality: the relative squared error of the cache (sum (x' - x)^2 / sum x^2) and the
 model-free attention-output error of `cachegen tune` (model/tune.py AttentionMeasure: RMS
 over layers of ||O' - O|| / ||O|| with the cache's own keys as queries), on the chunks put
-back together.
+back together; and, when the text the cache was captured from is known (--text, or the
+metadata's text_file next to the cache), the model-level quality `cachegen eval` measures
+(model/evaluate.py): the chunks' context is rebuilt by the model (SmolLM2-135M-Instruct by
+default, --model), the decoded chunks are swapped in, and the next --continuation tokens of
+the text are scored: mean KL(original || decoded) of the next-token distributions and top-1
+agreement.  The model runs on the CPU (the serdes where they can: TurboQuant needs CUDA).
 
-    python scripts/lmcache_compare.py sample_data/smollm2_pydoc_520.safetensors [--markdown]
+    python scripts/lmcache_compare.py sample_data/smollm2_pydoc_520.safetensors [--markdown] [--no-kl]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import select
@@ -141,7 +147,39 @@ METHODS = [
 ]
 
 
-def compare(path: Path, chunk_tokens: int = 256, log=print) -> dict:
+def _text_of(path: Path, metadata: dict, text: Path | None) -> Path | None:
+    """The text the cache was captured from: ``text``, else the metadata's text_file (relative to
+    the cache's folder, as sample_data/ records it) when its SHA-256 is the metadata's."""
+    if text is not None:
+        return text
+    name = metadata.get("text_file")
+    if not name:
+        return None
+    found = path.parent / name
+    if not found.is_file():
+        return None
+    from cachegen_cli.model.capture import read_text, text_sha256
+
+    want = metadata.get("text_sha256")
+    return found if want is None or text_sha256(read_text(found)) == want else None
+
+
+def kl_reference(cache, whole: int, text_path: Path, model_path: Path | None, continuation: int, log=print):
+    """evaluate.Reference of the chunks' context (the file's first ``whole`` token ids), rebuilt by
+    the model as `cachegen eval` does, scoring the next ``continuation`` tokens of the text."""
+    from cachegen_cli.model import evaluate
+    from cachegen_cli.model.capture import load_model, read_text
+
+    ids = [int(i) for i in json.loads(cache.metadata["token_ids"])][:whole]
+    model, tokenizer = load_model(model_path, log=log)
+    cont = evaluate.text_continuation(tokenizer, read_text(text_path), text_path, ids, continuation)
+    log(f"model {evaluate.model_id(model)}: reference over "
+        f"{len(ids)} context tokens, {continuation} scored")
+    return evaluate.build_reference(model, ids, cont, 0, cache.data.dtype)
+
+
+def compare(path: Path, chunk_tokens: int = 256, log=print, *, kl: bool = True, text: Path | None = None,
+            model: Path | None = None, continuation: int = 128) -> dict:
     from cachegen_cli.model.tune import AttentionMeasure
 
     cache = kvio.read_safetensors(path)
@@ -155,6 +193,15 @@ def compare(path: Path, chunk_tokens: int = 256, log=print) -> dict:
     raw = internal.numel() * internal.element_size()
     x = internal.double()
     measure = AttentionMeasure(internal, H, D)
+    ref = None
+    text_path = _text_of(path, cache.metadata, text) if kl else None
+    if kl and text_path is None:
+        log("no KL: the text the cache was captured from is not known (--text)")
+    if text_path is not None:
+        from cachegen_cli.model import evaluate
+
+        ref = kl_reference(cache, whole, text_path, model, continuation, log)
+        ref_score = evaluate.score(ref, internal)  # the chunks as stored: KL to float rounding of the rebuild
     rows = []
     for label, kind, kwargs in METHODS:
         t0 = time.perf_counter()
@@ -178,6 +225,12 @@ def compare(path: Path, chunk_tokens: int = 256, log=print) -> dict:
         estimate = sum(p[1] for p in parts)
         decoded = torch.cat([p[2] for p in parts], dim=2).permute(1, 0, 2, 3).contiguous()  # [L, 2, T, C]
         y = decoded.double()
+        quality = {}
+        if ref is not None:
+            from cachegen_cli.model import evaluate
+
+            scored = evaluate.score(ref, decoded)
+            quality = {"kl": scored["kl_mean"], "top1": scored["top1_agreement"]}
         rows.append({
             "method": label,
             "bytes": stored,
@@ -187,10 +240,18 @@ def compare(path: Path, chunk_tokens: int = 256, log=print) -> dict:
             "rel_mse": float((y - x).pow(2).sum() / x.pow(2).sum()),
             "attention_error": measure.value(measure.cost(decoded)),
             "seconds": seconds,
+            **quality,
         })
         log(f"{label}: {stored:,} bytes, {seconds:.1f} s")
-    return {"file": str(path), "chunks": len(chunks), "chunk_tokens": chunk_tokens, "shape": [2, L, whole, C],
-            "raw_bytes": raw, "rows": rows}
+    out = {"file": str(path), "chunks": len(chunks), "chunk_tokens": chunk_tokens, "shape": [2, L, whole, C],
+           "raw_bytes": raw, "rows": rows}
+    if ref is not None:
+        from cachegen_cli.model import evaluate
+
+        out["kl"] = {"text": str(text_path), "model": evaluate.model_id(ref.model), "context_tokens": whole,
+                     "continuation_tokens": continuation, "stored_chunks_kl": ref_score["kl_mean"],
+                     "stored_chunks_top1": ref_score["top1_agreement"]}
+    return out
 
 
 def _versions() -> str:
@@ -200,20 +261,27 @@ def _versions() -> str:
 
 
 def markdown(result: dict) -> str:
+    kl = result.get("kl")
     lines = [
         f"{result['chunks']} chunks of {result['chunk_tokens']} tokens, LMCache layout {result['shape']} "
         f"(bf16, {result['raw_bytes']:,} bytes) from `{result['file']}`",
-        "",
-        "| serde | stored bytes | estimate (buffer) | ratio vs bf16 | bits/value | cache rel. sq. error | "
-        "attention-output error |",
-        "|---|---:|---:|---:|---:|---:|---:|",
     ]
+    if kl:
+        lines.append(f"KL and top-1: model {kl['model']}, the {kl['context_tokens']}-token context rebuilt, the next "
+                     f"{kl['continuation_tokens']} tokens of `{kl['text']}` scored; the stored chunks themselves score "
+                     f"KL {kl['stored_chunks_kl']:.1e}, top-1 {kl['stored_chunks_top1']:.3f} (the rebuild's rounding)")
+    head = ("| serde | stored bytes | estimate (buffer) | ratio vs bf16 | bits/value | cache rel. sq. error | "
+            "attention-output error |" + (" KL | top-1 |" if kl else ""))
+    lines += ["", head, "|---|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if kl else "")]
     for r in result["rows"]:
         if "error" in r:
-            lines.append(f"| {r['method']} | cannot run here: {r['error']} | | | | | |")
+            lines.append(f"| {r['method']} | cannot run here: {r['error']} | | | | | |" + (" | |" if kl else ""))
             continue
-        lines.append(f"| {r['method']} | {r['bytes']:,} | {r['estimate']:,} | {r['ratio']:.2f}x | "
-                     f"{r['bits_per_value']:.2f} | {r['rel_mse']:.2e} | {r['attention_error']:.2e} |")
+        line = (f"| {r['method']} | {r['bytes']:,} | {r['estimate']:,} | {r['ratio']:.2f}x | "
+                f"{r['bits_per_value']:.2f} | {r['rel_mse']:.2e} | {r['attention_error']:.2e} |")
+        if kl:
+            line += f" {r['kl']:.2e} | {r['top1']:.3f} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -222,8 +290,14 @@ def main() -> None:
     ap.add_argument("cache", type=Path, help="a KV safetensors file (either cachegen layout)")
     ap.add_argument("--chunk-tokens", type=int, default=256, help="LMCache's chunk size (256)")
     ap.add_argument("--markdown", action="store_true", help="print a markdown table")
+    ap.add_argument("--no-kl", action="store_true", help="skip the model-level KL (no model run)")
+    ap.add_argument("--text", type=Path, help="the text the cache was captured from [default: the metadata's "
+                    "text_file next to the cache]")
+    ap.add_argument("--model", type=Path, help="the model the cache was captured with [default: SmolLM2-135M-Instruct]")
+    ap.add_argument("--continuation", type=int, default=128, help="tokens scored for the KL (128, as cachegen eval)")
     args = ap.parse_args()
-    result = compare(args.cache, args.chunk_tokens, log=lambda m: print(m, file=sys.stderr))
+    result = compare(args.cache, args.chunk_tokens, log=lambda m: print(m, file=sys.stderr), kl=not args.no_kl,
+                     text=args.text, model=args.model, continuation=args.continuation)
     print(f"date {datetime.date.today().isoformat()}; {platform.machine()}, {os.cpu_count()} cores, "
           f"{'CUDA ' + torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no GPU'}; {_versions()}")
     if args.markdown:

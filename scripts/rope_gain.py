@@ -57,6 +57,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="1024,4096")
     ap.add_argument("--json", type=pathlib.Path)
+    ap.add_argument("--no-calibration", action="store_true", help="only the rows without a calibration")
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
     model, tok = capture.load_model(capture.find_default_model())
@@ -77,13 +78,14 @@ def main() -> int:
         L, _, T, C = ref.cache.shape
         kv = ref.cache.reshape(L, 2, T, ref.num_kv_heads, ref.head_dim)
         others = [c for n, c in cal_cache.items() if n != name]
-        fits = {
+        fits = {} if args.no_calibration else {
             "full": calib.fit(others),
             "per head": calib.fit(others, blocks=ref.num_kv_heads),
         }
-        unturned = calib.fit([rope.unturn(c, model_rope) for c in others], blocks=ref.num_kv_heads)
-        fits["per head, RoPE-free keys"] = calib.Calibration(
-            unturned.rotation, dict(unturned.metadata, rope=rope.to_metadata(model_rope)))
+        if not args.no_calibration:
+            unturned = calib.fit([rope.unturn(c, model_rope) for c in others], blocks=ref.num_kv_heads)
+            fits["per head, RoPE-free keys"] = calib.Calibration(
+                unturned.rotation, dict(unturned.metadata, rope=rope.to_metadata(model_rope)))
         variants = []
         for q in ("high", "balanced", "small"):
             variants += [(q, "none", None, None), (q, "RoPE-free keys", None, model_rope)]

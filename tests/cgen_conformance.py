@@ -152,10 +152,11 @@ class Recorder:
             if isinstance(calibration, (str, os.PathLike)):
                 data = Path(calibration).read_bytes()
             else:
-                from cachegen_cli.methods import calibration as calib
+                from cachegen_cli.methods import calibration as calib, parts_calibration
 
                 path = self._tmp / f"object-{id(calibration)}.safetensors"
-                calib.save(calibration, path)
+                # a version-3 calibration (caches of several shapes) has its own file form
+                (parts_calibration.save if hasattr(calibration, "planes") else calib.save)(calibration, path)
                 data = path.read_bytes()
         except Exception:  # an unreadable calibration: the encode call reports it, not this plugin
             return None

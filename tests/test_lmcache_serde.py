@@ -27,6 +27,7 @@ import cachegen_cli as cg  # noqa: E402
 from cachegen_cli.errors import CacheGenError, ConfigError, DTypeError, FormatError, ShapeError, SizeError  # noqa: E402
 from cachegen_cli.integrations import lmcache_serde  # noqa: E402  (registers "cachegen")
 from cachegen_cli.methods import calibration as calibration_io  # noqa: E402
+from cachegen_cli.format import parts as fmt  # noqa: E402
 from cachegen_cli.pipeline import codec  # noqa: E402
 from cachegen_cli.storage import kvio  # noqa: E402
 
@@ -291,9 +292,9 @@ def test_float16_and_float32_chunks_and_a_two_group_object():
 def test_wrong_shapes_and_dtypes_are_clear_errors():
     cfg = lmcache_serde.CacheGenSerdeConfig.from_kwargs({})
     ser, de = lmcache_serde.CacheGenSerializer(cfg), lmcache_serde.CacheGenDeserializer(cfg)
-    with pytest.raises(ShapeError, match=r"MLA chunk \[num_layers, num_tokens, hidden\]"):
+    with pytest.raises(ShapeError, match=r"3-D MLA chunk \[num_layers, num_tokens, hidden\]"):
         ser.estimate_serialized_size(MemoryLayoutDesc([torch.Size([30, 256, 576])], [torch.bfloat16]))
-    with pytest.raises(ShapeError, match=r"shape \[3, 30, 256, 192\]; LMCache's K/V chunks are \[2, num_layers"):
+    with pytest.raises(ShapeError, match=r"shape \[3, 30, 256, 192\]; LMCache's chunks are \[2, num_layers"):
         ser.estimate_serialized_size(MemoryLayoutDesc([torch.Size([3, 30, 256, 192])], [torch.bfloat16]))
     with pytest.raises(DTypeError, match="float8_e4m3fn; the cachegen serde codes float16, bfloat16 and float32"):
         ser.estimate_serialized_size(MemoryLayoutDesc([torch.Size([2, 30, 256, 192])], [torch.float8_e4m3fn]))
@@ -350,9 +351,120 @@ def test_bad_options_are_refused_when_lmcache_builds_the_serde(tmp_path):
 def test_a_failed_serialize_is_reported_to_lmcache_as_a_failure():
     proc = create_serde_processor(SerdeConfig("cachegen", {}))
     try:
-        src = _kv_object((30, 64, 576))  # MLA: refused; the processor reports False, it does not hang
+        src = _kv_object((30, 64, 576))  # a 3-D chunk: refused; the processor reports False, it does not hang
         dst = _byte_object(1000)
         assert _wait(proc.get_serialize_event_fd(), proc.query_serialize_result,
                      proc.submit_serialize([src], [dst])) is False
     finally:
         proc.close()
+
+
+def _mla_object(shape, dtype=torch.bfloat16, data: torch.Tensor | None = None):
+    obj = ALLOC.allocate([torch.Size(shape)], [dtype], fmt=MemoryFormat.KV_MLA_FMT)
+    if data is not None:
+        obj.tensor.copy_(data)
+    return obj
+
+
+def _mla_chunk(layers=3, tokens=40, hidden=72, dtype=torch.bfloat16, seed=4) -> torch.Tensor:
+    """An MLA chunk as LMCache 0.5 lays it out, [1, layers, tokens, hidden] (kv_size 1):
+    correlated channels, as a latent's are, and a rope part of a different scale."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, layers, tokens, hidden, generator=g) @ torch.randn(hidden, hidden, generator=g) / 8
+    x[..., -8:] *= 4
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("settings", [{"quality": "lossless"}, {"quality": "balanced"}, {"preset": "lmcache"}])
+def test_mla_chunks_round_trip_through_lmcaches_processor(settings):
+    chunk = _mla_chunk()
+    proc = create_serde_processor(SerdeConfig("cachegen", settings))
+    try:
+        src = _mla_object(chunk.shape, chunk.dtype, chunk)
+        estimate = proc.estimate_serialized_size(MemoryLayoutDesc([chunk.shape], [chunk.dtype]))
+        dst = _byte_object(estimate)
+        assert _wait(proc.get_serialize_event_fd(), proc.query_serialize_result, proc.submit_serialize([src], [dst]))
+        stored = bytes(dst.byte_array)
+        assert len(stored) <= estimate
+        blob = _cgen_blob(stored)
+        assert blob[8] == 3  # a multi-part file of latents
+        assert [e["name"] for e in fmt.PartsFile(blob).manifest["tensors"]] == [f"layers.{l}.latent" for l in range(3)]
+        buf = _filled(stored, estimate)
+        out = _mla_object(chunk.shape, chunk.dtype)
+        out.tensor.zero_()
+        assert _wait(proc.get_deserialize_event_fd(), proc.query_deserialize_result,
+                     proc.submit_deserialize([buf], [out]))
+        got = out.tensor.clone()
+    finally:
+        proc.close()
+    if settings.get("quality") == "lossless":
+        assert torch.equal(_words(got), _words(chunk))
+    else:
+        err = float((got.float() - chunk.float()).pow(2).mean() / chunk.float().pow(2).mean())
+        assert 0 < err < 0.05
+        if settings.get("quality") == "balanced":  # at least 2x smaller than bf16 on these correlated values
+            assert len(stored) < chunk.numel() * 2 / 2
+
+
+def test_mla_chunk_estimate_bounds_every_chunk_and_shapes_are_checked():
+    cfg = lmcache_serde.CacheGenSerdeConfig.from_kwargs({"quality": "small"})
+    ser, de = lmcache_serde.CacheGenSerializer(cfg), lmcache_serde.CacheGenDeserializer(cfg)
+    # incompressible values (noise, odd channel count, a partial chunk): still within the estimate
+    for shape in ((1, 2, 37, 77), (1, 1, 1, 576), (1, 4, 256, 64)):
+        g = torch.Generator().manual_seed(sum(shape))
+        chunk = (torch.rand(shape, generator=g) * 2e4 - 1e4).to(torch.bfloat16)
+        estimate = ser.estimate_serialized_size(MemoryLayoutDesc([torch.Size(shape)], [torch.bfloat16]))
+        dst = _byte_object(estimate)
+        n = ser.serialize(_mla_object(shape, data=chunk), dst)
+        assert 0 < n <= estimate
+    stored = bytes(dst.tensor[:n].numpy())
+    with pytest.raises(CacheGenError, match="more than the limit"):  # the size first, from the header
+        de.deserialize(_filled(stored, estimate), _mla_object((1, 4, 128, 64)))
+    with pytest.raises(ShapeError, match=r"the destination needs 4 latents layers.\{l\}.latent \[128, 128\]"):
+        de.deserialize(_filled(stored, estimate), _mla_object((1, 4, 128, 128)))
+    with pytest.raises(ShapeError, match="the destination needs 4 latents .* float16"):
+        de.deserialize(_filled(stored, estimate), _mla_object((1, 4, 256, 64), torch.float16))
+
+
+def test_an_object_of_a_kv_group_and_an_mla_index_group(tmp_path):
+    """LMCache's hybrid objects: a K+V main cache group next to a key-only MLA group (kv_size 1)."""
+    g = torch.Generator().manual_seed(8)
+    shapes = [torch.Size([2, 2, 32, 16]), torch.Size([1, 2, 32, 24])]
+    parts = [torch.randn(s, generator=g).to(torch.bfloat16) for s in shapes]
+    cfg = lmcache_serde.CacheGenSerdeConfig.from_kwargs({"quality": "lossless"})
+    ser, de = lmcache_serde.CacheGenSerializer(cfg), lmcache_serde.CacheGenDeserializer(cfg)
+    src = ALLOC.allocate(shapes, [torch.bfloat16] * 2, fmt=MemoryFormat.KV_2LTD)
+    for i, p in enumerate(parts):
+        src.get_tensor(i).copy_(p)
+    estimate = ser.estimate_serialized_size(MemoryLayoutDesc(shapes, [torch.bfloat16] * 2))
+    dst = _byte_object(estimate)
+    n = ser.serialize(src, dst)
+    assert n <= estimate
+    out = ALLOC.allocate(shapes, [torch.bfloat16] * 2, fmt=MemoryFormat.KV_2LTD)
+    de.deserialize(_filled(bytes(dst.tensor[:n].numpy()), estimate), out)
+    assert all(torch.equal(_words(out.get_tensor(i)), _words(p)) for i, p in enumerate(parts))
+
+
+def test_mla_chunks_with_a_version_3_calibration(tmp_path):
+    from cachegen_cli.methods import parts_calibration
+    from cachegen_cli.storage import kvparts
+
+    sample = _mla_chunk(tokens=120, seed=11)
+    latents = {f"layers.{l}.latent": sample[0, l] for l in range(sample.shape[1])}
+    path = tmp_path / "mla.cal.safetensors"
+    parts_calibration.save(parts_calibration.fit_parts([kvparts.analyse(latents)]), path)
+    cfg = lmcache_serde.CacheGenSerdeConfig.from_kwargs({"quality": "balanced", "calibration": str(path)})
+    ser, de = lmcache_serde.CacheGenSerializer(cfg), lmcache_serde.CacheGenDeserializer(cfg)
+    chunk = _mla_chunk(seed=12)
+    estimate = ser.estimate_serialized_size(MemoryLayoutDesc([chunk.shape], [chunk.dtype]))
+    dst = _byte_object(estimate)
+    n = ser.serialize(_mla_object(chunk.shape, data=chunk), dst)
+    stored = bytes(dst.tensor[:n].numpy())
+    out = _mla_object(chunk.shape)
+    de.deserialize(_filled(stored, estimate), out)
+    err = float((out.tensor.float() - chunk.float()).pow(2).mean() / chunk.float().pow(2).mean())
+    assert err < 0.05
+    # the chunk's groups are rotated: without the calibration the bytes do not decode
+    plain = lmcache_serde.CacheGenDeserializer(lmcache_serde.CacheGenSerdeConfig.from_kwargs({"quality": "balanced"}))
+    with pytest.raises(CacheGenError, match="calibration"):
+        plain.deserialize(_filled(stored, estimate), _mla_object(chunk.shape))

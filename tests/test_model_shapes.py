@@ -184,3 +184,29 @@ def test_smollm2_multi_part_file_through_eval(smol, tmp_path):
     # the cache decodes bit for bit; the model's two runs over it agree to float rounding (the
     # layered path and the reference may sum in other orders, by thread count and machine)
     assert r["kl_mean"] < 1e-6 and r["top1_agreement"] == 1.0 and r["num_layers"] == 30
+
+
+def test_calibrate_and_tune_on_the_models_cache(tiny, tmp_path):
+    """calibrate and tune --target-kl on each tiny model's cache (multi-part for Gemma-2 and the
+    MLA model, regular for Mistral): the tuned config meets the target on the tuning cache, and a
+    calibrated file encoded with it decodes and scores.  Shapes and code paths only: random
+    models say nothing about the quality a real model gets."""
+    family, folder = tiny
+    kv = tmp_path / "kv.safetensors"
+    _ok("capture", "--model", folder, "--text", PYDOC, "--tokens", CONTEXT, "-o", kv, "-q")
+    cal = tmp_path / "cal.safetensors"
+    _ok("calibrate", kv, "-o", cal)
+    tuned = tmp_path / "tuned.toml"
+    r = json.loads(_ok("tune", kv, "--target-kl", 0.05, "--model", folder, "--calibration", cal, "-o", tuned,
+                       "--json", "-q"))
+    assert r["achieved"] <= 0.05 and r["kind"] == "kl"
+    assert r["layered"]  # tuned over the planes, scored as the model's own cache (windowed layers: not a prefix)
+    assert len(r["key_step"]) == len(KEEPS[family])
+    enc, dec = tmp_path / "kv.cgen", tmp_path / "dec.safetensors"
+    _ok("encode", kv, "-o", enc, "--config", tuned, "--calibration", cal, "--device", "cpu", "-q")
+    _ok("decode", enc, "-o", dec, "--calibration", cal, "--device", "cpu", "-q")
+    back, _ = _tensors(dec)
+    assert {n: list(t.shape) for n, t in back.items()} == {n: list(t.shape) for n, t in _tensors(kv)[0].items()}
+    out = json.loads(_ok("eval", dec, "--model", folder, "--text", PYDOC, "--continuation", 16, "--generate", 2,
+                         "--json", "-q"))
+    assert out["kl_mean"] >= 0.0 and 0.0 < out["cache_rel_mse"] < 1.0

@@ -266,3 +266,127 @@ def test_file_paths_hold_a_slab_not_the_cache(tmp_path, method):
         assert r.returncode == 0, r.stderr[-3000:]
         growth = int(r.stdout.split()[-1])
         assert growth < N // 2, f"{step} grew the process by {growth / 2**20:.0f} MiB for a {N / 2**20:.0f} MiB cache"
+
+
+# ---------------------------------------------------------------- multi-part files (format v3), plane slab by slab
+
+
+def _v3_cases():
+    from test_shapes import CASES
+
+    return {k: CASES[k] for k in ("sliding window + extras", "MLA K/V of different sizes",
+                                  "batch of 3, past_key_values names, fp16", "key_cache / value_cache names, fp32",
+                                  "latents layers.i.latent, odd channels", "stacked tensor + input_ids",
+                                  "zero tokens in a layer")}
+
+
+@pytest.mark.parametrize("method", METHODS, ids=lambda m: next(iter(m.values())))
+@pytest.mark.parametrize("case", list(_v3_cases()))
+def test_multi_part_files_in_slabs_match_the_in_memory_path(tmp_path, small_slabs, case, method):
+    """encode_file reads a multi-part cache a plane slab at a time and codes each group straight
+    into the output; decode_file writes the planes slab by slab: the bytes of encode() of the
+    file's tensors and of the decoded tensors' safetensors file."""
+    from cachegen_cli.format import parts as fmt
+    from cachegen_cli.storage import kvparts
+
+    src = tmp_path / "kv.safetensors"
+    save_file(_v3_cases()[case](), str(src), metadata={"model": "synthetic"})
+    cgen, back = _roundtrip_files(tmp_path, src, "v3", **method)
+    assert cgen[8] == 3
+    tensors, metadata = kvio.read_tensors(src)  # the tensors in the order the file path reads them
+    blob = cg.encode(tensors, device="cpu", chunk_tokens=8, metadata=metadata, **method)
+    assert cgen == blob
+    decoded = cg.decode(blob, device="cpu")
+    assert back == b"".join(bytes(p) for p in kvparts.safetensors_parts(decoded, fmt.PartsFile(blob).manifest["metadata"]))
+    if method.get("quality") == "lossless":  # bit-exact, every tensor
+        got = load_file(str(tmp_path / "v3.back.safetensors"))
+        assert got.keys() == tensors.keys()
+        bits = lambda t: t.contiguous().view(torch.uint8) if t.numel() else t  # noqa: E731
+        assert all(torch.equal(bits(got[n]), bits(t)) for n, t in tensors.items())
+
+
+def test_rotated_multi_part_file_in_slabs(tmp_path, small_slabs):
+    from test_shapes import mla
+
+    from cachegen_cli.methods import parts_calibration
+    from cachegen_cli.storage import kvparts
+
+    kv = mla(layers=2, tokens=77)
+    cal = parts_calibration.fit_parts([kvparts.analyse(kv)])
+    src = tmp_path / "kv.safetensors"
+    save_file(kv, str(src))
+    cgen, back = _roundtrip_files(tmp_path, src, "rot", quality="balanced", calibration=cal)
+    tensors, _ = kvio.read_tensors(src)
+    blob = cg.encode(tensors, quality="balanced", calibration=cal, chunk_tokens=8, device="cpu")
+    assert cgen == blob
+    decoded = cg.decode(blob, device="cpu", calibration=cal)
+    assert back == b"".join(bytes(p) for p in kvparts.safetensors_parts(decoded, {}))
+
+
+def test_multi_part_nonfinite_error_names_the_tensor_before_any_output(tmp_path, small_slabs):
+    from test_shapes import sliding
+
+    kv = sliding(full=40, window=12)
+    kv["layers.3.value"][0, 1, 30, 2] = float("inf")  # a late token of a later tensor
+    kv["layers.1.key"][0, 0, 37, 0] = float("nan")
+    src = tmp_path / "kv.safetensors"
+    save_file(kv, str(src))
+    with pytest.raises(NonFiniteError) as whole:
+        cg.encode(kvio.read_tensors(src)[0], device="cpu")
+    (tmp_path / "kv.cgen").write_bytes(b"exists")
+    before = set(os.listdir(tmp_path))
+    with pytest.raises(NonFiniteError) as streamed:  # the input's error, not the existing output's
+        cg.encode_file(src, tmp_path / "kv.cgen", device="cpu", chunk_tokens=8)
+    assert str(streamed.value) == str(whole.value) and "'layers.1.key' holds NaN" in str(whole.value)
+    assert set(os.listdir(tmp_path)) == before and (tmp_path / "kv.cgen").read_bytes() == b"exists"
+
+
+_PEAK_PARTS = textwrap.dedent("""
+    import resource, sys
+    import torch
+    from safetensors.torch import save_file
+    sys.path.insert(0, {tests!r})
+    import cachegen_cli as cg
+    from cachegen_cli.pipeline import codec
+    from cachegen_cli.methods import transform
+    from test_shapes import sliding
+    src, step, method = sys.argv[1], sys.argv[2], sys.argv[3]
+    kw = {{"quality": method}}
+    small = src + ".small.safetensors"  # compile / load the kernels and the v3 paths first
+    save_file(sliding(full=80, window=20, heads=8, head_dim=32), small)
+    cg.encode_file(small, small + ".cgen", device="cpu", force=True, **kw)
+    cg.decode_file(small + ".cgen", small + ".back", device="cpu", force=True)
+    codec.SLAB_BYTES = transform.V2_SLAB_BYTES = 4 << 20
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if step == "encode":
+        cg.encode_file(src, src + ".cgen", device="cpu", force=True, **kw)
+    else:
+        cg.decode_file(src + ".cgen", src + ".back", device="cpu", force=True)
+    print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)
+""")
+
+
+@pytest.mark.parametrize("method", ["lossless", "balanced"])
+def test_multi_part_file_paths_hold_a_slab_not_the_cache(tmp_path, method):
+    """A sliding-window cache of 84 MB (two full layers of 4096 tokens, two windowed of 1024,
+    8 heads x 256, bf16, plus input_ids) in 4 MiB slabs: encode and decode grow the process by
+    far less than the cache (before they read and decoded it whole: 1.58 GB and 1.12 GB of peak
+    RSS for a 336 MB cache, docs/shapes.md)."""
+    g = torch.Generator().manual_seed(0)
+    kv = {}
+    for i in range(4):
+        T = 1024 if i % 2 == 0 else 4096
+        for k in ("key", "value"):
+            kv[f"layers.{i}.{k}"] = (torch.randn(1, 8, T, 256, generator=g) * 0.5).to(torch.bfloat16)
+    kv["input_ids"] = torch.arange(4096).unsqueeze(0)
+    N = sum(t.numel() * t.element_size() for t in kv.values())
+    src = tmp_path / "kv.safetensors"
+    save_file(kv, str(src))
+    del kv
+    script = _PEAK_PARTS.format(tests=str(Path(__file__).parent))
+    for step in ("encode", "decode"):
+        r = subprocess.run([sys.executable, "-c", script, str(src), step, method], capture_output=True, text=True,
+                           cwd=ROOT)
+        assert r.returncode == 0, r.stderr[-3000:]
+        growth = int(r.stdout.split()[-1])
+        assert growth < N // 2, f"{step} grew the process by {growth / 2**20:.0f} MiB for a {N / 2**20:.0f} MiB cache"

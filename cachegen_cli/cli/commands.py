@@ -659,6 +659,11 @@ def calibrate(
         fitted = cal.calibrate_files(inputs, output, layout=layout.value, sensitivity=sensitivity, model_path=model,
                                      loaded=load, force=force, log=log, per_head=per_head, rope_keys=rope_keys,
                                      rope_theta=rope_theta)
+        if hasattr(fitted, "planes"):  # caches of several shapes: a version-3 calibration, one rotation per plane
+            out.print(f"{_escape(str(output))}: rotations of {len(fitted.planes)} planes (layer x key/value/latent, "
+                      f"each of its own width; calibration version 3, for multi-part files) from "
+                      f"{len(inputs)} file(s), sha256 {fitted.sha256.hex()[:16]}")
+            return
         what = ("rotation" if fitted.blocks == 1 else f"rotation ({fitted.blocks} blocks)") + (
             " and sensitivities" if fitted.sensitivity is not None else "")
         out.print(f"{_escape(str(output))}: {what} for {fitted.num_layers} layers x {fitted.num_channels} channels "

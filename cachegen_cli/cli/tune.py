@@ -49,7 +49,7 @@ def tune_cmd(
 
     with _errors():
         from .common import _loader, _logger
-        from ..model.tune import tune_file
+        from ..model.tune_parts import tune_any_file as tune_file
 
         log = _logger(not quiet and not as_json)
         load = None

@@ -73,18 +73,34 @@ def manifest_of(pc: "kvparts.PartsCache") -> dict:
 def pack(manifest: dict, parts: list[tuple[int, object]], decoded_bytes: int) -> list:
     """The file as a list of byte buffers: header + manifest + part table, then the parts.
     ``parts``: (PART_GROUP or PART_RAW, bytes-like) in part order."""
-    desc = json.dumps(manifest, separators=(",", ":"), ensure_ascii=False, sort_keys=True).encode("utf-8")
     views = [memoryview(p).cast("B") if not isinstance(p, bytes) else p for _, p in parts]
+    return [pack_head(manifest, [(kind, len(view), _crc(view)) for (kind, _), view in zip(parts, views)],
+                      decoded_bytes)] + views
+
+
+def head_size(manifest: dict, part_count: int) -> int:
+    """Bytes of the PartsHeader, Manifest and Part table: where part 0 starts."""
+    return PARTS_HEADER.size + len(_manifest_bytes(manifest)) + PART_ENTRY.size * part_count
+
+
+def _manifest_bytes(manifest: dict) -> bytes:
+    return json.dumps(manifest, separators=(",", ":"), ensure_ascii=False, sort_keys=True).encode("utf-8")
+
+
+def pack_head(manifest: dict, parts: list[tuple[int, int, int]], decoded_bytes: int) -> bytes:
+    """The PartsHeader, Manifest and Part table of parts (kind, size, CRC-32) lying back to back
+    after them (a writer that streams the parts writes this last, at the start of the file)."""
+    desc = _manifest_bytes(manifest)
     offset = PARTS_HEADER.size + len(desc) + PART_ENTRY.size * len(parts)
     table = []
-    for (kind, _), view in zip(parts, views):
-        table.append(PART_ENTRY.pack(offset, len(view), kind, bytes(3), _crc(view)))
-        offset += len(view)
+    for kind, size, crc in parts:
+        table.append(PART_ENTRY.pack(offset, size, kind, bytes(3), crc))
+        offset += size
     table_raw = b"".join(table)
     head = PARTS_HEADER.pack(MAGIC, FORMAT_VERSION_3, PARTS_HEADER.size, 0, len(desc), len(parts), decoded_bytes,
                              offset, 0, 0)[:-4]
     head += struct.pack("<I", _crc(head, desc, table_raw))
-    return [head + desc + table_raw] + views
+    return head + desc + table_raw
 
 
 # ---------------------------------------------------------------- reading

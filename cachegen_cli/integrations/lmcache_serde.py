@@ -25,8 +25,13 @@ threads, 1).  docs/lmcache.md has the whole story.
 Chunks: LMCache's KV chunk memory objects, ``[2, num_layers, num_tokens, hidden]`` (K at
 index 0; ``MemoryFormat.KV_2LTD``; hidden = kv_heads x head_dim), float16, bfloat16 or
 float32, on the CPU or a CUDA GPU; an object of several groups (kernel groups of a hybrid
-model) is coded group by group.  MLA chunks ``[num_layers, num_tokens, hidden]`` are refused
-with a clear error: the .cgen format holds K and V planes (docs/format.md).
+model) is coded group by group.  MLA groups are ``[1, num_layers, num_tokens, head_size]``
+(``kv_size`` 1 in lmcache.v1.kv_layer_groups and metadata.get_shapes; ``MemoryFormat.KV_MLA_FMT``
+``[1, num_layers, num_tokens, aligned_head_size]``: one latent of kv_lora_rank + rope
+channels per layer and token, e.g. 576 for DeepSeek-V3): each layer's latent is coded as an
+MLA latent plane, the group as a multi-part .cgen file (format version 3, docs/shapes.md);
+its calibration, if any, is a version 3 one (``cachegen calibrate`` on such latents).  The
+older 3-D ``[num_layers, num_tokens, hidden]`` form is refused with a clear error.
 
 Serialized bytes (little-endian): the 4 bytes ``CGLM``, u16 envelope version (1), u16
 number of groups G, G x u64 byte counts, then the G .cgen files back to back.  The
@@ -47,7 +52,8 @@ import torch
 from .. import api
 from ..errors import ConfigError, DTypeError, FormatError, ShapeError, SizeError
 from ..methods.calibration import Calibration
-from ..methods.calibration import load as load_calibration
+from ..methods.parts_calibration import PartsCalibration
+from ..methods.parts_calibration import load_any as load_calibration
 from ..methods.config import (
     DEFAULT_CHUNK_TOKENS,
     QuantizationConfig,
@@ -95,7 +101,7 @@ class CacheGenSerdeConfig:
     quality: str | None = None
     preset: str | None = None
     bins: str | None = None
-    calibration: Calibration | None = None
+    calibration: Calibration | PartsCalibration | None = None  # version 3: for MLA chunks
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     device: str = "auto"
 
@@ -112,7 +118,8 @@ class CacheGenSerdeConfig:
         calibration = kwargs.get("calibration")
         cal = None
         if calibration is not None:
-            cal = calibration if isinstance(calibration, Calibration) else load_calibration(Path(str(calibration)))
+            cal = calibration if isinstance(calibration, (Calibration, PartsCalibration)) \
+                else load_calibration(Path(str(calibration)))
         cfg = cls(text["quality"], text["preset"], text["bins"], cal,
                   validate_chunk_tokens(kwargs.get("chunk_tokens", DEFAULT_CHUNK_TOKENS)), device)
         cfg.quantization(1)  # the name, the table and "only one of them" are checked now, not at the first chunk
@@ -128,18 +135,39 @@ class CacheGenSerdeConfig:
 
 
 def _check_chunk_layout(shape, dtype, what: str) -> tuple[int, int, int]:
-    """(layers, tokens, hidden) of a KV chunk [2, L, T, hidden]; a clear error for anything else."""
+    """(layers, tokens, hidden) of a KV chunk [2, L, T, hidden] or an MLA chunk [1, L, T, hidden];
+    a clear error for anything else."""
     shape = tuple(int(n) for n in shape)
     if len(shape) == 3:
-        raise ShapeError(f"cachegen serde: {what} has shape {list(shape)}, an MLA chunk [num_layers, num_tokens, "
-                         "hidden]; the cachegen serde codes K/V chunks [2, num_layers, num_tokens, hidden] only")
-    if len(shape) != 4 or shape[0] != 2:
-        raise ShapeError(f"cachegen serde: {what} has shape {list(shape)}; LMCache's K/V chunks are "
-                         "[2, num_layers, num_tokens, hidden]")
+        raise ShapeError(f"cachegen serde: {what} has shape {list(shape)}, a 3-D MLA chunk [num_layers, num_tokens, "
+                         "hidden]; the cachegen serde codes LMCache 0.5's chunks [2, num_layers, num_tokens, hidden] "
+                         "(K/V) and [1, num_layers, num_tokens, hidden] (MLA)")
+    if len(shape) != 4 or shape[0] not in (1, 2):
+        raise ShapeError(f"cachegen serde: {what} has shape {list(shape)}; LMCache's chunks are "
+                         "[2, num_layers, num_tokens, hidden] (K/V) or [1, num_layers, num_tokens, hidden] (MLA)")
     if dtype not in _DTYPES:
         raise DTypeError(f"cachegen serde: {what} is {str(dtype).replace('torch.', '')}; the cachegen serde codes "
                          "float16, bfloat16 and float32 chunks")
     return shape[1], shape[2], shape[3]
+
+
+def _is_mla(shape) -> bool:
+    return int(shape[0]) == 1
+
+
+def _latents(kv: torch.Tensor) -> dict[str, torch.Tensor]:
+    """An MLA chunk [1, L, T, hidden] as the latents layers.{l}.latent [T, hidden] (views)."""
+    return {f"layers.{l}.latent": kv[0, l] for l in range(kv.shape[1])}
+
+
+def _mla_parts(shape, dtype):
+    """The storage.kvparts.PartsCache of an MLA chunk's shape (zeros with stride 0: only the
+    shapes, dtype and names matter to the bound)."""
+    from ..storage import kvparts
+
+    _, L, T, C = (int(n) for n in shape)
+    zero = torch.zeros((), dtype=dtype).expand(T, C)
+    return kvparts.analyse({f"layers.{l}.latent": zero for l in range(L)})
 
 
 def _stacked_shape(shape) -> tuple[int, int, int, int, int]:
@@ -198,12 +226,22 @@ class CacheGenSerializer(Serializer):
         total = envelope_size(len(layout_desc.shapes))
         for i, (shape, dtype) in enumerate(zip(layout_desc.shapes, layout_desc.dtypes, strict=True)):
             L, _, _ = _check_chunk_layout(shape, dtype, f"layout group {i}")
-            total += api.max_encoded_size(_stacked_shape(shape), dtype, **self._options(L))
+            if _is_mla(shape):
+                from ..pipeline.parts import max_encoded_size_parts
+
+                opts = self._options(L)
+                total += max_encoded_size_parts(_mla_parts(shape, dtype), opts["quantization"], opts["chunk_tokens"])
+            else:
+                total += api.max_encoded_size(_stacked_shape(shape), dtype, **self._options(L))
         return total
 
     def _encode(self, kv: torch.Tensor, on_device: bool):
         """.cgen bytes of one group: a uint8 CUDA tensor when ``on_device`` (the GPU-resident
         pipeline: nothing goes through the host), else bytes."""
+        if _is_mla(kv.shape):  # a multi-part file of latents, coded on the host or by the device's group coder
+            opts = self._options(kv.shape[1])
+            latents = _latents(kv.cpu() if self.cfg.device == "cpu" else kv)
+            return api.encode(latents, calibration=self.cfg.calibration, device=self.cfg.device, **opts)
         stacked = kv.permute(1, 0, 2, 3).unsqueeze(3)  # [2, L, T, C] -> [L, 2, T, 1, C]
         opts = self._options(stacked.shape[0])
         if on_device:
@@ -267,6 +305,18 @@ class CacheGenDeserializer(Deserializer):
             tensors = api.decode(buf[at : at + n], device="cpu" if self.cfg.device == "cpu" else "auto",
                                  calibration=self.cfg.calibration, max_output_size=limit)
             at += n
+            if _is_mla(target.shape):
+                want = {n: (list(t.shape), t.dtype) for n, t in _latents(target).items()}
+                got = {n: (list(t.shape), t.dtype) for n, t in tensors.items()}
+                if got != want:
+                    shown = ", ".join(f"{n} {s}" for n, (s, _) in list(got.items())[:2])
+                    raise ShapeError(f"cachegen serde: stored group {i} decodes to {shown}{', ...' if len(got) > 2 else ''}"
+                                     f", the destination needs {target.shape[1]} latents layers.{{l}}.latent "
+                                     f"[{target.shape[2]}, {target.shape[3]}] {str(target.dtype).replace('torch.', '')}"
+                                     f" ([1, L, T, hidden] {list(target.shape)})")
+                for l in range(target.shape[1]):
+                    target[0, l].copy_(tensors[f"layers.{l}.latent"])
+                continue
             want = list(_stacked_shape(target.shape))
             got = [(name, list(t.shape), t.dtype) for name, t in tensors.items()]
             if len(got) != 1 or got[0][1] != want or got[0][2] != target.dtype:

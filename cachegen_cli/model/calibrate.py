@@ -23,6 +23,16 @@ def calibrate_files(inputs: list, output, *, layout: str = "auto", sensitivity: 
 
     paths = [Path(p) for p in inputs]
     check_output(Path(output), paths, force)
+    from .calibrate_parts import calibrate_parts, read_samples
+
+    parts = read_samples(paths, layout)
+    if parts is not None and (rope_keys or rope_theta is not None):
+        from ..errors import ConfigError
+
+        raise ConfigError("rope_keys applies to caches of one shape, not to multi-part caches (yet)",
+                          cli="--rope-keys applies to caches of one shape, not to multi-part caches (yet)")
+    if parts is not None:  # caches of several shapes: one rotation per plane kind and layer (calibration v3)
+        return calibrate_parts(parts, output, sensitivity=sensitivity, per_head=per_head)
     caches = [kvio.read_safetensors(p, layout) for p in paths]
     data = [c.data for c in caches]
     used = None

@@ -635,8 +635,11 @@ def tune_file(
     force: bool = False,
     loaded: Any = None,
     log: Log | None = None,
+    checked_only: bool = False,
 ) -> dict[str, Any]:
     """``cachegen tune``: tune a KV .safetensors file and write the config file (atomically).
+    (A cache of several shapes: model/tune_parts.tune_any_file, which checks the arguments here
+    with ``checked_only``.)
 
     ``target_kl`` (needs the model and the token ids ``cachegen capture`` stores) or
     ``target_error`` (no model).  The KL is scored on the ``continuation`` tokens of
@@ -686,6 +689,8 @@ def tune_file(
     dst = Path(output) if output is not None else default_output(src)
     inputs = [src] + [Path(p) for p in (calibration_path, text_path) if p is not None]
     check_output(dst, inputs, force)
+    if checked_only:
+        return {"src": src, "dst": dst}
     cal = load_calibration(calibration_path) if calibration_path is not None else None
     kv = evaluate.read_kv_file(src)
     if kv.kind != "safetensors":

@@ -5,8 +5,9 @@ Each group is a regular cache [layers, 2, tokens, channels]; it is coded by
 codec.encode_to_stream exactly as a regular file (any --quality, preset or bins, chosen for
 the group's own layers: per-layer steps and bins follow the layer numbers), and the file is the
 multi-part container of format/parts.py around those group files and the extra tensors' bytes.
-A group is held in memory while it is coded, so memory is about the cache plus one group's
-file, not the slab of the regular path.
+In memory (encode_parts / decode_parts) a group is held while it is coded; file to file
+(encode_parts_file / decode_parts_file) the groups are read and written a plane slab at a
+time (storage/kvparts_files.py) and coded straight into the output, with the same bytes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from ..errors import ConfigError, SizeError
 from ..format import parts as fmt
 from ..format.container import BufferReader
 from ..methods.config import QuantizationConfig, QuantizationSpec, TransformConfig
+from ..methods.parts_calibration import PartsCalibration, group_calibration, member_slots, slots_of_group
 from ..storage import kvio, kvparts
+from ..storage import kvparts_files  # noqa: F401  (the file-to-file coders' plane reader and writer)
 from . import codec
 
 
@@ -88,8 +91,10 @@ def _group_cache(pc: "kvparts.PartsCache", g: "kvparts.Group") -> kvio.KVCache:
 
 def encode_parts(pc: "kvparts.PartsCache", out, quant, chunk_tokens: int, progress=None, device: str = "cpu",
                  calibration=None) -> PartsSummary:
-    """Write the version-3 file of ``pc`` to ``out`` (anything with write)."""
-    if calibration is not None:
+    """Write the version-3 file of ``pc`` to ``out`` (anything with write).  ``calibration``: a
+    version-3 calibration (methods/parts_calibration.py): each group's file is rotated with its
+    members' rotations, as a regular file with a calibration."""
+    if calibration is not None and not isinstance(calibration, PartsCalibration):
         raise ConfigError("a calibration applies to a cache of one shape; this cache is coded in "
                           f"{len(pc.groups)} group(s) of different shapes",
                           cli="--calibration applies to a cache of one shape (not to a multi-part file)")
@@ -102,7 +107,8 @@ def encode_parts(pc: "kvparts.PartsCache", out, quant, chunk_tokens: int, progre
         sink = codec.ByteCollector()
         base = done[0]
         report = (lambda d, t, base=base: progress(base + d, total_chunks)) if progress else None
-        s = codec.encode_to_stream(_group_cache(pc, g), sink, gq, chunk_tokens, report, device)
+        gcal = None if calibration is None else group_calibration(calibration, g.kind, g.channels, slots_of_group(g))
+        s = codec.encode_to_stream(_group_cache(pc, g), sink, gq, chunk_tokens, report, device, gcal)
         done[0] += s.header.num_chunks
         summaries.append(s)
         bodies.append((fmt.PART_GROUP, sink.getvalue()))
@@ -117,6 +123,158 @@ def encode_parts(pc: "kvparts.PartsCache", out, quant, chunk_tokens: int, progre
                         pc.extras, pc.dropped)
 
 
+def max_encoded_size_parts(pc: "kvparts.PartsCache", quant, chunk_tokens: int) -> int:
+    """The most bytes encode_parts can write for ``pc``'s shapes, dtypes and names with ``quant``,
+    whatever its values: each group's bound (pipeline/bounds.py, at the group's own settings),
+    the extras' bytes and the container around them (the manifest depends on shapes only)."""
+    from . import bounds
+
+    total = 0
+    for g in pc.groups:
+        C2 = g.coded_channels
+        shape = (g.num_layers, 2, g.tokens, C2)
+        cache = kvio.KVCache(torch.empty(shape, dtype=kvparts.KV_DTYPE_BY_NAME[g.dtype], device="meta"), "stacked", 1,
+                             C2, [{"name": "group", "shape": [g.num_layers, 2, g.tokens, 1, C2]}], {})
+        total += bounds.max_encoded_size(cache, group_quantization(quant, g, pc.model_layers), chunk_tokens)
+    extras = [e for e in pc.entries if e["role"] == "extra"]
+    total += sum(kvparts._numel(e["shape"]) * kvparts._itemsize(e["dtype"]) for e in extras)
+    return fmt.head_size(fmt.manifest_of(pc), len(pc.groups) + len(extras)) + total
+
+
+# ---------------------------------------------------------------- file to file, a slab at a time
+
+
+class GroupSource:
+    """A group of a file read a run of tokens at a time (storage/kvparts_files.PlanesFile), as a
+    source for codec.encode_to_stream (the interface of kvio.SafetensorsSource): the group's
+    regular cache [layers, 2, tokens, coded channels] is never whole in memory."""
+
+    def __init__(self, planes: "kvparts_files.PlanesFile", g: "kvparts.Group") -> None:
+        self.planes, self.g = planes, g
+        C2 = g.coded_channels
+        dtype = kvparts.KV_DTYPE_BY_NAME[g.dtype]
+        self.cache = kvio.KVCache(torch.empty((g.num_layers, 2, g.tokens, C2), dtype=dtype, device="meta"), "stacked",
+                                  1, C2, [{"name": "group", "shape": [g.num_layers, 2, g.tokens, 1, C2]}], {})
+
+    def read(self, t0: int, t1: int, buffers=None) -> torch.Tensor:
+        g, C2 = self.g, self.g.coded_channels
+        out = torch.empty((g.num_layers, 2, t1 - t0, C2), dtype=kvparts.KV_DTYPE_BY_NAME[g.dtype])
+        for j, m in enumerate(g.members):
+            if g.kind == "kv":
+                out[j, 0].copy_(self.planes.plane(m[0], t0, t1))
+                out[j, 1].copy_(self.planes.plane(m[1], t0, t1))
+            else:  # the two halves of the plane; an odd count's padding channel is zero (format.md)
+                x = self.planes.plane(m, t0, t1)
+                out[j, 0].copy_(x[:, :C2])
+                out[j, 1, :, : g.channels - C2].copy_(x[:, C2:])
+                out[j, 1, :, g.channels - C2:].zero_()
+        return out
+
+    def finite_check(self):
+        return None  # PlanesFile.check_finite ran before any group was coded, naming the tensor
+
+    def load(self) -> kvio.KVCache:
+        c = self.cache
+        return kvio.KVCache(self.read(0, c.num_tokens), "stacked", 1, c.num_channels, c.tensors, {})
+
+
+class _PartSink:
+    """Writes a part straight into the output, counting its bytes and their CRC-32."""
+
+    def __init__(self, out) -> None:
+        self.out, self.size, self.crc = out, 0, 0
+
+    def write(self, data) -> int:
+        import zlib
+
+        view = memoryview(data).cast("B")
+        self.out.write(view)
+        self.size += len(view)
+        self.crc = zlib.crc32(view, self.crc)
+        return len(view)
+
+
+def encode_parts_file(planes: "kvparts_files.PlanesFile", out, quant, chunk_tokens: int, progress=None,
+                      device: str = "cpu", calibration=None, checked: bool = False) -> PartsSummary:
+    """encode_parts for a file read plane slab by plane slab, written to ``out`` (a seekable file):
+    a gap for the PartsHeader, Manifest and Part table (whose size the shapes fix), each group's
+    file coded slab by slab straight into its place, the extras copied, then the head written
+    into the gap.  The bytes are encode_parts' (tests/test_streaming.py).  ``checked``: the
+    caller ran ``planes.check_finite()`` already."""
+    pc = planes.pc
+    if calibration is not None and not isinstance(calibration, PartsCalibration):
+        raise ConfigError("a calibration applies to a cache of one shape; this cache is coded in "
+                          f"{len(pc.groups)} group(s) of different shapes",
+                          cli="--calibration applies to a cache of one shape (not to a multi-part file)")
+    if not checked:
+        planes.check_finite()  # every value, before any work (as kvparts.analyse in memory)
+    manifest = fmt.manifest_of(pc)
+    extras = [(i, e) for i, e in enumerate(pc.entries) if e["role"] == "extra"]
+    start = out.tell()
+    out.write(bytes(fmt.head_size(manifest, len(pc.groups) + len(extras))))
+    total_chunks = sum(-(-g.tokens // max(chunk_tokens, 1)) for g in pc.groups)
+    done = 0
+    table, summaries = [], []
+    for g in pc.groups:
+        gq = group_quantization(quant, g, pc.model_layers)
+        gcal = None if calibration is None else group_calibration(calibration, g.kind, g.channels, slots_of_group(g))
+        sink = _PartSink(out)
+        report = (lambda d, t, base=done: progress(base + d, total_chunks)) if progress else None
+        s = codec.encode_to_stream(GroupSource(planes, g), sink, gq, chunk_tokens, report, device, gcal)
+        done += s.header.num_chunks
+        summaries.append(s)
+        table.append((fmt.PART_GROUP, sink.size, sink.crc))
+    for _, e in extras:
+        sink = _PartSink(out)
+        for block in planes.raw(e):
+            sink.write(block)
+        table.append((fmt.PART_RAW, sink.size, sink.crc))
+    end = out.tell()
+    out.seek(start)
+    out.write(fmt.pack_head(manifest, table, pc.decoded_bytes()))
+    out.seek(end)
+    size = end - start
+    payload = sum(s.payload_bytes for s in summaries)
+    return PartsSummary(size, payload, size - payload, pc.decoded_bytes(), pc.kv_bytes(), pc.num_values(), summaries,
+                        pc.extras, pc.dropped)
+
+
+def decode_parts_file(pf: "fmt.PartsFile", path, device: str = "cpu", calibration=None, progress=None,
+                      release=None) -> None:
+    """A version-3 file decoded into the safetensors file at ``path`` (a temporary path the caller
+    renames) group by group and slab by slab (kvparts_files.PlanesWriter): the bytes
+    decode_parts' tensors give (kvparts.safetensors_parts).  ``release(offset, size)``: called
+    when a part's bytes are no longer needed (the caller drops a mapping's pages)."""
+    from ..storage.kvparts_files import PlanesWriter
+
+    m = pf.manifest
+    groups = m["groups"]
+    with PlanesWriter(path, m) as writer:
+        for gi, g in enumerate(groups):
+            part = pf.part(gi)
+            reader = BufferReader(part)
+            dec = codec.SlabDecoder(reader, device, group_rotation(pf, gi, part, calibration))
+            _check_group_header(gi, g, dec.header)
+            C = g["channels"]
+            for t0, _, block in dec.blocks():
+                block = block.cpu()
+                C2 = block.shape[3]
+                for j, member in enumerate(g["members"]):
+                    if g["kind"] == "kv":
+                        for kv, (ti, *sel) in enumerate(member):
+                            writer.write_plane(ti, tuple(sel), t0, block[j, kv])
+                    else:
+                        ti, *sel = member[0]
+                        writer.write_plane(ti, tuple(sel), t0, torch.cat([block[j, 0], block[j, 1, :, : C - C2]], 1))
+            del dec, reader, part
+            if release is not None:
+                release(*pf.parts[gi][:2])
+            if progress:
+                progress(gi + 1, len(groups))
+        for k, (i, e) in enumerate((i, e) for i, e in enumerate(m["tensors"]) if e["role"] == "extra"):
+            writer.write_raw(i, pf.part(e["part"]))
+
+
 def _check_group_header(gi: int, g: dict, h) -> None:
     coded = g["channels"] if g["kind"] == "kv" else -(-g["channels"] // 2)
     if (h.num_layers, h.num_tokens, h.num_channels, h.dtype) != (len(g["members"]), g["tokens"], coded, g["dtype"]):
@@ -124,9 +282,24 @@ def _check_group_header(gi: int, g: dict, h) -> None:
                         f"{h.num_channels} channels of {h.dtype}, the manifest says otherwise")
 
 
+def group_rotation(pf: "fmt.PartsFile", gi: int, part, calibration):
+    """The calibration group ``gi``'s file is decoded with: a version-3 calibration gives the
+    group's own rotation (only a rotated group needs one: a group written unrotated, e.g. by
+    the small-cache rule, decodes without); any other is used as given (version 2's rules)."""
+    if not isinstance(calibration, PartsCalibration):
+        return calibration
+    head = bytes(part[:64])
+    if not (len(head) == 64 and head[8:10] == b"\x02\x00" and head[47] & 1):  # not a rotated v2 file
+        return None
+    g = pf.manifest["groups"][gi]
+    return group_calibration(calibration, g["kind"], g["channels"], member_slots(g, pf.manifest["tensors"]))
+
+
 def decode_group(pf: "fmt.PartsFile", gi: int, device: str = "cpu", calibration=None) -> torch.Tensor:
     """Group ``gi``'s regular cache [layers, 2, tokens, coded channels], checked against the manifest."""
-    reader = BufferReader(pf.part(gi))
+    part = pf.part(gi)
+    calibration = group_rotation(pf, gi, part, calibration)
+    reader = BufferReader(part)
     dec = codec.SlabDecoder(reader, device, calibration)
     _check_group_header(gi, pf.manifest["groups"][gi], dec.header)
     reader.seek(0)
@@ -149,8 +322,9 @@ def test_parts(buffer, device: str = "cpu", calibration=None, progress=None) -> 
     m = pf.manifest
     tokens = chunks = 0
     for i in range(len(m["groups"])):
-        reader = BufferReader(pf.part(i))
-        dec = codec.SlabDecoder(reader, device, calibration)
+        part = pf.part(i)
+        reader = BufferReader(part)
+        dec = codec.SlabDecoder(reader, device, group_rotation(pf, i, part, calibration))
         _check_group_header(i, m["groups"][i], dec.header)
         for _ in dec.blocks(progress):
             pass

@@ -314,8 +314,11 @@ def analyse(
     names: Naming | str | None = None,
     extras: str = "keep",
     hints: Mapping[str, Mapping] | None = None,
+    check_values: bool = True,
 ) -> PartsCache:
     """Read any cache into planes and groups; every refused input is one error naming the tensor.
+    ``check_values=False``: the tensors may be on the meta device (shapes, dtypes and names
+    only: a file read plane by plane, storage/kvparts_files.py, whose reader checks the values).
 
     ``names``: a Naming (or --names text); None: the built-in schemes.  ``extras``: "keep"
     (stored exactly) or "drop" the tensors that are not K / V / latent.  ``hints``: per tensor
@@ -352,7 +355,7 @@ def analyse(
                                  "which cachegen cannot store")
             entries.append({"name": name, "role": "extra", "dtype": EXTRA_DTYPE_NAMES[t.dtype],
                             "shape": [int(s) for s in t.shape]})
-            kept.append(t.detach().cpu())
+            kept.append(t.detach() if not check_values else t.detach().cpu())
             continue
         if t.dtype not in KV_DTYPES:
             raise DTypeError(f"tensor {_tname(name)} has dtype {str(t.dtype).replace('torch.', '')}; "
@@ -372,14 +375,14 @@ def analyse(
             entry["sliding_window"] = int(window)
         claimed.append(len(entries))
         entries.append(entry)
-        kept.append(t.detach().cpu())
+        kept.append(t.detach() if not check_values else t.detach().cpu())
     if not claimed:
         shown = ", ".join(_tname(n) for n in list(tensors)[:3]) + (", ..." if len(tensors) > 3 else "")
         none = f"no tensor in a known KV layout among {shown}: expected {SCHEME_HELP}"
         raise LayoutError(f"{none} (or say how yours are named with names=)",
                           cli=f"{none} (or say how yours are named with --names)")
     planes = _planes(entries, kept, claimed, naming)
-    for p in planes:  # which tensor holds NaN / Inf, before any work
+    for p in planes if check_values else ():  # which tensor holds NaN / Inf, before any work
         _check_finite(entries[p.tensor]["name"], plane_values(kept[p.tensor], entries[p.tensor]["form"], p.select))
     groups = _group(planes, entries, hints)
     return PartsCache(kept, entries, groups, meta, dropped)
@@ -557,9 +560,10 @@ def raw_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
 
 
-def safetensors_parts(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> list:
-    """A safetensors file as byte buffers: the header (tensors in name order, metadata keys
-    sorted, so that the same tensors always give the same bytes) and each tensor's data."""
+def safetensors_layout(entries: list[dict], metadata: Mapping[str, str]) -> tuple[bytes, dict[str, int], int]:
+    """The header of the safetensors file of tensors ``entries`` (name, dtype name, shape): tensors
+    in name order, metadata keys sorted, so that the same tensors always give the same bytes;
+    each tensor's data offset in the file, and the file's size."""
     import json
     import struct
 
@@ -570,14 +574,21 @@ def safetensors_parts(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str
     if metadata:
         head["__metadata__"] = {k: str(metadata[k]) for k in sorted(metadata)}
     offset = 0
-    data = []
-    for name in sorted(tensors):
-        t = tensors[name]
-        raw = raw_bytes(t)
-        head[name] = {"dtype": st[EXTRA_DTYPE_NAMES[t.dtype]], "shape": [int(s) for s in t.shape],
-                      "data_offsets": [offset, offset + len(raw)]}
-        offset += len(raw)
-        data.append(raw)
+    starts = {}
+    for e in sorted(entries, key=lambda e: e["name"]):
+        n = _numel(e["shape"]) * _itemsize(e["dtype"])
+        head[e["name"]] = {"dtype": st[e["dtype"]], "shape": [int(s) for s in e["shape"]],
+                           "data_offsets": [offset, offset + n]}
+        starts[e["name"]] = offset
+        offset += n
     text = json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     text += b" " * ((8 - len(text) % 8) % 8)
-    return [struct.pack("<Q", len(text)) + text] + data
+    data_start = 8 + len(text)
+    return struct.pack("<Q", len(text)) + text, {k: data_start + v for k, v in starts.items()}, data_start + offset
+
+
+def safetensors_parts(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> list:
+    """A safetensors file as byte buffers: the header (safetensors_layout) and each tensor's data."""
+    entries = [{"name": n, "dtype": EXTRA_DTYPE_NAMES[t.dtype], "shape": list(t.shape)} for n, t in tensors.items()]
+    head, _, _ = safetensors_layout(entries, metadata)
+    return [head] + [raw_bytes(tensors[name]) for name in sorted(tensors)]
