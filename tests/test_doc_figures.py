@@ -149,3 +149,45 @@ def test_report_says_what_a_run_did_not_record(tmp_path):
     run["rows"][0]["encode_GBps"] = 51.0
     f.write_text(json.dumps(run))
     assert report.main([str(f), "--page", str(page), "--check"]) == 1  # stale
+
+
+#: README row label -> quality_report.py method key.
+QUALITY_ROWS = {
+    "LMCache CacheGen (its own output)": "lmcache",
+    "`--preset lmcache` (LMCache's quantization, our container)": "preset:lmcache",
+    "int4 per-token abs-max, no entropy coding": "int4",
+    "`--quality lossless` (bit-exact)": "quality:lossless",
+    "`--quality high`": "quality:high",
+    "`--quality balanced` (default)": "quality:balanced",
+    "`--quality small`": "quality:small",
+    "`--quality small --calibration`": "quality:small+cal",
+    "`--quality small --calibration` (calibrated `--sensitivity`)": "quality:small+cal+sens",
+    "`cachegen tune --target-kl 0.03` on another text's cache, `--calibration`": "tuned+cal",
+}
+
+
+def _kl(x: float) -> str:
+    return "0" if x == 0 else f"{x:.1e}"
+
+
+def test_readme_quality_table_is_the_cited_results_file():
+    intro = _paragraph("Model-level quality on SmolLM2")
+    m = re.search(r"`(docs/results/[^`]*_quality_[^`]*\.json)`", intro)
+    assert m, "the README's quality table does not name its results file"
+    (results,) = _load(m.group(1))
+    ctx = int(re.search(r"(\d+)-token contexts", intro).group(1))
+    cases = [c for c in results["cases"].values() if c["context"] == ctx]
+    assert len(cases) == 3
+    assert results["info"]["git"]["commit"][:7] in intro  # the commit that made it is named
+    table = README[README.index("| method | bits/value |", README.index("Model-level quality on SmolLM2")):]
+    rows = [line for line in table.split("\n\n")[0].splitlines()[2:]]
+    assert len(rows) == len(QUALITY_ROWS)
+    for line in rows:
+        label, bits, ratio, vs, kl, top1 = [c.strip() for c in line.strip("|").split("|")]
+        key = QUALITY_ROWS[label]
+        rs = [c["rows"][key] for c in cases]
+        mean = lambda f: sum(r[f] for r in rs) / len(rs)  # noqa: E731
+        b = mean("bits_per_value")
+        rel = sum(c["rows"][key]["bits_per_value"] / c["rows"]["lmcache"]["bits_per_value"] for c in cases) / 3
+        assert (bits, ratio, vs, kl, top1) == (f"{b:.2f}", f"{16 / b:.2f}×", f"{rel:.3f}", _kl(mean("kl_mean")),
+                                               f"{mean('top1_agreement'):.3f}"), label
