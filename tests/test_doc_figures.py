@@ -191,3 +191,50 @@ def test_readme_quality_table_is_the_cited_results_file():
         rel = sum(c["rows"][key]["bits_per_value"] / c["rows"]["lmcache"]["bits_per_value"] for c in cases) / 3
         assert (bits, ratio, vs, kl, top1) == (f"{b:.2f}", f"{16 / b:.2f}×", f"{rel:.3f}", _kl(mean("kl_mean")),
                                                f"{mean('top1_agreement'):.3f}"), label
+
+
+def test_readme_long_context_paragraph_is_the_cited_full_run():
+    para = _paragraph("At 4096 tokens (the full page")
+    m = re.search(r"`(docs/results/[^`]*_quality_[^`]*\.json)`; means", para)
+    assert m
+    (results,) = _load(m.group(1))
+    assert results["info"]["git"]["commit"][:7] in para
+    by_ctx = {n: [c for c in results["cases"].values() if c["context"] == n] for n in (1024, 4096)}
+    assert all(len(v) == 3 for v in by_ctx.values())
+    long = by_ctx[4096]
+
+    def mean(key, field, cases=long):
+        return sum(c["rows"][key][field] for c in cases) / len(cases)
+
+    def vs(c, key):
+        return c["rows"][key]["bits_per_value"] / c["rows"]["lmcache"]["bits_per_value"]
+
+    got = re.search(r"LMCache (\S+) bits/value at KL (\S+)\): `--quality high` (\S+)× at KL (\S+), top-1 (\S+); "
+                    r"`--quality small --calibration` with sensitivities (\S+)× LMCache's size at KL (\S+); "
+                    r"the tuned row (\S+)× at KL (\S+)\.", para)
+    assert got, "the 4096-token sentence changed shape: update this test with it"
+    sens, tuned = "quality:small+cal+sens", "tuned+cal"
+    assert got.groups() == (
+        f"{mean('lmcache', 'bits_per_value'):.2f}", f"{mean('lmcache', 'kl_mean'):.1e}",
+        f"{16 / mean('quality:high', 'bits_per_value'):.2f}", f"{mean('quality:high', 'kl_mean'):.1e}",
+        f"{mean('quality:high', 'top1_agreement'):.3f}",
+        f"{sum(vs(c, sens) for c in long) / 3:.3f}", f"{mean(sens, 'kl_mean'):.1e}",
+        f"{sum(vs(c, tuned) for c in long) / 3:.3f}", f"{mean(tuned, 'kl_mean'):.1e}")
+    every = by_ctx[1024] + long
+    # the bar: at most 0.4x LMCache's size at a KL at or below LMCache's, per cache
+    meets = lambda c, k: vs(c, k) <= 0.4 and c["rows"][k]["kl_mean"] <= c["rows"]["lmcache"]["kl_mean"]  # noqa: E731
+    assert all(meets(c, tuned) for c in every)
+    lo, hi = re.search(r"all six caches \((\S+)–(\S+)×\)", para).groups()
+    assert (lo, hi) == (f"{min(vs(c, tuned) for c in every):.3f}", f"{max(vs(c, tuned) for c in every):.3f}")
+    assert all(meets(c, sens) for c in long) and not all(meets(c, sens) for c in by_ctx[1024])
+    lo, hi = re.search(r"4096-token caches \((\S+)–(\S+)×\)", para).groups()
+    assert (lo, hi) == (f"{min(vs(c, sens) for c in long):.3f}", f"{max(vs(c, sens) for c in long):.3f}")
+    short = by_ctx[1024]
+    s_vs, s_kl, lm_kl = re.search(r"not at 1024 tokens \((\S+)×, at a fifth of LMCache's KL: (\S+) against (\S+)\)",
+                                  para).groups()
+    assert (s_vs, s_kl, lm_kl) == (f"{sum(vs(c, sens) for c in short) / 3:.3f}", f"{mean(sens, 'kl_mean', short):.2e}",
+                                   f"{mean('lmcache', 'kl_mean', short):.2e}")
+    assert 0.15 <= float(s_kl) / float(lm_kl) < 0.25  # "a fifth"
+    # "`--preset lmcache` ... 41% fewer bytes" (1024-token means, the table above)
+    fewer = int(re.search(r"the same reconstruction, (\d+)% fewer bytes", README).group(1))
+    assert fewer == round(100 * (1 - sum(vs(c, "preset:lmcache") for c in short) / 3))
