@@ -124,7 +124,8 @@ def main() -> None:
         container.STREAM_SYMBOLS_V2 = args.stream_symbols
     commit = os.environ.get("CACHEGEN_COMMIT") or subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
                                                                  text=True).stdout.strip()
-    print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, "
+    started = datetime.datetime.now(datetime.timezone.utc)
+    print(f"# {started:%Y-%m-%d %H:%M} UTC, {torch.cuda.get_device_name()}, "
           f"torch {torch.__version__}, commit {commit[:12]}, command: {' '.join(sys.argv)}", flush=True)
     ceiling = copy_ceiling()
     print(f"copy ceiling {ceiling / 1e12:.2f} TB/s", flush=True)
@@ -220,7 +221,32 @@ def main() -> None:
         torch.cuda.empty_cache()
     if args.json:
         args.json.write_text(json.dumps({"commit": commit, "command": sys.argv, "device": torch.cuda.get_device_name(),
-                                         "copy_ceiling_Bps": ceiling, "rows": rows}, indent=1))
+                                         "info": run_info(started), "copy_ceiling_Bps": ceiling, "rows": rows},
+                                        indent=1))
+
+
+def run_info(started: datetime.datetime) -> dict:
+    """When and on what the run happened, for benchmarks/report.py's table of runs (files
+    written before 2026-12-02 lack it, and the page says so)."""
+    import platform
+
+    import numba
+    import numpy
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    try:
+        import numba_cuda
+        nc = getattr(numba_cuda, "__version__", None)
+    except ImportError:
+        nc = None
+    return {"date": f"{started:%Y-%m-%d %H:%M} UTC", "cpu": cpu, "cpus": os.cpu_count(),
+            "torch": torch.__version__, "cuda": torch.version.cuda, "numba": numba.__version__,
+            "numba_cuda": nc, "numpy": numpy.__version__, "python": platform.python_version()}
 
 
 if __name__ == "__main__":

@@ -55,9 +55,12 @@ from . import rope as _rope
 import os as _os
 
 #: Register caps per kernel: a lower cap lets more threads run per SM at the price of spills;
-#: the bytes never change.  Measured on the H200 (benchmarks/bench_device.py, 2026-12-01, docs/
-#: benchmarks.md): range decoding 5.75 -> 5.24 ms, values 2.03 -> 1.82, levels 3.53 -> 3.18 with
-#: these; 64 for the encoder made it slower (4.30 -> 4.55), 48 or less slowed every kernel.
+#: the bytes never change.  Chosen on the H200 on 2026-12-01 at 1f50d53 with
+#: `CACHEGEN_MAXREG=... python benchmarks/bench_device.py --methods balanced,small` (docs/
+#: benchmarks.md, history, night section).  Of those runs only two are committed:
+#: docs/results/2026-12-01d_maxreg_default_1f50d53.json (no caps) and ..._maxreg_64_1f50d53.json
+#: (its recorded command wrote bench_caps_45.json, and the JSON does not record the caps);
+#: the run with these caps was not kept, so what they gained is not quoted here.
 #: CACHEGEN_MAXREG="decode=64,encode=0,..." overrides them (0: no cap), for such measurements.
 REG_CAPS = {"decode": 64, "dequantize": 64, "quantize": 96}
 REG_CAPS.update({k: int(v) for k, v in (item.split("=") for item in

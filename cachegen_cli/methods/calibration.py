@@ -97,7 +97,8 @@ class Calibration:
     @property
     def sha256(self) -> bytes:
         """Identity of the rotation: SHA-256 of its little-endian float32 bytes (computed once:
-        a full Llama-sized rotation is 268 MB, ~0.2 s of hashing per encode or decode)."""
+        a full Llama-sized rotation is 268 MB, which would otherwise be hashed again by every encode
+        or decode)."""
         digest = self.__dict__.get("_sha256")
         if digest is None:
             # Hashed through a buffer view: a tobytes() copy costs more than the hash.

@@ -240,9 +240,8 @@ def _from_pretrained(source: str, **kwargs: Any) -> tuple[Any, Any]:
 
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(source, local_files_only=True, **kwargs)
-    # float32 rather than bf16: on CPU, PyTorch's float32 matmuls are several
-    # times faster than bf16 ones (measured ~6 s vs ~30 s for a 1024-token
-    # prefill of SmolLM2-135M on 2 cores), and the cache is rounded to bf16
+    # float32 rather than bf16: on CPUs without bf16 matrix units PyTorch's
+    # float32 matmuls are the faster ones, and the cache is rounded to bf16
     # only once, at the end, instead of accumulating bf16 error per layer.
     model = model.to(torch.float32)
     model.eval()
