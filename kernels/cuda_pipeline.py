@@ -1759,28 +1759,3 @@ def turn_keys(x, freq, rope, t_first, sink, forward, stream=0):
         as_device(x.reshape(-1)), np.int64(L), np.int64(T), np.int64(C), as_device(freq.reshape(-1)),
         np.int64(rope.inv_freq.shape[0]), np.int64(F), np.int64(rope.style), np.int64(rope.rotary_dim),
         np.int64(rope.head_dim), np.int64(rope.position_start), np.int64(t_first), np.int64(sink), bool(forward))
-
-
-@cuda.jit
-def _saturate_bf16_kernel(x, out, n):
-    """One thread per value of a flat float32 array: its bfloat16 bits, rounded to nearest even,
-    an infinity from rounding replaced by the largest finite value (docs/format.md's cast)."""
-    i = cuda.grid(1)
-    if i >= n:
-        return
-    u = _f32_bits(x[i]) & MASK32
-    b = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-    if (b & 0x7FFF) == 0x7F80:
-        b -= 1
-    if b >= 0x8000:
-        b -= 0x10000
-    out[i] = np.int16(b)
-
-
-def saturate_bf16(x, out, stream=0):
-    """out (int16, bfloat16 bits) = x (float32, any shape alike) cast with saturation, one pass
-    (what a clamp and torch's cast do in three)."""
-    n = x.size
-    if n:
-        _saturate_bf16_kernel[_grid(n), BLOCK, stream](as_device(x.reshape(-1)), as_device(out.reshape(-1)),
-                                                      np.int64(n))

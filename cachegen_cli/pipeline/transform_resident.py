@@ -644,13 +644,8 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
         if rope is not None:  # the keys turned back by their RoPE (float32, saturating)
             freq_d = _to_device(np.ascontiguousarray(rope.inv_freq, np.float64), dev)
             k.turn_keys(_nb(data), _nb(freq_d), rope, 0, S, True)
-        if rope is not None and dtype == torch.bfloat16:
-            # saturating (a turned pair can reach past bfloat16's largest value), in one pass
-            bits = _empty((L, 2, T, C), torch.int16, dev)
-            k.saturate_bf16(_nb(data), _nb(bits))
-            data = bits.view(torch.bfloat16)
-        elif dtype != torch.float32:
-            if rope is not None:  # float16, saturating likewise
+        if dtype != torch.float32:
+            if rope is not None:  # saturating: a turned pair can reach past the dtype's largest value
                 lim = float(torch.finfo(dtype).max)
                 data.clamp_(-lim, lim)
             data = data.to(dtype)  # round to nearest even, as the CPU's rows
