@@ -229,3 +229,21 @@ def test_cli_encode_and_calibrate_with_rope_keys(tmp_path):
     assert h.flags & 5 == 5
     r = runner.invoke(app, ["decode", str(tmp_path / "b.cgen"), "--calibration", str(cal), "-o", str(tmp_path / "b.safetensors")])
     assert r.exit_code == 0, r.output
+
+
+def test_cli_batch_with_rope_keys(tmp_path):
+    """A batch (a directory, --output-dir) passes --rope-theta to every file."""
+    import shutil
+
+    runner, app = _cli()
+    (tmp_path / "in").mkdir()
+    for name in ("a", "b"):
+        shutil.copyfile(SAMPLE_STACKED, tmp_path / "in" / f"{name}.safetensors")
+    r = runner.invoke(app, ["encode", str(tmp_path / "in"), "-r", "--output-dir", str(tmp_path / "out"),
+                            "--rope-theta", "100000", "-q"])
+    assert r.exit_code == 0, r.output
+    outs = sorted((tmp_path / "out").rglob("*.cgen"))
+    assert len(outs) == 2
+    for p in outs:
+        h, _, _, _ = codec.read_header_and_index(codec.open_input(p.read_bytes())[0])
+        assert h.flags & container.FLAG_ROPE

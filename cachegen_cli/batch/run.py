@@ -14,7 +14,7 @@ BACKENDS = ("local", "ray")
 
 #: Keyword arguments of the file functions a batch passes on.
 ENCODE_OPTIONS = {"preset", "bins", "quantization", "quality", "calibration", "chunk_tokens", "layout", "names",
-                  "extras"}
+                  "extras", "rope_keys", "rope_theta", "rope_start"}
 DECODE_OPTIONS = {"calibration", "max_output_size"}
 
 

@@ -275,15 +275,15 @@ def encode(
         if chunk_tokens is None:
             chunk_tokens = DEFAULT_CHUNK_TOKENS
         _kernels_note(quiet or as_json, device.value)
-        if batch and (rope_keys or rope_theta is not None or rope_start is not None):
-            raise_config("--rope-keys, --rope-theta and --rope-start apply to single files, not to a batch (yet)")
         if batch:
             _batch.run("encode", inputs, output_dir=output_dir, recursive=recursive, backend=backend, workers=workers,
                        device=device.value, threads=threads, force=force, quiet=quiet, verbose=verbose,
                        as_json=as_json, options=dict(preset=preset, bins=bins, quantization=quantization,
                                                      quality=quality_name, calibration=calibration,
                                                      chunk_tokens=chunk_tokens, layout=layout.value, names=names,
-                                                     extras="drop" if drop_extras else "keep"))
+                                                     extras="drop" if drop_extras else "keep",
+                                                     rope_keys=rope_keys, rope_theta=rope_theta,
+                                                     rope_start=rope_start))
             return
         show = _printer(jobs)
 
