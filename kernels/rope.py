@@ -97,7 +97,8 @@ def make_pair_ops(mul):
     unturn(k_a, k_b, s, c) -> (x_a, x_b): a key pair turned by the angle whose sine and cosine
     are s, c, turned back: x_a = k_a c + k_b s, x_b = k_b c - k_a s, each product and sum
     rounded in float64, then to float32 (saturating: a turned pair's channel can reach
-    sqrt(2) x the larger input).  turn is its inverse: k_a = x_a c - x_b s, k_b = x_b c + x_a s."""
+    sqrt(2) x the larger input).  turn is its inverse: k_a = x_a c - x_b s, k_b = x_b c + x_a s,
+    its inputs saturated first (a decoded value can be an infinity)."""
 
     @register_jitable
     def unturn(ka, kb, s, c):
@@ -105,6 +106,10 @@ def make_pair_ops(mul):
 
     @register_jitable
     def turn(xa, xb, s, c):
+        # A decoded value may be an infinity (a z past float32's range): saturated first, so that
+        # no infinity meets a zero or another infinity (NaN)
+        xa = min(max(xa, -FLOAT32_MAX), FLOAT32_MAX)
+        xb = min(max(xb, -FLOAT32_MAX), FLOAT32_MAX)
         return to_float32(mul(xa, c) - mul(xb, s)), to_float32(mul(xb, c) + mul(xa, s))
 
     return unturn, turn

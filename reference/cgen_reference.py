@@ -754,8 +754,8 @@ def turn_keys(z: np.ndarray, rope: tuple, t0: int) -> np.ndarray:
         s, c = rope_sincos(pos[:, None] * f[None, :])  # [Tk, r/2]
         keys = z[l, 0]  # [Tk, C], a view
         for hd in range(C // D):
-            xa = keys[:, hd * D + a].astype(np.float64)
-            xb = keys[:, hd * D + b].astype(np.float64)
+            xa = np.clip(keys[:, hd * D + a].astype(np.float64), -FLOAT32_MAX, FLOAT32_MAX)  # sat first
+            xb = np.clip(keys[:, hd * D + b].astype(np.float64), -FLOAT32_MAX, FLOAT32_MAX)
             keys[:, hd * D + a] = _sat32(xa * c - xb * s)
             keys[:, hd * D + b] = _sat32(xb * c + xa * s)
     return z

@@ -148,6 +148,20 @@ def seed_files() -> list[tuple[str, bytes]]:
     seeds.append(("v2-balanced-rotated-blocks", cg.encode(kv(2, 11, 1, 6, torch.bfloat16, 22), quality="balanced",
                                                           calibration=_CALIBRATIONS[1], chunk_tokens=4,
                                                           device="cpu")))
+    # keys without their RoPE (flags bit 2): both pair styles, a partial rotary dim, a frequency row
+    # per layer, positions far from 0; and with a rotation (flags 5)
+    from cachegen_cli.format.params import Rope
+    from cachegen_cli.methods import rope as rope_methods
+
+    base = rope_methods.from_theta(10000.0, 6, 4)
+    for n, (dtype, style) in enumerate(((torch.bfloat16, 0), (torch.float32, 1))):
+        r = Rope(style, 6, 4, 1000 + n, (base.inv_freq * [[1.0], [0.5]][:1]).repeat(2, 0) if n else base.inv_freq)
+        seeds.append((f"v2-balanced-rope-{dtype}".replace("torch.", ""),
+                      cg.encode(kv(2, 11, 1, 6, dtype, 40 + n), quality="balanced", rope=r, chunk_tokens=4,
+                                device="cpu")))
+    seeds.append(("v2-small-rope-rotated", cg.encode(kv(2, 11, 1, 6, torch.bfloat16, 42), quality="small",
+                                                     calibration=default_calibration(), rope=base, chunk_tokens=4,
+                                                     device="cpu")))
     # format v3: windowed layers (two "kv" groups of method 2) and an int64 extra; K and V of
     # different sizes ("planes" groups of method 1) and a bool extra
     g = torch.Generator().manual_seed(30)
