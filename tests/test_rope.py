@@ -263,3 +263,12 @@ def test_overflowing_levels_decode_finite():
     assert torch.isfinite(out).all()
     name, words = ref.decode(bad).tensors["kv"]
     assert np.array_equal(words.reshape(-1), _words(out).reshape(-1).view(words.dtype))
+
+
+def test_stats_names_rope_keys(tmp_path):
+    kv = realistic_kv(layers=1, tokens=9, heads=1, head_dim=4, dtype=torch.bfloat16, seed=3)
+    path = tmp_path / "a.cgen"
+    path.write_bytes(cg.encode(kv, quality="balanced", device="cpu", rope=rope.from_theta(10.0, 4)))
+    runner, app = _cli()
+    r = runner.invoke(app, ["stats", str(path)])
+    assert r.exit_code == 0 and "keys without RoPE" in r.output, r.output
