@@ -1748,7 +1748,7 @@ def _turn_keys_kernel(x, L, T, C, inv_freq, rows, F, style, rotary_dim, head_dim
 
 def turn_keys(x, freq, rope, t_first, sink, forward, stream=0):
     """In place on float32 x [L, 2, T, C] (tokens t_first ..): the keys' RoPE removed
-    (forward False: rope.unturn_keys) or restored (True: rope.turn_keys), for the tokens at or
+    (forward False) or restored (True), as rope.turn_keys (the same signature), for the tokens at or
     past ``sink``.  ``rope``: format.params.Rope; ``freq``: its frequencies, float64, on the device."""
     L, _, T, C = x.shape
     F = rope.rotary_dim // 2

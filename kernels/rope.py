@@ -155,12 +155,20 @@ def _angles(inv_freq, positions, s, c):
             s[i, j], c[i, j] = sincos(p * inv_freq[j])
 
 
+def turn_keys(x, freq, rope, t_first, sink, forward):
+    """In place on float32 x [L, 2, T, C] (tokens t_first .. of the cache): the key planes x[:, 0]
+    with their rotary embedding removed (``forward`` False: the encoder's step) or restored
+    (True: the decoder's last step before the source dtype), for the tokens at or past ``sink``
+    (the sink tokens are stored verbatim, never turned).  ``rope``: format.params.Rope; ``freq``:
+    its frequencies, float64 [F, rotary_dim / 2] (F = 1: every layer, or L); token t's position
+    is rope.position_start + t.  The signature of cuda_pipeline.turn_keys."""
+    _turn_keys(x, np.ascontiguousarray(freq, np.float64), rope.style, rope.rotary_dim, rope.head_dim,
+               rope.position_start, t_first, sink, forward)
+
+
 @njit(parallel=True, **_FAST)
-def unturn_keys(x, inv_freq, style, rotary_dim, head_dim, pos0, t_first, sink):
-    """In place: the key planes x[:, 0] (float32 [L, 2, T, C], tokens t_first .. of the cache)
-    without their rotary embedding, for the tokens at or past ``sink`` (the sink tokens are
-    stored verbatim, never turned).  inv_freq float64 [F, rotary_dim / 2], F = 1 (every layer)
-    or L; token t's position is pos0 + t."""
+def _turn_keys(x, inv_freq, style, rotary_dim, head_dim, pos0, t_first, sink, forward):
+    """turn_keys: one job per (layer, token); each pair's angle once, for every head."""
     L, _, T, C = x.shape
     H = C // head_dim
     F = rotary_dim // 2
@@ -178,30 +186,10 @@ def unturn_keys(x, inv_freq, style, rotary_dim, head_dim, pos0, t_first, sink):
             for h in range(H):
                 ca = h * head_dim + a
                 cb = h * head_dim + b
-                row[ca], row[cb] = unturn(np.float64(row[ca]), np.float64(row[cb]), s, c)
-
-
-@njit(parallel=True, **_FAST)
-def turn_keys(x, inv_freq, style, rotary_dim, head_dim, pos0, t_first, sink):
-    """In place: the inverse of unturn_keys (the decoder's last step before the source dtype)."""
-    L, _, T, C = x.shape
-    H = C // head_dim
-    F = rotary_dim // 2
-    for job in prange(L * T):
-        l = job // T
-        i = job % T
-        t = t_first + i
-        if t < sink:
-            continue
-        freq = inv_freq[l if inv_freq.shape[0] > 1 else 0]
-        row = x[l, 0, i]
-        for j in range(F):
-            s, c = sincos(np.float64(pos0 + t) * freq[j])
-            a, b = pair_channels(j, style, rotary_dim)
-            for h in range(H):
-                ca = h * head_dim + a
-                cb = h * head_dim + b
-                row[ca], row[cb] = turn(np.float64(row[ca]), np.float64(row[cb]), s, c)
+                if forward:
+                    row[ca], row[cb] = turn(np.float64(row[ca]), np.float64(row[cb]), s, c)
+                else:
+                    row[ca], row[cb] = unturn(np.float64(row[ca]), np.float64(row[cb]), s, c)
 
 
 @njit(parallel=True, **_FAST)

@@ -96,8 +96,7 @@ def unturn(x: torch.Tensor, rope: Rope, sink: int = 0, first_token: int = 0) -> 
     before ``sink`` left as they are), exactly as the encoder computes it: for tools (calibrate,
     scripts) that need the coordinates the codec quantizes."""
     y = x.detach().to("cpu", torch.float32).contiguous().clone()
-    rope_kernels.unturn_keys(y.numpy(), np.ascontiguousarray(rope.inv_freq, np.float64), rope.style, rope.rotary_dim,
-                             rope.head_dim, rope.position_start, first_token, sink)
+    rope_kernels.turn_keys(y.numpy(), rope.inv_freq, rope, first_token, sink, False)
     return y
 
 

@@ -285,24 +285,15 @@ class _SlabEncoder:
         ROTATED_CACHE_BYTES, those rows, rotated once for both passes over them."""
         if self.kept_values is not None:
             return self.kept_values
-        block = self._block(t0, t1, check)
-        if block.dtype == torch.bfloat16:
-            src, shift = block.contiguous().view(torch.int16).numpy().view(np.uint16), 16
-        elif block.dtype == torch.float32:
-            src, shift = block.contiguous().view(torch.int32).numpy().view(np.uint32), 0
-        else:
-            x = self._empty("x", tuple(block.shape), np.float32)
-            torch.from_numpy(x).copy_(block)  # torch's conversion, on every core
-            src, shift = x.view(np.uint32), 0
+        src, shift = self._bits(self._block(t0, t1, check))
         if self.rope is not None:
-            # The keys without their RoPE (float32, kernels/rope.unturn_keys), the values widened.
-            x = self._empty("unturned", tuple(block.shape), np.float32)
+            # The keys without their RoPE (float32, kernels/rope.turn_keys), the values widened.
+            x = self._empty("unturned", tuple(src.shape), np.float32)
             if shift == 16:
                 rope_kernels.widen_bf16(src, x.view(np.uint32))
             else:
                 x.view(np.uint32)[...] = src
-            r = self.rope
-            rope_kernels.unturn_keys(x, r.inv_freq, r.style, r.rotary_dim, r.head_dim, r.position_start, t0, self.sink)
+            rope_kernels.turn_keys(x, self.rope.inv_freq, self.rope, t0, self.sink, False)
             src, shift = x.view(np.uint32), 0
         rot = self.rot
         if self.single and rot.size and src.size * 8 <= ROTATED_CACHE_BYTES:
@@ -313,12 +304,20 @@ class _SlabEncoder:
             self.kept_values = (src, shift, rot)
         return src, shift, rot
 
-    def _source_bits(self, t0: int, t1: int):
-        """(src, shift) of a slab as the model has it (for the RMS of keys coded without RoPE)."""
-        block = self.source.read(t0, t1, None)
+    def _bits(self, block: torch.Tensor, name: str = "x"):
+        """(src, shift) of a block for the kernels' _fill_rows: its bits (bfloat16: shift 16;
+        float32: shift 0; float16 through torch's float32 conversion, into buffer ``name``)."""
         if block.dtype == torch.bfloat16:
             return block.contiguous().view(torch.int16).numpy().view(np.uint16), 16
-        return block.contiguous().to(torch.float32).view(torch.int32).numpy().view(np.uint32), 0
+        if block.dtype == torch.float32:
+            return block.contiguous().view(torch.int32).numpy().view(np.uint32), 0
+        x = self._empty(name, tuple(block.shape), np.float32)
+        torch.from_numpy(x).copy_(block)  # torch's conversion, on every core
+        return x.view(np.uint32), 0
+
+    def _source_bits(self, t0: int, t1: int):
+        """(src, shift) of a slab as the model has it (for the RMS of keys coded without RoPE)."""
+        return self._bits(self.source.read(t0, t1, None), "x_source")
 
     def _quantize(self, t0: int, t1: int):
         """Transform: (levels, refinement indices of the slab's refined tokens or None, level
@@ -702,7 +701,7 @@ class V2SlabDecoder:
             r = p.rope
             tmp = self.buf.get("f32", (L, 2, Ts, C), np.float32)
             k2.decode_transform_planes(*args, tmp, 0, False)
-            rope_kernels.turn_keys(tmp, r.inv_freq, r.style, r.rotary_dim, r.head_dim, r.position_start, T0, h.sink_tokens)
+            rope_kernels.turn_keys(tmp, r.inv_freq, r, T0, h.sink_tokens, True)
             if h.dtype == "float16":  # torch's float32 -> float16 rounding, saturating
                 np.clip(tmp, -65504.0, 65504.0, out=tmp)
                 dst = torch.from_numpy(out.view(np.int16)[:, :, t_out + sink : t_out + Ts]).view(torch.float16)

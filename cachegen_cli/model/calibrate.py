@@ -54,8 +54,6 @@ def calibrate_files(inputs: list, output, *, layout: str = "auto", sensitivity: 
             used = used or dataclasses.replace(r, position_start=0)
     fitted = fit(data, blocks=caches[0].num_kv_heads if per_head else 1)
     if used is not None:
-        from ..methods import rope as rope_methods
-
         fitted = Calibration(fitted.rotation, dict(fitted.metadata, rope=rope_methods.to_metadata(used)), fitted.sensitivity)
     if sensitivity:
         from . import evaluate

@@ -750,6 +750,14 @@ def tune_file(
                     model=model_id(model))
     result = tune(data, kv.num_kv_heads, kv.head_dim, measure, target, calibration=cal, max_step=max_step,
                   strength=strength, log=log)
+    return write_result(result, src, dst, calibration_path, info, t_start)
+
+
+def write_result(result, src: Path, dst: Path, calibration_path, info: dict, t_start: float) -> dict:
+    """Write ``result`` as the TOML config file ``dst`` (atomically) and return ``info`` with its
+    figures: what tune_file (and tune_parts.tune_any_file) report."""
+    from ..storage.outputs import atomic_output
+
     body = to_toml(result, source=src.name, calibration_path=str(calibration_path) if calibration_path else None)
     with atomic_output(dst) as tmp:
         tmp.write_text(body, encoding="utf-8")

@@ -320,7 +320,6 @@ def tune_parts_file(pc, src: Path, dst: Path, *, target_kl, target_error, model_
     """tune_file's work for a multi-part cache ``pc`` of ``src`` (its arguments already checked)."""
     from ..methods.calibration import CalibrationError
     from ..methods.parts_calibration import PartsCalibration, load_any
-    from ..storage.outputs import atomic_output
 
     t_start = time.perf_counter()
     cal = None
@@ -348,18 +347,7 @@ def tune_parts_file(pc, src: Path, dst: Path, *, target_kl, target_error, model_
         measure, tuning = _kl_measure(pc, src, model_path, text_path, continuation, loaded, log, info)
         pc = tuning
     result = tune_parts(pc, measure, target, calibration=cal, max_step=max_step, strength=strength, log=log)
-    body = base.to_toml(result, source=src.name, calibration_path=str(calibration_path) if calibration_path else None)
-    with atomic_output(dst) as tmp:
-        tmp.write_text(body, encoding="utf-8")
-    info.update(
-        kind=result.kind, target=result.target, achieved=result.achieved, bits_per_value=result.bits_per_value,
-        ratio=result.ratio, file_bytes=result.file_bytes, original_bytes=result.original_bytes,
-        key_step=[float(s) for s in result.steps[:, 0]], value_step=[float(s) for s in result.steps[:, 1]],
-        sensitivity_key=[float(w) for w in result.weights[:, 0]],
-        sensitivity_value=[float(w) for w in result.weights[:, 1]],
-        trials=len(result.trials), evaluations=result.evaluations, seconds=time.perf_counter() - t_start,
-    )
-    return info
+    return base.write_result(result, src, dst, calibration_path, info, t_start)
 
 
 def _kl_measure(pc, src: Path, model_path, text_path, continuation: int, loaded, log, info: dict):
