@@ -103,6 +103,32 @@ def copy_ceiling() -> float:
     return 2 * a.numel() / med
 
 
+def method_options(name: str, kv: torch.Tensor, cals: dict | None = None) -> dict:
+    """encode_to_device's keyword arguments for METHODS[name], fitting (once per kind, kept in
+    cals) the calibration it names on another text (bench_all.tile_calibration_cache)."""
+    cals = {} if cals is None else cals
+    kw = dict(METHODS[name])
+    if "calibration" in kw:
+        kind = kw["calibration"]
+        if kind not in cals:
+            from bench_all import tile_calibration_cache
+            from cachegen_cli.methods import calibration
+
+            t = time.perf_counter()
+            sample = tile_calibration_cache()
+            if kind.endswith("+rope"):
+                sample = rope.unturn(sample, SMOL_ROPE)
+            cals[kind] = calibration.fit([sample], blocks=1 if kind == "full" else kv.shape[3])
+            if kind.endswith("+rope"):
+                cals[kind] = calibration.Calibration(cals[kind].rotation, dict(cals[kind].metadata,
+                                                                                rope=rope.to_metadata(SMOL_ROPE)))
+            print(f"# calibration ({kind}): fitted in {time.perf_counter() - t:.1f} s", flush=True)
+        kw["calibration"] = cals[kind]
+    if "rope" in kw:
+        kw["rope"] = SMOL_ROPE
+    return kw
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=8192)
@@ -135,25 +161,7 @@ def main() -> None:
     rows = []
     cals = {}
     for name in args.methods.split(","):
-        kw = dict(METHODS[name])
-        if "calibration" in kw:
-            kind = kw["calibration"]
-            if kind not in cals:
-                from bench_all import tile_calibration_cache
-                from cachegen_cli.methods import calibration
-
-                t = time.perf_counter()
-                sample = tile_calibration_cache()
-                if kind.endswith("+rope"):
-                    sample = rope.unturn(sample, SMOL_ROPE)
-                cals[kind] = calibration.fit([sample], blocks=1 if kind == "full" else kv.shape[3])
-                if kind.endswith("+rope"):
-                    cals[kind] = calibration.Calibration(cals[kind].rotation, dict(cals[kind].metadata,
-                                                                                    rope=rope.to_metadata(SMOL_ROPE)))
-                print(f"# calibration ({kind}): fitted in {time.perf_counter() - t:.1f} s", flush=True)
-            kw["calibration"] = cals[kind]
-        if "rope" in kw:
-            kw["rope"] = SMOL_ROPE
+        kw = method_options(name, kv, cals)
         blob = cg.encode_to_device(kv, **kw)
         dkw = {"calibration": kw["calibration"]} if "calibration" in kw else {}
         out = cg.decode(blob, device="cuda", **dkw)["kv"]

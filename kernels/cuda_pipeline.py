@@ -51,6 +51,7 @@ from .coding_params import MASK32, PROB_BITS, PROB_TOTAL, RANGE_INIT, RANGE_TOP
 from .crc import CRC_TABLE, multmodp, x8nmodp
 from .quantize import float_from_bits16
 from . import rope as _rope
+from . import fixed_rotation as _fx
 
 import os as _os
 
@@ -320,6 +321,161 @@ def rotate_blocks(x, rot, t_first, y, stream=0):
     kern, threads = _made(_make_rotate, ROT_TM, ROT_TN, ROT_TK, ROT_RM, ROT_RN, wide, ROT_FLAT)
     grid = (-(-n // ROT_TM), L * 2 * H * -(-D // ROT_TN))
     kern[grid, threads, stream](as_device(x), as_device(rot), np.int64(t_first), as_device(y))
+
+
+# ---------------------------------------------------------------- fixed-point rotation (flags bit 3)
+# The integer rows and their product (fixed_rotation.py: the same names and signatures on the
+# CPU; the product itself is fixed_rotation.block_product, cuBLAS on integer-valued float64).
+
+FIXED_ROW_THREADS = 32 if SIM else 128
+
+
+@cuda.jit
+def _fixed_rows_kernel(x, t_first, X, e):
+    # one block per row (l, kv, t): its threads stride over the channels, the largest
+    # magnitude's bits reduced in shared memory (integers: any order), then each thread
+    # writes the integers of its channels (adjacent threads, adjacent words)
+    L, _, T, C = x.shape
+    H, D = X.shape[2], X.shape[4]
+    n = T - t_first
+    job = cuda.blockIdx.x
+    l = job // (2 * n)
+    kv = (job // n) % 2
+    t = job % n
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    top_s = cuda.shared.array(FIXED_ROW_THREADS, np.uint32)
+    top = np.uint32(0)
+    for c in range(tid, C, nt):
+        a = _f32_bits(x[l, kv, t_first + t, c]) & np.uint32(0x7FFFFFFF)
+        if a > top:
+            top = a
+    top_s[tid] = top
+    cuda.syncthreads()
+    step = nt // 2
+    while step > 0:
+        if tid < step and top_s[tid + step] > top_s[tid]:
+            top_s[tid] = top_s[tid + step]
+        cuda.syncthreads()
+        step //= 2
+    ex = _fx.row_exponent(top_s[0])
+    scale = math.ldexp(1.0, int(_fx.X_BITS - ex))
+    for c in range(tid, C, nt):
+        X[l, kv, c // D, t, c % D] = _fx.round_even(np.float64(x[l, kv, t_first + t, c]) * scale)
+    if tid == 0:
+        e[l, kv, t] = ex
+
+
+def fixed_rows(x, t_first, X, e, stream=0):
+    """fixed_rotation.fixed_rows: one block of FIXED_ROW_THREADS per row."""
+    L, _, T, C = x.shape
+    n = T - t_first
+    if n <= 0 or L == 0 or C == 0:
+        return
+    _fixed_rows_kernel[L * 2 * n, FIXED_ROW_THREADS, stream](as_device(x), np.int64(t_first), as_device(X),
+                                                            as_device(e))
+
+
+@cuda.jit
+def _fixed_rows_out_kernel(Y, e, t_first, y):
+    L, _, H, n, D = Y.shape
+    i = cuda.grid(1)
+    if i >= L * 2 * H * n * D:
+        return
+    d = i % D
+    t = (i // D) % n
+    h = (i // (D * n)) % H
+    p = i // (D * n * H)
+    l = p // 2
+    kv = p % 2
+    y[l, kv, t_first + t, h * D + d] = np.float32(math.ldexp(Y[l, kv, h, t, d], int(e[l, kv, t] - _fx.X_BITS - _fx.R_BITS)))
+
+
+def fixed_rows_out(Y, e, t_first, y, stream=0):
+    """fixed_rotation.fixed_rows_out: one thread per value."""
+    total = Y.size
+    if total == 0:
+        return
+    blocks, threads = _cfg(total)
+    _fixed_rows_out_kernel[blocks, threads, stream](as_device(Y), as_device(e), np.int64(t_first), as_device(y))
+
+
+@cuda.jit
+def _fixed_levels_kernel(z, t_first, X):
+    L, _, H, n, D = X.shape
+    i = cuda.grid(1)
+    if i >= L * 2 * H * n * D:
+        return
+    d = i % D
+    t = (i // D) % n
+    h = (i // (D * n)) % H
+    p = i // (D * n * H)
+    X[p // 2, p % 2, h, t, d] = np.float64(z[p // 2, p % 2, t_first + t, h * D + d])
+
+
+def fixed_levels(z, t_first, X, stream=0):
+    """fixed_rotation.fixed_levels: one thread per value."""
+    total = X.size
+    if total == 0:
+        return
+    blocks, threads = _cfg(total)
+    _fixed_levels_kernel[blocks, threads, stream](as_device(z), np.int64(t_first), as_device(X))
+
+
+@cuda.jit
+def _offset_sums_kernel(offsets, rint_t, b):
+    # one thread per output (l, kv, h D + i), its sum over j in order; adjacent threads read
+    # adjacent words of the transposed blocks
+    L, _, H, D, _ = rint_t.shape
+    k = cuda.grid(1)
+    if k >= L * 2 * H * D:
+        return
+    i = k % D
+    h = (k // D) % H
+    p = k // (D * H)
+    l = p // 2
+    kv = p % 2
+    unit = math.ldexp(1.0, -_fx.R_BITS)
+    acc = 0.0
+    for j in range(D):
+        acc = acc + np.float64(offsets[l, kv, h * D + j]) * (rint_t[l, kv, h, j, i] * unit)
+    b[l, kv, h * D + i] = acc
+
+
+def offset_sums(offsets, rint_t, b, stream=0):
+    """fixed_rotation.offset_sums: one thread per output channel."""
+    L, _, H, D, _ = rint_t.shape
+    total = L * 2 * H * D
+    if total == 0:
+        return
+    blocks, threads = _cfg(total)
+    _offset_sums_kernel[blocks, threads, stream](as_device(offsets), as_device(rint_t), as_device(b))
+
+
+@cuda.jit
+def _fixed_values_kernel(A, steps, b, t_first, out):
+    L, _, H, n, D = A.shape
+    k = cuda.grid(1)
+    if k >= L * 2 * H * n * D:
+        return
+    i = k % D
+    t = (k // D) % n
+    h = (k // (D * n)) % H
+    p = k // (D * n * H)
+    l = p // 2
+    kv = p % 2
+    unit = math.ldexp(steps[l, kv], -_fx.R_BITS)
+    out[l, kv, t_first + t, h * D + i] = _fx.fixed_value(A[l, kv, h, t, i], unit, b[l, kv, h * D + i])
+
+
+def fixed_values(A, steps, b, t_first, out, stream=0):
+    """fixed_rotation.fixed_values: one thread per value."""
+    total = A.size
+    if total == 0:
+        return
+    blocks, threads = _cfg(total)
+    _fixed_values_kernel[blocks, threads, stream](as_device(A), as_device(steps), as_device(b), np.int64(t_first),
+                                                  as_device(out))
 
 
 # ---------------------------------------------------------------- statistics (method 2)

@@ -70,6 +70,7 @@ LAYOUTS = {1: "stacked", 2: "per-layer"}
 FLAG_ROTATED = 1
 FLAG_REFINED = 2
 FLAG_ROPE = 4
+FLAG_FIXED_ROTATION = 8
 
 #: layers.{i}.key / layers.{i}.value, {i} one to nine ASCII digits (docs/format.md, "Descriptor")
 PER_LAYER_NAME = re.compile(r"layers\.([0-9]{1,9})\.(key|value)")
@@ -189,7 +190,8 @@ def parse_file_header(f: Bytes) -> Header:
         check(reserved == 0, "reserved header field is not zero")
         check(method in (2, 3), f"unknown method {method} for version 2")
         check(cdf_coding == 2, f"unknown cdf_coding {cdf_coding} for version 2")
-        check(flags & ~(FLAG_ROTATED | FLAG_REFINED | FLAG_ROPE) == 0, "unknown header flags")
+        check(flags & ~(FLAG_ROTATED | FLAG_REFINED | FLAG_ROPE | FLAG_FIXED_ROTATION) == 0, "unknown header flags")
+        check(not flags & FLAG_FIXED_ROTATION or flags & FLAG_ROTATED, "flags bit 3 without bit 0")
         check(method == 2 or (flags == 0 and sink_tokens == 0), "method 3 has no flags and no sink tokens")
         check(sink_tokens <= num_tokens, "more sink tokens than tokens")
         check(1 <= params_size <= MAX_PARAMS_BYTES, "params_size out of range")
@@ -689,7 +691,21 @@ def decode_v2_chunk(ch: ChunkSections, h: Header, p: Params, rotation: np.ndarra
     # which numpy would otherwise report as an overflow warning
     with np.errstate(over="ignore"):
         z = (q * p.steps[:, :, None, None] + p.offsets[:, :, None, :]).astype(np.float32)
-    if rotation is not None:
+    if rotation is not None and h.flags & FLAG_FIXED_ROTATION:
+        # the fixed-point rotation: integers Rint = round(R 2^14) (ties to even) clamped to
+        # +-2^14; A[c] = sum over d of q'[d] Rint[c, d], exact (as integers: q' = N / 256)
+        one = float(1 << 14)
+        rint = np.clip(np.rint(rotation.astype(np.float64) * one), -one, one)  # [L, 2, C(c), C(d)]
+        N = (q * 256.0).astype(np.int64)
+        A = np.matmul(N, rint.astype(np.int64).transpose(0, 1, 3, 2)).astype(np.float64) / 256.0
+        # b[c]: the offsets through the rotation, sum over d = 0..C-1 in that order, each product
+        # m[d] x (Rint[c, d] 2^-14) exact, each addition rounded
+        b = np.zeros((L, 2, C), np.float64)
+        for d in range(C):
+            b = b + p.offsets[:, :, d : d + 1] * (rint[:, :, :, d] / one)
+        v = A * (p.steps[:, :, None, None] / one) + b[:, :, None, :]  # the product exact, one rounding
+        z = np.clip(v, -FLOAT32_MAX, FLOAT32_MAX).astype(np.float32)
+    elif rotation is not None:
         acc = np.zeros(z.shape, np.float64)
         R = rotation.astype(np.float64)  # [L, 2, C(c), C(d)]
         zz = z.astype(np.float64)

@@ -26,6 +26,7 @@ writes their files and adds them to the manifest, leaving the existing ones unto
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import sys
@@ -219,6 +220,18 @@ CASES: dict[str, dict] = {
     "v2_rope_rotated": dict(source="source_bf16_c16_rope.safetensors", calibration=CALIBRATION,
                             config=_transform(sink_tokens=1, rope_keys=True),
                             expect=dict(version=2, method=2, flags=5, sink_tokens=1, dtype=2, rope=[1, 16, 16, 1, 0])),
+    # ---- the fixed-point rotation (flags bit 3, 2026-12-02): alone, refined, with RoPE-free keys
+    "v2_fixed_rotated": dict(source="source_bf16_c16.safetensors", calibration=CALIBRATION,
+                             config=_transform(sink_tokens=1),
+                             expect=dict(version=2, method=2, flags=9, sink_tokens=1, dtype=2)),
+    "v2_fixed_rotated_refined": dict(source="source_bf16_c16.safetensors", calibration=CALIBRATION,
+                                     config=_transform(sink_tokens=1, recent_tokens=6, recent_bits=3),
+                                     expect=dict(version=2, method=2, flags=11, sink_tokens=1, dtype=2,
+                                                 refine_tokens=6, refine_bits=3)),
+    "v2_fixed_rope_rotated": dict(source="source_bf16_c16_rope.safetensors", calibration=CALIBRATION,
+                                  config=_transform(sink_tokens=1, rope_keys=True),
+                                  expect=dict(version=2, method=2, flags=13, sink_tokens=1, dtype=2,
+                                              rope=[1, 16, 16, 1, 0])),
     # format version 1 (method 1): LMCache's table for a small model is 32 bins everywhere; the
     # per-layer case has an odd 17 (17 symbols) and an even 16 (15 symbols)
     "v1_fp16": dict(source="source_fp16.safetensors", config=_bins([[0, None, 32]], [[0, None, 32]]),
@@ -258,6 +271,20 @@ def config_of(case: dict) -> TransformConfig | QuantizationConfig:
     return TransformConfig(**c)
 
 
+@contextlib.contextmanager
+def rotation_arithmetic(case: dict):
+    """The writer's rotation arithmetic of the case: a rotated case without flags bit 3 was
+    written with bit 0's float64 sums (methods/transform.FIXED_ROTATION = False)."""
+    from cachegen_cli.methods import transform
+
+    old = transform.FIXED_ROTATION
+    transform.FIXED_ROTATION = bool(case["expect"].get("flags", 0) & 8) or not case.get("calibration")
+    try:
+        yield
+    finally:
+        transform.FIXED_ROTATION = old
+
+
 def encode_case(case: dict, folder: Path = GOLDEN) -> bytes:
     """The case's .cgen bytes from its committed source (as tests/test_golden.py re-encodes it)."""
     from cachegen_cli.storage import kvio
@@ -268,8 +295,9 @@ def encode_case(case: dict, folder: Path = GOLDEN) -> bytes:
     else:
         cache = kvio.read_safetensors(folder / case["source"])
         tensors, metadata = kvio.to_tensors(cache.data, cache.descriptor()), cache.metadata
-    return cg.encode(tensors, quantization=config_of(case), calibration=cal, chunk_tokens=case.get("chunk_tokens", CHUNK_TOKENS),
-                     metadata=metadata, device="cpu")
+    with rotation_arithmetic(case):
+        return cg.encode(tensors, quantization=config_of(case), calibration=cal,
+                         chunk_tokens=case.get("chunk_tokens", CHUNK_TOKENS), metadata=metadata, device="cpu")
 
 
 def decoded_digests(blob: bytes, case: dict, folder: Path = GOLDEN) -> dict[str, dict]:

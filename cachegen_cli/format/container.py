@@ -52,7 +52,10 @@ CDF_CODING_SHARED = 2  # version 2: one table per (layer, K/V, channel) in the P
 FLAG_ROTATED = 1
 FLAG_REFINED = 2  # method 2: the last tokens carry refinement bits (Params block + chunks' raw sections)
 FLAG_ROPE = 4  # method 2: the keys are coded without their rotary embedding (Params block's RoPE block)
-KNOWN_FLAGS = FLAG_ROTATED | FLAG_REFINED | FLAG_ROPE
+#: method 2 with FLAG_ROTATED: the rotation is the fixed-point one (integer products, exact in any
+#: order; docs/format.md, "Fixed-point rotation"), not the float64 sums in order of bit 0 alone
+FLAG_FIXED_ROTATION = 8
+KNOWN_FLAGS = FLAG_ROTATED | FLAG_REFINED | FLAG_ROPE | FLAG_FIXED_ROTATION
 MAX_PARAMS_BYTES = 1 << 30
 
 # Caps: a reader refuses anything beyond these before allocating.
@@ -91,6 +94,10 @@ class FileHeader:
     @property
     def rotated(self) -> bool:
         return bool(self.flags & FLAG_ROTATED)
+
+    @property
+    def fixed_rotation(self) -> bool:
+        return bool(self.flags & FLAG_FIXED_ROTATION)
 
     @property
     def refine_start(self) -> int:
@@ -342,6 +349,8 @@ def _read_file_header_v2(f: BinaryIO, raw: bytes, file_size: int | None,
         raise UnsupportedVersionError("reserved header bits are set (written by a newer cachegen?)")
     if method == METHOD_LOSSLESS and (flags or sink_tokens):
         raise SizeError("a lossless file has no rotation and no sink tokens")
+    if flags & FLAG_FIXED_ROTATION and not flags & FLAG_ROTATED:
+        raise SizeError("header flags: a fixed-point rotation (bit 3) without a rotation (bit 0)")
     if sink_tokens > num_tokens:
         raise SizeError(f"{sink_tokens} sink tokens in a cache of {num_tokens}")
     if not 0 < params_size <= MAX_PARAMS_BYTES:

@@ -37,6 +37,7 @@ from ..format.container import Chunk, FileHeader
 from ..errors import ConfigError, SizeError
 from ..kernels import cpu as cpu_kernels
 from ..kernels import cpu_transform as k2
+from ..kernels import fixed_rotation as fixed_kernels
 from ..kernels import rope as rope_kernels
 from ..kernels.coding_params import max_stream_bytes
 from ..kernels.tables import SYMBOL_COST
@@ -69,7 +70,15 @@ class EncodedV2:
     chunks: list[Chunk]
 
 
-def make_header_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, params: Params, sink: int) -> FileHeader:
+#: Whether a rotated file is written with the fixed-point rotation (flags bit 3: integer
+#: products, exact in any order, so a BLAS or cuBLAS computes it) rather than flags bit 0's
+#: float64 sums in order.  Readers take both; the older form is kept writable for the
+#: golden files that pin it (scripts/make_golden.py).
+FIXED_ROTATION = True
+
+
+def make_header_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, params: Params, sink: int,
+                   fixed_rotation: bool = True) -> FileHeader:
     rotated = params.calibration != bytes(32)
     return FileHeader(
         num_tokens=cache.num_tokens, num_layers=cache.num_layers, num_channels=cache.num_channels,
@@ -78,7 +87,8 @@ def make_header_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, para
         layout=cache.layout, bins=np.zeros((cache.num_layers, 2), np.int32), descriptor=cache.descriptor(),
         method=params.method, cdf_coding=container.CDF_CODING_SHARED, version=container.FORMAT_VERSION_2,
         flags=((container.FLAG_ROTATED if rotated else 0) | (container.FLAG_REFINED if params.refine_tokens else 0)
-               | (container.FLAG_ROPE if params.rope is not None else 0)),
+               | (container.FLAG_ROPE if params.rope is not None else 0)
+               | (container.FLAG_FIXED_ROTATION if rotated and fixed_rotation else 0)),
         sink_tokens=sink, params=params)
 
 
@@ -250,13 +260,14 @@ class _SlabEncoder:
         self.buf = None if self.single else SlabBuffers()
         check = source.finite_check()
         self.rope = None  # the RoPE removed from the keys (_prepare_transform)
+        self.fixed = None  # the fixed-point rotation's blocks (torch float64), when it is the one used
         if self.lossless:
             self.nraw = ITEMSIZE[cache.dtype_name] - 1
             params, sink = self._prepare_lossless(check), 0
         else:
             params, sink = self._prepare_transform(check, calibration)
         self._tables(params)
-        self.header = make_header_v2(cache, cfg, chunk_tokens, params, sink)
+        self.header = make_header_v2(cache, cfg, chunk_tokens, params, sink, self.fixed is not None)
 
     # ---- levels of one slab
 
@@ -296,7 +307,10 @@ class _SlabEncoder:
             rope_kernels.turn_keys(x, self.rope.inv_freq, self.rope, t0, self.sink, False)
             src, shift = x.view(np.uint32), 0
         rot = self.rot
-        if self.single and rot.size and src.size * 8 <= ROTATED_CACHE_BYTES:
+        if self.fixed is not None:
+            # The rows rotated by integer products (kernels/fixed_rotation), as float32 values.
+            src, shift, rot = fixed_rotate(self, src, shift), 0, _NO_ROTATION
+        elif self.single and rot.size and src.size * 8 <= ROTATED_CACHE_BYTES:
             y = np.empty(src.shape, np.float64)
             k2.rotate_rows(src, shift, rot, y)
             src, shift, rot = y, 0, _NO_ROTATION
@@ -372,6 +386,8 @@ class _SlabEncoder:
         cfg, L, T, C = self.cfg, self.L, self.T, self.C
         self.sink = sink = min(cfg.sink_tokens, T)
         self.rot, digest = encoder_rotation(calibration, L, C)
+        if self.rot.size and FIXED_ROTATION:
+            self.fixed = torch.from_numpy(fixed_kernels.fixed_matrix(self.rot, False))
         self.rope = rope_methods.resolve(self.source.cache, cfg, calibration)
         s1, s2, b1, b2 = (np.zeros((L, 2, C), np.float64) for _ in range(4))
         r1, r2, rb1, rb2 = (np.zeros((L, 2, C), np.float64) for _ in range(4))
@@ -475,6 +491,25 @@ class _SlabEncoder:
             np.cumsum(lengths, out=offsets[1:])
             yield _slab_chunks(h, t0, t1, lengths, payload, offsets, extra if self.lossless else None,
                                None if self.lossless else extra)
+
+
+def fixed_rotate(enc: "_SlabEncoder", src: np.ndarray, shift: int) -> np.ndarray:
+    """A slab's rows rotated by the fixed-point rotation (kernels/fixed_rotation): float32
+    values' bits [L, 2, Ts, C] (uint32).  src, shift: the slab's bits as _fill_rows takes them."""
+    L, _, Ts, C = src.shape
+    if shift == 16:
+        x = enc._empty("fixed_x", (L, 2, Ts, C), np.float32)
+        rope_kernels.widen_bf16(src, x.view(np.uint32))
+    else:
+        x = src.view(np.float32)
+    H, D = enc.fixed.shape[2], enc.fixed.shape[3]
+    X = enc._empty("fixed_X", (L, 2, H, Ts, D), np.float64)
+    e = enc._empty("fixed_e", (L, 2, Ts), np.int32)
+    fixed_kernels.fixed_rows(x, 0, X, e)
+    Y = fixed_kernels.block_product(torch.from_numpy(X), enc.fixed).numpy()
+    y = enc._empty("fixed_y", (L, 2, Ts, C), np.float32)
+    fixed_kernels.fixed_rows_out(Y, e, 0, y)
+    return y.view(np.uint32)
 
 
 def _sink_bytes(block: torch.Tensor, sink: int) -> np.ndarray:
@@ -654,9 +689,18 @@ class V2SlabDecoder:
         self.word = np.uint16 if self.itemsize == 2 else np.uint32
         self.buf = SlabBuffers()
         self.sink = None
+        self.fixed_t = None  # the fixed-point rotation's transposed blocks (torch float64), flags bit 3
         if h.method == METHOD_TRANSFORM:
             self.offsets = bf16_values(p.offsets).astype(np.float32)
             self.steps = bf16_values(p.steps)
+            if h.fixed_rotation:
+                # The levels q' decode alone (step 1, offset 0: exact), then the integer product
+                # and the offsets carried through it (kernels/fixed_rotation).
+                rint_t = fixed_kernels.fixed_matrix(rot, True)
+                self.fixed_t = torch.from_numpy(rint_t)
+                self.fixed_b = np.empty((L, 2, C), np.float64)
+                fixed_kernels.offset_sums(self.offsets, rint_t, self.fixed_b)
+                self.rot_t = _NO_ROTATION
             if h.sink_tokens:
                 self.sink = np.ascontiguousarray(p.sink).reshape(-1).view(self.word).reshape(L, 2, h.sink_tokens, C)
 
@@ -670,6 +714,16 @@ class V2SlabDecoder:
 
         signed = words.view(np.int16 if self.itemsize == 2 else np.int32)
         return torch.from_numpy(signed).view(DTYPE_BY_NAME[self.h.dtype])
+
+    def _store(self, tmp: np.ndarray, sink: int, out: np.ndarray, t_out: int, Ts: int) -> None:
+        """out[:, :, t_out + t] = tmp[:, :, t] in the source dtype, saturating, for sink <= t < Ts."""
+        if self.h.dtype == "float16":  # torch's float32 -> float16 rounding, saturating
+            np.clip(tmp, -65504.0, 65504.0, out=tmp)
+            dst = torch.from_numpy(out.view(np.int16)[:, :, t_out + sink : t_out + Ts]).view(torch.float16)
+            dst.copy_(torch.from_numpy(tmp[:, :, sink:]))
+        else:
+            rope_kernels.store_values(tmp, sink, out, t_out, rope_kernels.KIND_BFLOAT16 if self.h.dtype == "bfloat16"
+                                      else rope_kernels.KIND_FLOAT32)
 
     def decode_into(self, chunks: list[Chunk], out: np.ndarray, t_out: int) -> None:
         """Decode consecutive whole chunks into out[:, :, t_out : t_out + their tokens]; ``out``:
@@ -694,6 +748,24 @@ class V2SlabDecoder:
         ref = gather_refinement(h, chunks)
         sink = min(max(h.sink_tokens - T0, 0), Ts)
         first_refined = max(h.refine_start - T0, 0)
+        if self.fixed_t is not None:
+            args += (_NO_ROTATION, sink, np.zeros_like(self.offsets), np.ones_like(self.steps), first_refined,
+                     p.refine_bits, ref)
+            tmp = self.buf.get("f32", (L, 2, Ts, C), np.float32)
+            k2.decode_transform_planes(*args, tmp, 0, False)  # the levels q'
+            H, D = self.fixed_t.shape[2], self.fixed_t.shape[3]
+            Q = self.buf.get("fixed_Q", (L, 2, H, Ts - sink, D), np.float64)
+            fixed_kernels.fixed_levels(tmp, sink, Q)
+            A = fixed_kernels.block_product(torch.from_numpy(Q), self.fixed_t).numpy()
+            fixed_kernels.fixed_values(A, self.steps, self.fixed_b, sink, tmp)
+            del A
+            if p.rope is not None:
+                rope_kernels.turn_keys(tmp, p.rope.inv_freq, p.rope, T0, h.sink_tokens, True)
+            self._store(tmp, sink, out, t_out, Ts)
+            check_level_range(int(seen[:, 0].min()), int(seen[:, 1].max()), h.method)
+            if sink:
+                out[:, :, t_out : t_out + sink] = self.sink[:, :, T0 : T0 + sink]
+            return
         args += (self.rot_t, sink, self.offsets, self.steps, first_refined, p.refine_bits,
                  ref)
         if p.rope is not None:
@@ -702,13 +774,7 @@ class V2SlabDecoder:
             tmp = self.buf.get("f32", (L, 2, Ts, C), np.float32)
             k2.decode_transform_planes(*args, tmp, 0, False)
             rope_kernels.turn_keys(tmp, r.inv_freq, r, T0, h.sink_tokens, True)
-            if h.dtype == "float16":  # torch's float32 -> float16 rounding, saturating
-                np.clip(tmp, -65504.0, 65504.0, out=tmp)
-                dst = torch.from_numpy(out.view(np.int16)[:, :, t_out + sink : t_out + Ts]).view(torch.float16)
-                dst.copy_(torch.from_numpy(tmp[:, :, sink:]))
-            else:
-                rope_kernels.store_values(tmp, sink, out, t_out, rope_kernels.KIND_BFLOAT16 if h.dtype == "bfloat16"
-                                          else rope_kernels.KIND_FLOAT32)
+            self._store(tmp, sink, out, t_out, Ts)
         elif h.dtype == "bfloat16":
             k2.decode_transform_planes(*args, out, t_out, True)
         elif h.dtype == "float32":

@@ -140,6 +140,22 @@ def _device_rotation(rot: np.ndarray, digest: bytes, dev: torch.device, transpos
     return t
 
 
+def _device_fixed(rot: np.ndarray, digest: bytes, dev: torch.device, transposed: bool) -> torch.Tensor:
+    """The fixed-point rotation's blocks of rot (kernels/fixed_rotation.fixed_matrix: float64
+    integers [L, 2, H, D, D]) on ``dev``, kept as _device_rotation keeps rotations."""
+    from ..kernels import fixed_rotation
+
+    key = (digest, str(dev), transposed, "fixed")
+    t = _ROTATIONS.get(key)
+    if t is None:
+        t = torch.from_numpy(fixed_rotation.fixed_matrix(rot, transposed)).to(dev)
+        _ROTATIONS[key] = t
+        while len(_ROTATIONS) > ROTATIONS_KEPT:
+            _ROTATIONS.popitem(last=False)
+    _ROTATIONS.move_to_end(key)
+    return t
+
+
 def supports(cfg: TransformConfig, calibration) -> bool:
     """True when this pipeline encodes with ``cfg`` and ``calibration``: every quality, with or
     without a calibration (lossless with one is the caller's error)."""
@@ -269,7 +285,29 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
             wv = x32.view(torch.int32).view(_TORCH_WORD[V * 4])
             qv = q.view(_TORCH_WORD[V])
             _mark("keys without RoPE")
-        if rot_h.size:
+        if rot_h.size and tc.FIXED_ROTATION:
+            # The rows rotated by integer products (kernels/fixed_rotation; the product on cuBLAS,
+            # exact): float32 values replace the cache's words, as the CPU's fixed_rotate.
+            from ..kernels.fixed_rotation import block_product
+
+            if x32 is None:
+                x32 = x if x.dtype == torch.float32 else x.to(torch.float32)  # torch's conversion, as the CPU's
+            H, D = rot_h.shape[2], rot_h.shape[3]
+            Xr = _empty((L, 2, H, T - sink, D), torch.float64, dev)
+            er = _empty((L, 2, T - sink), torch.int32, dev)
+            k.fixed_rows(_nb(x32), sink, _nb(Xr), _nb(er))
+            rint = _device_fixed(rot_h, digest, dev, False)
+            Yr = block_product(Xr, rint)
+            del Xr
+            y = torch.zeros((L, 2, T, C), dtype=torch.float32, device=dev)
+            k.fixed_rows_out(_nb(Yr), _nb(er), sink, _nb(y))
+            del x32, Yr
+            vitem, fmt = 4, _FMT["float32"]
+            V = k.lanes(C, 4, k.WIDTH["levels"])
+            wv = y.view(torch.int32).view(_TORCH_WORD[V * 4])
+            qv = q.view(_TORCH_WORD[V])
+            _mark("fixed-point rotation")
+        elif rot_h.size:
             # The rotated rows (float64) replace the cache's words as the kernels' values.
             if x32 is None:
                 x32 = x if x.dtype == torch.float32 else x.to(torch.float32)  # torch's conversion, as the CPU's
@@ -386,7 +424,8 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     sink_bytes = 2 * L * sink * C * itemsize
     refine = (struct.pack("<IB", R, bits) if R else b"") + (b"" if lossless or rope is None else rope.pack())
     flags = ((container.FLAG_REFINED if R else 0) | (container.FLAG_ROTATED if digest != bytes(32) else 0)
-             | (container.FLAG_ROPE if not lossless and rope is not None else 0))
+             | (container.FLAG_ROPE if not lossless and rope is not None else 0)
+             | (container.FLAG_FIXED_ROTATION if digest != bytes(32) and tc.FIXED_ROTATION else 0))
     params_at = 64 + len(desc)
     fixed_len = len(fixed) if fixed is not None else 32 + 4 * L + 4 * L * C  # digest, steps, offsets
     tables_at = params_at + fixed_len + sink_bytes + len(refine)
@@ -524,7 +563,12 @@ def decode(blob: torch.Tensor, h: FileHeader, offsets: list[int], size: int, cal
 
     rot = check_calibration(h, calibration)
     with _LOCK:
-        rot_t = _device_rotation(rot, h.params.calibration, blob.device, True) if rot.size else None
+        if not rot.size:
+            rot_t = None
+        elif h.fixed_rotation:
+            rot_t = _device_fixed(rot, h.params.calibration, blob.device, True)
+        else:
+            rot_t = _device_rotation(rot, h.params.calibration, blob.device, True)
         out, failed = _decode(blob, h, offsets, size, rot_t)
     if failed:
         _raise_cpu_error(blob, calibration)
@@ -629,6 +673,12 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
     else:
         offsets_f = _to_device(np.asarray(bf16_values(p.offsets), np.float32), dev)
         steps_f = _to_device(np.asarray(bf16_values(p.steps), np.float64), dev)
+    fixed = rotated and h.fixed_rotation
+    if fixed:
+        # the levels q' alone (step 1, offset 0: exact), for the integer product below
+        file_offsets, file_steps = offsets_f, steps_f
+        offsets_f = torch.zeros_like(file_offsets)
+        steps_f = torch.ones_like(file_steps)
     k.dequantize(_nb(sym.view(_TORCH_WORD[V])), _nb(modes_d), _nb(lo_eff), ct, not lossless, S, _nb(offsets_f),
                  _nb(steps_f), r0, bits, blob_nb, _nb(raw_at_d), nraw, out_bytes,
                  _nb(words.view(_TORCH_WORD[V * out_bytes])), _nb(tables_bad[1:]))
@@ -636,7 +686,22 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
         data = words.view(dtype)
     elif rotated or rope is not None:
         data = words.view(torch.float32)
-        if rotated:
+        if fixed:
+            # x' = sat32(A s 2^-14 + b), A = q' Rint^T exact (kernels/fixed_rotation; cuBLAS)
+            from ..kernels.fixed_rotation import block_product
+
+            H, D = rot_t.shape[2], rot_t.shape[3]
+            Qr = _empty((L, 2, H, T - S, D), torch.float64, dev)
+            k.fixed_levels(_nb(words.view(torch.float32)), S, _nb(Qr))
+            del words
+            Ar = block_product(Qr, rot_t)
+            del Qr
+            b_d = _empty((L, 2, C), torch.float64, dev)
+            k.offset_sums(_nb(file_offsets), _nb(rot_t), _nb(b_d))
+            data = _empty((L, 2, T, C), torch.float32, dev)
+            k.fixed_values(_nb(Ar), _nb(file_steps), _nb(b_d), S, _nb(data))
+            del Ar
+        elif rotated:
             # x = z R^T, block by block: the same product with each block transposed
             data = _empty((L, 2, T, C), torch.float32, dev)
             k.rotate_blocks(_nb(words.view(torch.float32)), _nb(rot_t), S, _nb(data))
@@ -645,7 +710,7 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
             freq_d = _to_device(np.ascontiguousarray(rope.inv_freq, np.float64), dev)
             k.turn_keys(_nb(data), _nb(freq_d), rope, 0, S, True)
         if dtype != torch.float32:
-            if rope is not None:  # saturating: a turned pair can reach past the dtype's largest value
+            if rope is not None or fixed:  # saturating: a turned pair can reach past the dtype's largest value
                 lim = float(torch.finfo(dtype).max)
                 data.clamp_(-lim, lim)
             data = data.to(dtype)  # round to nearest even, as the CPU's rows
