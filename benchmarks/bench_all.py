@@ -67,14 +67,20 @@ PATH_LABEL = {"resident": "GPU resident", "host": "host bytes", "file": "file ->
 
 def split_method(method: str) -> tuple[str, bool]:
     base, _, suffix = method.partition("+")
-    return base, suffix == "cal"
+    return base, suffix in ("cal", "cal/head")
+
+
+def cal_kind(method: str) -> str:
+    """Which calibration a method uses: "full" (+cal: one C x C rotation per (layer, K/V)) or
+    "head" (+cal/head: one block per KV head)."""
+    return "head" if method.endswith("+cal/head") else "full"
 
 
 def check_method(method: str) -> str:
     base, _, suffix = method.partition("+")
-    if base not in (*QUALITIES, "lmcache") or suffix not in ("", "cal"):
+    if base not in (*QUALITIES, "lmcache") or suffix not in ("", "cal", "cal/head"):
         raise argparse.ArgumentTypeError(
-            f"unknown method {method!r}: choose {', '.join(QUALITIES)} or lmcache, optionally with +cal")
+            f"unknown method {method!r}: choose {', '.join(QUALITIES)} or lmcache, optionally with +cal or +cal/head")
     return method
 
 
@@ -220,19 +226,23 @@ def job_fit(spec: dict) -> dict:
     out = Path(spec["cal_dir"])
     np.save(out / "rotation.npy", cal.rotation)
     (out / "metadata.json").write_text(json.dumps(cal.metadata))
+    per_head = calibration.fit([cache], blocks=8)  # one block per KV head of the benchmarked shape
+    np.save(out / "rotation_head.npy", per_head.rotation)
+    (out / "metadata_head.json").write_text(json.dumps(per_head.metadata))
     return {"seconds": time.perf_counter() - t, "sample": CAL_SAMPLE.name, "sample_tokens": int(cache.shape[2]),
             "num_channels": cal.num_channels, "sha256": cal.sha256.hex()}
 
 
-def load_calibration(cal_dir: str | None):
+def load_calibration(cal_dir: str | None, kind: str = "full"):
     if cal_dir is None:
         return None
     import numpy as np
 
     from cachegen_cli.methods.calibration import Calibration
 
-    meta = json.loads((Path(cal_dir) / "metadata.json").read_text())
-    return Calibration(np.ascontiguousarray(np.load(Path(cal_dir) / "rotation.npy")), meta)
+    tail = "_head" if kind == "head" else ""
+    meta = json.loads((Path(cal_dir) / f"metadata{tail}.json").read_text())
+    return Calibration(np.ascontiguousarray(np.load(Path(cal_dir) / f"rotation{tail}.npy")), meta)
 
 
 def job_copy(spec: dict) -> dict:
@@ -332,7 +342,7 @@ def job_measure(spec: dict) -> dict:
     if spec["threads"] == 1:  # the parent pinned this process and set NUMBA_NUM_THREADS=1
         torch.set_num_threads(1)
     method, device = spec["method"], spec["device"]
-    cal = load_calibration(spec["cal_dir"]) if split_method(method)[1] else None
+    cal = load_calibration(spec["cal_dir"], cal_kind(method)) if split_method(method)[1] else None
     kv = build_cache(spec["tokens"])
     nbytes = kv.numel() * kv.element_size()
     paths = []
@@ -370,7 +380,7 @@ def job_identity(spec: dict) -> dict:
     kv_gpu = kv.cuda()
     out = []
     for method in spec["methods"]:
-        cal = load_calibration(spec["cal_dir"]) if split_method(method)[1] else None
+        cal = load_calibration(spec["cal_dir"], cal_kind(method)) if split_method(method)[1] else None
         ekw, dkw = encode_kwargs(method, cal), decode_kwargs(method, cal)
         rec = {"method": method}
         try:
