@@ -332,16 +332,14 @@ FIXED_ROW_THREADS = 32 if SIM else 128
 
 @cuda.jit
 def _fixed_rows_kernel(x, t_first, X, e):
-    # one block per row (l, kv, t): its threads stride over the channels, the largest
-    # magnitude's bits reduced in shared memory (integers: any order), then each thread
-    # writes the integers of its channels (adjacent threads, adjacent words)
-    L, _, T, C = x.shape
-    H, D = X.shape[2], X.shape[4]
-    n = T - t_first
-    job = cuda.blockIdx.x
-    l = job // (2 * n)
-    kv = (job // n) % 2
-    t = job % n
+    # one block per row: blockIdx (token, plane); its threads stride over the channels, the
+    # largest magnitude's bits reduced in shared memory (integers: any order), then each
+    # thread writes the integers of its channels (adjacent threads, adjacent words)
+    C = x.shape[3]
+    t = cuda.blockIdx.x
+    p = cuda.blockIdx.y
+    l = p // 2
+    kv = p % 2
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     top_s = cuda.shared.array(FIXED_ROW_THREADS, np.uint32)
@@ -361,7 +359,7 @@ def _fixed_rows_kernel(x, t_first, X, e):
     ex = _fx.row_exponent(top_s[0])
     scale = math.ldexp(1.0, int(_fx.X_BITS - ex))
     for c in range(tid, C, nt):
-        X[l, kv, c // D, t, c % D] = _fx.round_even(np.float64(x[l, kv, t_first + t, c]) * scale)
+        X[l, kv, t, c] = _fx.round_even(np.float64(x[l, kv, t_first + t, c]) * scale)
     if tid == 0:
         e[l, kv, t] = ex
 
@@ -372,54 +370,30 @@ def fixed_rows(x, t_first, X, e, stream=0):
     n = T - t_first
     if n <= 0 or L == 0 or C == 0:
         return
-    _fixed_rows_kernel[L * 2 * n, FIXED_ROW_THREADS, stream](as_device(x), np.int64(t_first), as_device(X),
-                                                            as_device(e))
+    _fixed_rows_kernel[(n, L * 2), FIXED_ROW_THREADS, stream](as_device(x), np.int64(t_first), as_device(X),
+                                                             as_device(e))
 
 
 @cuda.jit
 def _fixed_rows_out_kernel(Y, e, t_first, y):
-    L, _, H, n, D = Y.shape
-    i = cuda.grid(1)
-    if i >= L * 2 * H * n * D:
-        return
-    d = i % D
-    t = (i // D) % n
-    h = (i // (D * n)) % H
-    p = i // (D * n * H)
+    # blockIdx (token, plane), threads over the channels: no index division
+    C = Y.shape[3]
+    t = cuda.blockIdx.x
+    p = cuda.blockIdx.y
     l = p // 2
     kv = p % 2
-    y[l, kv, t_first + t, h * D + d] = np.float32(math.ldexp(Y[l, kv, h, t, d], int(e[l, kv, t] - _fx.X_BITS - _fx.R_BITS)))
+    k = int(e[l, kv, t] - _fx.X_BITS - _fx.R_BITS)
+    for c in range(cuda.threadIdx.x, C, cuda.blockDim.x):
+        y[l, kv, t_first + t, c] = np.float32(math.ldexp(Y[l, kv, t, c], k))
 
 
 def fixed_rows_out(Y, e, t_first, y, stream=0):
-    """fixed_rotation.fixed_rows_out: one thread per value."""
-    total = Y.size
-    if total == 0:
+    """fixed_rotation.fixed_rows_out: one block per row."""
+    L, _, n, C = Y.shape
+    if n <= 0 or L == 0 or C == 0:
         return
-    blocks, threads = _cfg(total)
-    _fixed_rows_out_kernel[blocks, threads, stream](as_device(Y), as_device(e), np.int64(t_first), as_device(y))
-
-
-@cuda.jit
-def _fixed_levels_kernel(z, t_first, X):
-    L, _, H, n, D = X.shape
-    i = cuda.grid(1)
-    if i >= L * 2 * H * n * D:
-        return
-    d = i % D
-    t = (i // D) % n
-    h = (i // (D * n)) % H
-    p = i // (D * n * H)
-    X[p // 2, p % 2, h, t, d] = np.float64(z[p // 2, p % 2, t_first + t, h * D + d])
-
-
-def fixed_levels(z, t_first, X, stream=0):
-    """fixed_rotation.fixed_levels: one thread per value."""
-    total = X.size
-    if total == 0:
-        return
-    blocks, threads = _cfg(total)
-    _fixed_levels_kernel[blocks, threads, stream](as_device(z), np.int64(t_first), as_device(X))
+    _fixed_rows_out_kernel[(n, L * 2), FIXED_ROW_THREADS, stream](as_device(Y), as_device(e), np.int64(t_first),
+                                                                 as_device(y))
 
 
 @cuda.jit
@@ -454,28 +428,24 @@ def offset_sums(offsets, rint_t, b, stream=0):
 
 @cuda.jit
 def _fixed_values_kernel(A, steps, b, t_first, out):
-    L, _, H, n, D = A.shape
-    k = cuda.grid(1)
-    if k >= L * 2 * H * n * D:
-        return
-    i = k % D
-    t = (k // D) % n
-    h = (k // (D * n)) % H
-    p = k // (D * n * H)
+    # blockIdx (token, plane), threads over the channels
+    C = A.shape[3]
+    t = cuda.blockIdx.x
+    p = cuda.blockIdx.y
     l = p // 2
     kv = p % 2
     unit = math.ldexp(steps[l, kv], -_fx.R_BITS)
-    out[l, kv, t_first + t, h * D + i] = _fx.fixed_value(A[l, kv, h, t, i], unit, b[l, kv, h * D + i])
+    for c in range(cuda.threadIdx.x, C, cuda.blockDim.x):
+        out[l, kv, t_first + t, c] = _fx.fixed_value(A[l, kv, t, c], unit, b[l, kv, c])
 
 
 def fixed_values(A, steps, b, t_first, out, stream=0):
-    """fixed_rotation.fixed_values: one thread per value."""
-    total = A.size
-    if total == 0:
+    """fixed_rotation.fixed_values: one block per row."""
+    L, _, n, C = A.shape
+    if n <= 0 or L == 0 or C == 0:
         return
-    blocks, threads = _cfg(total)
-    _fixed_values_kernel[blocks, threads, stream](as_device(A), as_device(steps), as_device(b), np.int64(t_first),
-                                                  as_device(out))
+    _fixed_values_kernel[(n, L * 2), FIXED_ROW_THREADS, stream](as_device(A), as_device(steps), as_device(b),
+                                                               np.int64(t_first), as_device(out))
 
 
 # ---------------------------------------------------------------- statistics (method 2)

@@ -11,11 +11,12 @@ integer loop.
 
 Array conventions (P = L x 2 planes, H diagonal blocks of D channels, C = H x D; T' the rows
 from ``t_first`` on):
-  x      float32 [L, 2, T, C]       rows to rotate (encoder), or the decoded levels q' (decoder)
-  X      float64 [L, 2, H, T', D]   integer-valued rows, head-major: the matrix product's input
+  x      float32 [L, 2, T, C]       rows to rotate (encoder)
+  X      float64 [L, 2, T', C]      integer-valued rows (encoder), or the levels q' (decoder):
+                                    the matrix product's input
   e      int32   [L, 2, T']         each row's power-of-two scale (encoder)
   rint   float64 [L, 2, H, D, D]    round(R x 2^R_BITS) per block (fixed_matrix), integer-valued
-  Y      float64 [L, 2, H, T', D]   the product
+  Y, A   float64 [L, 2, T', C]      the product
 
 The CUDA kernels with the same names and signatures are in cuda_pipeline.py; the product
 itself is ``block_product`` (torch.matmul) on either device.
@@ -70,10 +71,9 @@ def round_even(v):
 
 @njit(parallel=True, **_JIT)
 def fixed_rows(x, t_first, X, e):
-    """X[l, kv, h, t - t_first, d] = round(x[l, kv, t, h D + d] 2^(X_BITS - e)) and e[l, kv, t -
-    t_first] (row_exponent of the row's largest magnitude), for t >= t_first."""
+    """X[l, kv, t - t_first, c] = round(x[l, kv, t, c] 2^(X_BITS - e)) and e[l, kv, t - t_first]
+    (row_exponent of the row's largest magnitude), for t >= t_first."""
     L, _, T, C = x.shape
-    H, D = X.shape[2], X.shape[4]
     n = T - t_first
     for job in prange(L * 2 * n):
         l = job // (2 * n)
@@ -88,46 +88,26 @@ def fixed_rows(x, t_first, X, e):
         ex = row_exponent(top)
         scale = math.ldexp(1.0, int(X_BITS - ex))
         row = x[l, kv, t_first + t]
-        for h in range(H):
-            dst = X[l, kv, h, t]
-            for d in range(D):
-                dst[d] = round_even(np.float64(row[h * D + d]) * scale)
+        dst = X[l, kv, t]
+        for c in range(C):
+            dst[c] = round_even(np.float64(row[c]) * scale)
         e[l, kv, t] = ex
 
 
 @njit(parallel=True, **_JIT)
 def fixed_rows_out(Y, e, t_first, y):
-    """y[l, kv, t, h D + d] = float32(Y[l, kv, h, t - t_first, d] 2^(e - X_BITS - R_BITS)) for t
-    >= t_first: the rotated rows (the scaling is exact; one rounding, to float32)."""
-    L, _, H, n, D = Y.shape
+    """y[l, kv, t, c] = float32(Y[l, kv, t - t_first, c] 2^(e - X_BITS - R_BITS)) for t >= t_first:
+    the rotated rows (the scaling is exact; one rounding, to float32)."""
+    L, _, n, C = Y.shape
     for job in prange(L * 2 * n):
         l = job // (2 * n)
         kv = (job // n) % 2
         t = job % n
         k = int(e[l, kv, t] - X_BITS - R_BITS)
+        src = Y[l, kv, t]
         dst = y[l, kv, t_first + t]
-        for h in range(H):
-            src = Y[l, kv, h, t]
-            for d in range(D):
-                dst[h * D + d] = np.float32(math.ldexp(src[d], k))
-
-
-@njit(parallel=True, **_JIT)
-def fixed_levels(z, t_first, X):
-    """X[l, kv, h, t - t_first, d] = z[l, kv, t, h D + d] (float32 levels q', exact in float64),
-    head-major for the decoder's product."""
-    L, _, T, C = z.shape
-    H, D = X.shape[2], X.shape[4]
-    n = T - t_first
-    for job in prange(L * 2 * n):
-        l = job // (2 * n)
-        kv = (job // n) % 2
-        t = job % n
-        row = z[l, kv, t_first + t]
-        for h in range(H):
-            dst = X[l, kv, h, t]
-            for d in range(D):
-                dst[d] = np.float64(row[h * D + d])
+        for c in range(C):
+            dst[c] = np.float32(math.ldexp(src[c], k))
 
 
 @njit(parallel=True, **_JIT)
@@ -166,27 +146,38 @@ def fixed_value(a, step_unit, b):
 
 @njit(parallel=True, **_JIT)
 def fixed_values(A, steps, b, t_first, out):
-    """out[l, kv, t, h D + i] = sat32(A[l, kv, h, t - t_first, i] x steps[l, kv] 2^-R_BITS + b[l, kv,
-    h D + i]) for t >= t_first: the decoder's values x'."""
-    L, _, H, n, D = A.shape
+    """out[l, kv, t, c] = sat32(A[l, kv, t - t_first, c] x steps[l, kv] 2^-R_BITS + b[l, kv, c]) for
+    t >= t_first: the decoder's values x'."""
+    L, _, n, C = A.shape
     for job in prange(L * 2 * n):
         l = job // (2 * n)
         kv = (job // n) % 2
         t = job % n
         unit = math.ldexp(steps[l, kv], -R_BITS)
+        src = A[l, kv, t]
         dst = out[l, kv, t_first + t]
-        for h in range(H):
-            src = A[l, kv, h, t]
-            for i in range(D):
-                dst[h * D + i] = fixed_value(src[i], unit, b[l, kv, h * D + i])
+        bl = b[l, kv]
+        for c in range(C):
+            dst[c] = fixed_value(src[c], unit, bl[c])
 
 
 def block_product(X, rint):
-    """Y = X R per block: torch tensors X float64 [L, 2, H, T', D] and rint float64 [L, 2, H, D,
-    D] (integer-valued), on any device; exact, so any BLAS gives the same bits."""
+    """Y = X R per (layer, K/V), R block-diagonal with rint's blocks: torch tensors X float64 [L,
+    2, T', C] (integer-valued, or multiples of 1/256) and rint float64 [L, 2, H, D, D], on any
+    device; Y float64 [L, 2, T', C].  Exact (every partial sum an integer multiple below 2^53),
+    so any BLAS gives the same bits.  The blocks of a plane are one strided batch (rows of C,
+    batch stride D): no copy of X into a head-major layout."""
     import torch
 
-    L, _, H, n, D = X.shape
+    L, _, n, C = X.shape
+    H, D = rint.shape[2], rint.shape[3]
+    Y = torch.empty_like(X)
     if X.numel() == 0:
-        return torch.zeros_like(X)
-    return torch.matmul(X.view(L * 2 * H, n, D), rint.view(L * 2 * H, D, D)).view(L, 2, H, n, D)
+        return Y
+    if H == 1:
+        torch.bmm(X.view(L * 2, n, C), rint.view(L * 2, C, C), out=Y.view(L * 2, n, C))
+        return Y
+    Xv, Yv, Rv = X.view(L * 2, n, H, D), Y.view(L * 2, n, H, D), rint.view(L * 2, H, D, D)
+    for p in range(L * 2):
+        torch.bmm(Xv[p].transpose(0, 1), Rv[p], out=Yv[p].transpose(0, 1))
+    return Y

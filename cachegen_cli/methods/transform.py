@@ -502,8 +502,7 @@ def fixed_rotate(enc: "_SlabEncoder", src: np.ndarray, shift: int) -> np.ndarray
         rope_kernels.widen_bf16(src, x.view(np.uint32))
     else:
         x = src.view(np.float32)
-    H, D = enc.fixed.shape[2], enc.fixed.shape[3]
-    X = enc._empty("fixed_X", (L, 2, H, Ts, D), np.float64)
+    X = enc._empty("fixed_X", (L, 2, Ts, C), np.float64)
     e = enc._empty("fixed_e", (L, 2, Ts), np.int32)
     fixed_kernels.fixed_rows(x, 0, X, e)
     Y = fixed_kernels.block_product(torch.from_numpy(X), enc.fixed).numpy()
@@ -753,10 +752,9 @@ class V2SlabDecoder:
                      p.refine_bits, ref)
             tmp = self.buf.get("f32", (L, 2, Ts, C), np.float32)
             k2.decode_transform_planes(*args, tmp, 0, False)  # the levels q'
-            H, D = self.fixed_t.shape[2], self.fixed_t.shape[3]
-            Q = self.buf.get("fixed_Q", (L, 2, H, Ts - sink, D), np.float64)
-            fixed_kernels.fixed_levels(tmp, sink, Q)
-            A = fixed_kernels.block_product(torch.from_numpy(Q), self.fixed_t).numpy()
+            Q = torch.from_numpy(tmp[:, :, sink:]).to(torch.float64)  # q', exact
+            A = fixed_kernels.block_product(Q, self.fixed_t).numpy()
+            del Q
             fixed_kernels.fixed_values(A, self.steps, self.fixed_b, sink, tmp)
             del A
             if p.rope is not None:

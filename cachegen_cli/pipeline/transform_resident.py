@@ -292,14 +292,14 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
 
             if x32 is None:
                 x32 = x if x.dtype == torch.float32 else x.to(torch.float32)  # torch's conversion, as the CPU's
-            H, D = rot_h.shape[2], rot_h.shape[3]
-            Xr = _empty((L, 2, H, T - sink, D), torch.float64, dev)
+            Xr = _empty((L, 2, T - sink, C), torch.float64, dev)
             er = _empty((L, 2, T - sink), torch.int32, dev)
             k.fixed_rows(_nb(x32), sink, _nb(Xr), _nb(er))
             rint = _device_fixed(rot_h, digest, dev, False)
             Yr = block_product(Xr, rint)
             del Xr
-            y = torch.zeros((L, 2, T, C), dtype=torch.float32, device=dev)
+            y = _empty((L, 2, T, C), torch.float32, dev)
+            y[:, :, :sink].zero_()  # the sink tokens' rows: read by no kernel, but never garbage
             k.fixed_rows_out(_nb(Yr), _nb(er), sink, _nb(y))
             del x32, Yr
             vitem, fmt = 4, _FMT["float32"]
@@ -690,9 +690,7 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
             # x' = sat32(A s 2^-14 + b), A = q' Rint^T exact (kernels/fixed_rotation; cuBLAS)
             from ..kernels.fixed_rotation import block_product
 
-            H, D = rot_t.shape[2], rot_t.shape[3]
-            Qr = _empty((L, 2, H, T - S, D), torch.float64, dev)
-            k.fixed_levels(_nb(words.view(torch.float32)), S, _nb(Qr))
+            Qr = words.view(torch.float32)[:, :, S:].to(torch.float64)  # q', exact
             del words
             Ar = block_product(Qr, rot_t)
             del Qr
