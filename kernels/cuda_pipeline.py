@@ -382,9 +382,9 @@ def _fixed_rows_out_kernel(Y, e, t_first, y):
     p = cuda.blockIdx.y
     l = p // 2
     kv = p % 2
-    k = int(e[l, kv, t] - _fx.X_BITS - _fx.R_BITS)
+    scale = math.ldexp(1.0, int(e[l, kv, t] - _fx.X_BITS - _fx.R_BITS))  # exact: see fixed_rotation
     for c in range(cuda.threadIdx.x, C, cuda.blockDim.x):
-        y[l, kv, t_first + t, c] = np.float32(math.ldexp(Y[l, kv, t, c], k))
+        y[l, kv, t_first + t, c] = np.float32(Y[l, kv, t, c] * scale)
 
 
 def fixed_rows_out(Y, e, t_first, y, stream=0):

@@ -54,6 +54,24 @@ def fixed_matrix(rot: np.ndarray, transposed: bool) -> np.ndarray:
     return np.ascontiguousarray(rint)
 
 
+_KEPT: dict = {}
+
+
+def fixed_matrix_kept(rot: np.ndarray, digest: bytes, transposed: bool):
+    """fixed_matrix(rot, transposed) as a torch tensor, kept for the last two rotations (by their
+    SHA-256): a calibration's integers are made once, not once per call."""
+    import torch
+
+    key = (digest, transposed)
+    t = _KEPT.pop(key, None)
+    if t is None:
+        t = torch.from_numpy(fixed_matrix(rot, transposed))
+    _KEPT[key] = t
+    while len(_KEPT) > 2:
+        _KEPT.pop(next(iter(_KEPT)))
+    return t
+
+
 @register_jitable
 def row_exponent(abs_bits):
     """e with max |x| < 2^e, from the largest float32 magnitude bits of a row (its exponent
@@ -73,11 +91,11 @@ def round_even(v):
 def fixed_rows(x, t_first, X, e):
     """X[l, kv, t - t_first, c] = round(x[l, kv, t, c] 2^(X_BITS - e)) and e[l, kv, t - t_first]
     (row_exponent of the row's largest magnitude), for t >= t_first."""
-    L, _, T, C = x.shape
+    L, K, T, C = x.shape
     n = T - t_first
-    for job in prange(L * 2 * n):
-        l = job // (2 * n)
-        kv = (job // n) % 2
+    for job in prange(L * K * n):
+        l = job // (K * n)
+        kv = (job // n) % K
         t = job % n
         bits = x[l, kv, t_first + t].view(np.uint32)
         top = np.uint32(0)
@@ -98,16 +116,18 @@ def fixed_rows(x, t_first, X, e):
 def fixed_rows_out(Y, e, t_first, y):
     """y[l, kv, t, c] = float32(Y[l, kv, t - t_first, c] 2^(e - X_BITS - R_BITS)) for t >= t_first:
     the rotated rows (the scaling is exact; one rounding, to float32)."""
-    L, _, n, C = Y.shape
-    for job in prange(L * 2 * n):
-        l = job // (2 * n)
-        kv = (job // n) % 2
+    L, K, n, C = Y.shape
+    for job in prange(L * K * n):
+        l = job // (K * n)
+        kv = (job // n) % K
         t = job % n
-        k = int(e[l, kv, t] - X_BITS - R_BITS)
+        # 2^k is a normal float64 (e - 34 in [-160, 95]) and Y x 2^k is exact (a float32 below
+        # 2^-1022 rounds to 0 either way): the same bits as ldexp, without a call per value
+        scale = math.ldexp(1.0, int(e[l, kv, t] - X_BITS - R_BITS))
         src = Y[l, kv, t]
         dst = y[l, kv, t_first + t]
         for c in range(C):
-            dst[c] = np.float32(math.ldexp(src[c], k))
+            dst[c] = np.float32(src[c] * scale)
 
 
 @njit(parallel=True, **_JIT)
@@ -116,11 +136,11 @@ def offset_sums(offsets, rint_t, b):
     j]) x (rint_t[l, kv, h, j, i] 2^-R_BITS) (each product exact, each sum rounded): the offsets
     carried through the inverse rotation, once per file.  rint_t: the decoder's blocks
     (fixed_matrix(rot, transposed=True))."""
-    L, _, H, D, _ = rint_t.shape
+    L, K, H, D, _ = rint_t.shape
     unit = math.ldexp(1.0, -R_BITS)
-    for job in prange(L * 2 * H):
-        l = job // (2 * H)
-        kv = (job // H) % 2
+    for job in prange(L * K * H):
+        l = job // (K * H)
+        kv = (job // H) % K
         h = job % H
         acc = np.zeros(D, np.float64)
         for j in range(D):
@@ -148,10 +168,10 @@ def fixed_value(a, step_unit, b):
 def fixed_values(A, steps, b, t_first, out):
     """out[l, kv, t, c] = sat32(A[l, kv, t - t_first, c] x steps[l, kv] 2^-R_BITS + b[l, kv, c]) for
     t >= t_first: the decoder's values x'."""
-    L, _, n, C = A.shape
-    for job in prange(L * 2 * n):
-        l = job // (2 * n)
-        kv = (job // n) % 2
+    L, K, n, C = A.shape
+    for job in prange(L * K * n):
+        l = job // (K * n)
+        kv = (job // n) % K
         t = job % n
         unit = math.ldexp(steps[l, kv], -R_BITS)
         src = A[l, kv, t]
@@ -161,23 +181,71 @@ def fixed_values(A, steps, b, t_first, out):
             dst[c] = fixed_value(src[c], unit, bl[c])
 
 
-def block_product(X, rint):
+def block_product(X, rint, out=None):
     """Y = X R per (layer, K/V), R block-diagonal with rint's blocks: torch tensors X float64 [L,
-    2, T', C] (integer-valued, or multiples of 1/256) and rint float64 [L, 2, H, D, D], on any
-    device; Y float64 [L, 2, T', C].  Exact (every partial sum an integer multiple below 2^53),
-    so any BLAS gives the same bits.  The blocks of a plane are one strided batch (rows of C,
-    batch stride D): no copy of X into a head-major layout."""
+    K, T', C] (integer-valued, or multiples of 1/256) and rint float64 [L, K, H, D, D], on any
+    device; Y float64 [L, K, T', C] (``out`` when given).  Exact (every partial sum an integer
+    multiple below 2^53), so any BLAS gives the same bits.  The blocks of a plane are one
+    strided batch (rows of C, batch stride D): no copy of X into a head-major layout."""
     import torch
 
-    L, _, n, C = X.shape
+    L, K, n, C = X.shape
+    P = L * K
     H, D = rint.shape[2], rint.shape[3]
-    Y = torch.empty_like(X)
+    Y = torch.empty_like(X) if out is None else out
     if X.numel() == 0:
         return Y
     if H == 1:
-        torch.bmm(X.view(L * 2, n, C), rint.view(L * 2, C, C), out=Y.view(L * 2, n, C))
+        torch.bmm(X.view(P, n, C), rint.view(P, C, C), out=Y.view(P, n, C))
         return Y
-    Xv, Yv, Rv = X.view(L * 2, n, H, D), Y.view(L * 2, n, H, D), rint.view(L * 2, H, D, D)
-    for p in range(L * 2):
+    Xv, Yv, Rv = X.view(P, n, H, D), Y.view(P, n, H, D), rint.view(P, H, D, D)
+    for p in range(P):
         torch.bmm(Xv[p].transpose(0, 1), Rv[p], out=Yv[p].transpose(0, 1))
     return Y
+
+
+# ---- the CPU's passes, a (layer, K/V) plane at a time: the float64 scratch of one plane is
+# reused (and stays in cache), where slab-sized arrays would each cost their pages' first touch
+# (measured on the 2-core development machine: ~3 us a 4 KiB page, more than the arithmetic)
+
+
+def rotate_rows(x, rint, t_first, y):
+    """y[:, :, t] = the fixed-point rotation of x[:, :, t] (fixed_rows, block_product,
+    fixed_rows_out) for t >= t_first; x, y float32 [L, 2, T, C] numpy; rint: torch float64
+    [L, 2, H, D, D] (fixed_matrix)."""
+    import torch
+
+    L, _, T, C = x.shape
+    n = T - t_first
+    if n <= 0:
+        return
+    X = np.empty((1, 1, n, C), np.float64)
+    Y = np.empty_like(X)
+    e = np.empty((1, 1, n), np.int32)
+    Xt, Yt = torch.from_numpy(X), torch.from_numpy(Y)
+    for l in range(L):
+        for kv in range(2):
+            fixed_rows(x[l : l + 1, kv : kv + 1], t_first, X, e)
+            block_product(Xt, rint[l : l + 1, kv : kv + 1], Yt)
+            fixed_rows_out(Y, e, t_first, y[l : l + 1, kv : kv + 1])
+
+
+def unrotate_values(z, rint_t, steps, b, t_first, out):
+    """out[:, :, t] = x' of the levels q' in z[:, :, t] (block_product with the transposed blocks,
+    fixed_values) for t >= t_first; z, out float32 [L, 2, T, C] numpy (may be the same array);
+    rint_t: torch float64 [L, 2, H, D, D]; steps float64 [L, 2]; b float64 [L, 2, C] (offset_sums)."""
+    import torch
+
+    L, _, T, C = z.shape
+    n = T - t_first
+    if n <= 0:
+        return
+    Q = np.empty((1, 1, n, C), np.float64)
+    A = np.empty_like(Q)
+    Qt, At = torch.from_numpy(Q), torch.from_numpy(A)
+    for l in range(L):
+        for kv in range(2):
+            Q[0, 0] = z[l, kv, t_first:]  # q', exact in float64
+            block_product(Qt, rint_t[l : l + 1, kv : kv + 1], At)
+            fixed_values(A, steps[l : l + 1, kv : kv + 1], b[l : l + 1, kv : kv + 1], t_first,
+                         out[l : l + 1, kv : kv + 1])

@@ -387,7 +387,7 @@ class _SlabEncoder:
         self.sink = sink = min(cfg.sink_tokens, T)
         self.rot, digest = encoder_rotation(calibration, L, C)
         if self.rot.size and FIXED_ROTATION:
-            self.fixed = torch.from_numpy(fixed_kernels.fixed_matrix(self.rot, False))
+            self.fixed = fixed_kernels.fixed_matrix_kept(self.rot, digest, False)
         self.rope = rope_methods.resolve(self.source.cache, cfg, calibration)
         s1, s2, b1, b2 = (np.zeros((L, 2, C), np.float64) for _ in range(4))
         r1, r2, rb1, rb2 = (np.zeros((L, 2, C), np.float64) for _ in range(4))
@@ -502,12 +502,8 @@ def fixed_rotate(enc: "_SlabEncoder", src: np.ndarray, shift: int) -> np.ndarray
         rope_kernels.widen_bf16(src, x.view(np.uint32))
     else:
         x = src.view(np.float32)
-    X = enc._empty("fixed_X", (L, 2, Ts, C), np.float64)
-    e = enc._empty("fixed_e", (L, 2, Ts), np.int32)
-    fixed_kernels.fixed_rows(x, 0, X, e)
-    Y = fixed_kernels.block_product(torch.from_numpy(X), enc.fixed).numpy()
     y = enc._empty("fixed_y", (L, 2, Ts, C), np.float32)
-    fixed_kernels.fixed_rows_out(Y, e, 0, y)
+    fixed_kernels.rotate_rows(x, enc.fixed, 0, y)
     return y.view(np.uint32)
 
 
@@ -675,7 +671,7 @@ class V2SlabDecoder:
         rot = check_calibration(h, calibration)
         # The inverse rotation reads R by columns: transposed once, it runs like the encoder's.
         self.rot_t = rot
-        if rot.size:
+        if rot.size and not h.fixed_rotation:
             self.rot_t = np.empty_like(rot)
             k2.transpose_planes(rot, self.rot_t)
         cum = np.empty((L, 2, C, p.width + 1), np.int32)
@@ -695,10 +691,9 @@ class V2SlabDecoder:
             if h.fixed_rotation:
                 # The levels q' decode alone (step 1, offset 0: exact), then the integer product
                 # and the offsets carried through it (kernels/fixed_rotation).
-                rint_t = fixed_kernels.fixed_matrix(rot, True)
-                self.fixed_t = torch.from_numpy(rint_t)
+                self.fixed_t = fixed_kernels.fixed_matrix_kept(rot, p.calibration, True)
                 self.fixed_b = np.empty((L, 2, C), np.float64)
-                fixed_kernels.offset_sums(self.offsets, rint_t, self.fixed_b)
+                fixed_kernels.offset_sums(self.offsets, self.fixed_t.numpy(), self.fixed_b)
                 self.rot_t = _NO_ROTATION
             if h.sink_tokens:
                 self.sink = np.ascontiguousarray(p.sink).reshape(-1).view(self.word).reshape(L, 2, h.sink_tokens, C)
@@ -752,11 +747,7 @@ class V2SlabDecoder:
                      p.refine_bits, ref)
             tmp = self.buf.get("f32", (L, 2, Ts, C), np.float32)
             k2.decode_transform_planes(*args, tmp, 0, False)  # the levels q'
-            Q = torch.from_numpy(tmp[:, :, sink:]).to(torch.float64)  # q', exact
-            A = fixed_kernels.block_product(Q, self.fixed_t).numpy()
-            del Q
-            fixed_kernels.fixed_values(A, self.steps, self.fixed_b, sink, tmp)
-            del A
+            fixed_kernels.unrotate_values(tmp, self.fixed_t, self.steps, self.fixed_b, sink, tmp)
             if p.rope is not None:
                 rope_kernels.turn_keys(tmp, p.rope.inv_freq, p.rope, T0, h.sink_tokens, True)
             self._store(tmp, sink, out, t_out, Ts)
