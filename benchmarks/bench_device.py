@@ -46,7 +46,9 @@ METHODS = {
     "high+cal": {"quality": "high", "calibration": "full"},
     "balanced+cal": {"quality": "balanced", "calibration": "full"},
     "small+cal": {"quality": "small", "calibration": "full"},
+    "high+cal/head": {"quality": "high", "calibration": "head"},
     "balanced+cal/head": {"quality": "balanced", "calibration": "head"},
+    "small+cal/head": {"quality": "small", "calibration": "head"},
     # keys without RoPE (format flags bit 2): SmolLM2's RoPE (theta 100000, heads of 64: the tiled
     # cache's 64-channel blocks are the sample's heads, bench.build_cache), alone and with a per-head
     # calibration fitted on keys without it.  Its positions repeat with the tiled tokens, so the
