@@ -148,6 +148,19 @@ def seed_files() -> list[tuple[str, bytes]]:
     seeds.append(("v2-balanced-rotated-blocks", cg.encode(kv(2, 11, 1, 6, torch.bfloat16, 22), quality="balanced",
                                                           calibration=_CALIBRATIONS[1], chunk_tokens=4,
                                                           device="cpu")))
+    # the rotated seeds above use the fixed-point rotation (flags 9, cachegen's writer since
+    # 2026-12-02); these keep flags bit 0's float64 form (files written before), refined too
+    from cachegen_cli.methods import transform as transform_methods
+
+    old_form = transform_methods.FIXED_ROTATION
+    transform_methods.FIXED_ROTATION = False
+    try:
+        for n, q in enumerate(("balanced", "high")):
+            seeds.append((f"v2-{q}-rotated-float64-form", cg.encode(kv(2, 11, 1, 6, torch.bfloat16, 24 + n), quality=q,
+                                                                    calibration=default_calibration(), chunk_tokens=4,
+                                                                    device="cpu")))
+    finally:
+        transform_methods.FIXED_ROTATION = old_form
     # keys without their RoPE (flags bit 2): both pair styles, a partial rotary dim, a frequency row
     # per layer, positions far from 0; and with a rotation (flags 5)
     from cachegen_cli.format.params import Rope

@@ -1,0 +1,141 @@
+"""The fixed-point rotation (format version 2, flags bit 3; kernels/fixed_rotation.py): exact
+integer products whatever computes them, the reader's rules, hostile calibrations."""
+
+from __future__ import annotations
+
+import struct
+import zlib
+
+import numpy as np
+import pytest
+import torch
+
+import cachegen_cli as cg
+from cachegen_cli.errors import CacheGenError
+from cachegen_cli.format import container
+from cachegen_cli.kernels import fixed_rotation as fr
+from cachegen_cli.methods import calibration as calib
+from cachegen_cli.methods import transform as transform_methods
+
+
+def _int_product(X: np.ndarray, rint: np.ndarray) -> np.ndarray:
+    """X [L, 2, T, C] @ block-diagonal rint [L, 2, H, D, D] in int64 (the definition)."""
+    L, K, T, C = X.shape
+    H, D = rint.shape[2], rint.shape[3]
+    Xi = X.astype(np.int64).reshape(L, K, T, H, D)
+    return np.einsum("lkthd,lkhde->lkthe", Xi, rint.astype(np.int64)).reshape(L, K, T, C)
+
+
+@pytest.mark.parametrize("blocks", [1, 4])
+def test_block_product_is_the_exact_integer_product_at_the_bounds(blocks):
+    """Integers as large as the writer makes them (|X| = 2^20, |Rint| = 2^14) and a column of all
+    maxima: float64 BLAS gives the int64 product exactly (every partial sum below 2^53)."""
+    g = np.random.default_rng(0)
+    C = 64
+    D = C // blocks
+    X = g.integers(-(1 << fr.X_BITS), (1 << fr.X_BITS) + 1, size=(2, 2, 33, C)).astype(np.float64)
+    X[0, 0, 0] = 1 << fr.X_BITS
+    rint = g.integers(-(1 << fr.R_BITS), (1 << fr.R_BITS) + 1, size=(2, 2, blocks, D, D)).astype(np.float64)
+    rint[0, 0, 0, :, 0] = 1 << fr.R_BITS
+    Y = fr.block_product(torch.from_numpy(X), torch.from_numpy(rint)).numpy()
+    assert np.array_equal(Y.astype(np.int64), _int_product(X, rint))
+    assert np.abs(Y).max() > 2.0 ** 35  # far past what float32 (2^24) would hold exactly
+
+
+def test_fixed_matrix_rounds_ties_to_even_and_clamps():
+    rot = np.array([0.5 / 2 ** 14, 1.5 / 2 ** 14, -2.5 / 2 ** 14, 1.0, -1.25, 3.0], np.float32).reshape(1, 1, 1, 1, 6)
+    got = fr.fixed_matrix(rot.reshape(1, 1, 1, 1, 6).repeat(6, axis=3)[:, :, :, :, :], False)[0, 0, 0, 0]
+    assert got.tolist() == [0.0, 2.0, -2.0, 2.0 ** 14, -(2.0 ** 14), 2.0 ** 14]
+
+
+def test_encoder_rows_follow_the_documented_integers():
+    """fixed_rows / fixed_rows_out against the numbers docs/format.md gives for cachegen's
+    encoder: X = round(x 2^(20 - e)) with max |x| < 2^e, y = float32(X Rint 2^(e - 34));
+    a row of zeros, a subnormal row and a tie included."""
+    g = np.random.default_rng(1)
+    x = g.standard_normal((1, 2, 5, 8)).astype(np.float32)
+    x[0, 0, 1] = 0.0
+    x[0, 0, 2] = np.float32(1e-40)  # subnormal
+    x[0, 1, 0, :2] = [1.0, 2.0 ** -21]  # 2^-21 x 2^(20 - 1) = 0.5: a tie, rounded to 0
+    X = np.empty((1, 2, 5, 8), np.float64)
+    e = np.empty((1, 2, 5), np.int32)
+    fr.fixed_rows(x, 0, X, e)
+    for kv in range(2):
+        for t in range(5):
+            top = float(np.abs(x[0, kv, t].astype(np.float64)).max())
+            assert top < 2.0 ** e[0, kv, t]
+            if top >= 2.0 ** -126:  # a normal float32: the tightest such power (subnormals: e = -126)
+                assert top >= 2.0 ** (e[0, kv, t] - 1)
+            want = np.rint(x[0, kv, t].astype(np.float64) * 2.0 ** (fr.X_BITS - int(e[0, kv, t])))
+            assert np.array_equal(X[0, kv, t], want)
+    assert X[0, 1, 0, 1] == 0.0 and np.abs(X).max() <= 2 ** fr.X_BITS
+    rot = calib.fit([torch.from_numpy(g.standard_normal((1, 2, 40, 8)).astype(np.float32))]).rotation
+    rint = fr.fixed_matrix(rot.reshape(1, 2, 1, 8, 8), False)
+    Y = fr.block_product(torch.from_numpy(X), torch.from_numpy(rint)).numpy()
+    y = np.empty_like(x)
+    fr.fixed_rows_out(Y, e, 0, y)
+    want = (_int_product(X, rint).astype(np.float64) * np.exp2(e[..., None] - 34.0)).astype(np.float32)
+    assert np.array_equal(y.view(np.uint32), want.view(np.uint32))
+
+
+def _rotated_file(fixed: bool) -> tuple[bytes, calib.Calibration]:
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(2, 2, 24, 2, 4, generator=g) * torch.linspace(0.2, 4, 8).view(2, 4)).to(torch.bfloat16)
+    cal = calib.fit([x.reshape(2, 2, 24, 8).float()])
+    old = transform_methods.FIXED_ROTATION
+    transform_methods.FIXED_ROTATION = fixed
+    try:
+        return cg.encode(x, quality="high", calibration=cal, chunk_tokens=8, device="cpu"), cal
+    finally:
+        transform_methods.FIXED_ROTATION = old
+
+
+def _with_flags(blob: bytes, flags: int) -> bytes:
+    """The file with header byte 47 (flags) replaced and the header CRC-32 recomputed."""
+    raw = bytearray(blob)
+    raw[47] = flags
+    h = container.read_file_header(container.BufferReader(blob))[0]
+    desc_size = struct.unpack_from("<I", raw, 12)[0]
+    params_size = struct.unpack_from("<I", raw, 48)[0]
+    crc = zlib.crc32(bytes(raw[:60]) + bytes(raw[64 : 64 + desc_size + params_size]))
+    struct.pack_into("<I", raw, 60, crc)
+    assert h.num_layers == 2
+    return bytes(raw)
+
+
+def test_writers_set_flags_bit_3_and_both_forms_decode_close():
+    fixed, cal = _rotated_file(True)
+    older, _ = _rotated_file(False)
+    hf = container.read_file_header(container.BufferReader(fixed))[0]
+    ho = container.read_file_header(container.BufferReader(older))[0]
+    assert hf.flags & container.FLAG_FIXED_ROTATION and hf.rotated
+    assert not ho.flags & container.FLAG_FIXED_ROTATION and ho.rotated
+    a = cg.decode(fixed, calibration=cal, device="cpu")["kv"].float()
+    b = cg.decode(older, calibration=cal, device="cpu")["kv"].float()
+    assert torch.isfinite(a).all()
+    # the same levels almost everywhere: the two arithmetics differ by far less than a step
+    assert (a - b).abs().max() < 0.1 * b.abs().max()
+
+
+def test_reader_rejects_bit_3_without_bit_0():
+    blob, cal = _rotated_file(True)
+    h = container.read_file_header(container.BufferReader(blob))[0]
+    assert h.flags == container.FLAG_ROTATED | container.FLAG_REFINED | container.FLAG_FIXED_ROTATION
+    # bit 3 alone on an unrotated file: the header says a fixed-point rotation of nothing
+    plain = cg.encode(torch.zeros(2, 2, 8, 2, 4, dtype=torch.bfloat16) + 1, quality="balanced", chunk_tokens=8,
+                      device="cpu")
+    bad = _with_flags(plain, container.read_file_header(container.BufferReader(plain))[0].flags | 8)
+    with pytest.raises(CacheGenError, match="bit 3"):
+        cg.decode(bad, device="cpu")
+
+
+def test_a_calibration_with_entries_past_one_still_decodes_finite():
+    """A Calibration built in Python is not checked for orthonormality: entries of 3 are clamped to
+    2^14 in the integers, so the sums keep their bounds and no value comes out Inf or NaN."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(2, 2, 16, 2, 4, generator=g) * 1000).to(torch.bfloat16)
+    rot = np.full((2, 2, 8, 8), 3.0, np.float32)
+    cal = calib.Calibration(rot, {"format": "cachegen-calibration", "version": "1"})
+    blob = cg.encode(x, quality="small", calibration=cal, chunk_tokens=8, device="cpu")
+    out = cg.decode(blob, calibration=cal, device="cpu")["kv"]
+    assert torch.isfinite(out).all()
