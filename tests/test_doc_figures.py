@@ -81,7 +81,7 @@ def test_readme_gpu_figures_are_the_cited_device_runs():
 
 
 def test_readme_calibrated_gpu_figures_are_the_cited_run():
-    m = re.search(r"`(docs/results/[^`]*bench_device_8ddf3cb\.json)`", SPEED)
+    m = re.search(r"With a calibration[^`]*`(docs/results/[^`]*bench_device[^`]*\.json)`", SPEED)
     assert m
     (run,) = _load(m.group(1))
     rows = {r["method"]: r for r in run["rows"]}
@@ -101,10 +101,9 @@ def test_readme_cpu_figures_are_the_cited_run():
         (one if meas["threads"] == 1 else every)[meas["method"]] = host
     quality = ("lossless", "high", "balanced", "small")
     got = re.search(r"one core gives (\S+) MB/s encode and (\S+) MB/s decode for every `--quality` method "
-                    r"\(`lmcache` (\d+) / (\d+)\), (\d+) threads ([\d.]+)-([\d.]+) GB/s; a calibrated file "
-                    r"\(`balanced\+cal`, (\d+) tokens\) codes at (\d+) / (\d+) MB/s per core", SPEED)
+                    r"\(`lmcache` (\d+) / (\d+)\), (\d+) threads ([\d.]+)-([\d.]+) GB/s\.", SPEED)
     assert got, "the README's CPU sentence changed shape: update this test with it"
-    enc, dec, lm_e, lm_d, threads, lo, hi, cal_tokens, cal_e, cal_d = got.groups()
+    enc, dec, lm_e, lm_d, threads, lo, hi = got.groups()
     assert enc == _span([one[q]["encode"]["median_Bps"] / 1e6 for q in quality])
     assert dec == _span([one[q]["decode"]["median_Bps"] / 1e6 for q in quality])
     assert (lm_e, lm_d) == (_int(one["lmcache"]["encode"]["median_Bps"] / 1e6),
@@ -112,10 +111,20 @@ def test_readme_cpu_figures_are_the_cited_run():
     assert int(threads) == run["info"]["cpus_usable"]
     allq = [every[q][k]["median_Bps"] / 1e9 for q in quality for k in ("encode", "decode")]
     assert (lo, hi) == (f"{min(allq):.1f}", f"{max(allq):.1f}")
-    cal = next(m for m in run["measurements"] if m["method"] == "balanced+cal" and m["threads"] == 1)
-    assert int(cal_tokens) == cal["tokens"]
-    assert (cal_e, cal_d) == (_int(one["balanced+cal"]["encode"]["median_Bps"] / 1e6),
-                              _int(one["balanced+cal"]["decode"]["median_Bps"] / 1e6))
+
+
+def test_readme_calibrated_cpu_figures_are_the_cited_run():
+    got = re.search(r"Calibrated files \(the same 16-core Xeon,\s+`(docs/results/[^`]*bench_all_cpu[^`]*\.json)`, "
+                    r"(\d+) tokens\): per head\s+\(`balanced\+cal/head`\) (\d+) / (\d+) MB/s per core, with a full "
+                    r"rotation \(`balanced\+cal`\) (\d+) / (\d+)", SPEED)
+    assert got, "the README's calibrated CPU sentence changed shape: update this test with it"
+    path, tokens, head_e, head_d, full_e, full_d = got.groups()
+    (run,) = _load(path)
+    one = {m["method"]: next(p for p in m["paths"] if p["path"] == "host")
+           for m in run["measurements"] if m["threads"] == 1}
+    assert int(tokens) == next(m["tokens"] for m in run["measurements"] if m["method"] == "balanced+cal")
+    for name, (e, d) in {"balanced+cal/head": (head_e, head_d), "balanced+cal": (full_e, full_d)}.items():
+        assert (e, d) == (_int(one[name]["encode"]["median_Bps"] / 1e6), _int(one[name]["decode"]["median_Bps"] / 1e6))
 
 
 def test_report_refuses_a_file_that_is_not_a_benchmark(tmp_path):
