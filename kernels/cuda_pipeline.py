@@ -330,48 +330,62 @@ def rotate_blocks(x, rot, t_first, y, stream=0):
 FIXED_ROW_THREADS = 32 if SIM else 128
 
 
-@cuda.jit
-def _fixed_rows_kernel(x, t_first, X, e):
-    # one block per row: blockIdx (token, plane); its threads stride over the channels, the
-    # largest magnitude's bits reduced in shared memory (integers: any order), then each
-    # thread writes the integers of its channels (adjacent threads, adjacent words)
-    C = x.shape[3]
-    t = cuda.blockIdx.x
-    p = cuda.blockIdx.y
-    l = p // 2
-    kv = p % 2
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    top_s = cuda.shared.array(FIXED_ROW_THREADS, np.uint32)
-    top = np.uint32(0)
-    for c in range(tid, C, nt):
-        a = _f32_bits(x[l, kv, t_first + t, c]) & np.uint32(0x7FFFFFFF)
-        if a > top:
-            top = a
-    top_s[tid] = top
-    cuda.syncthreads()
-    step = nt // 2
-    while step > 0:
-        if tid < step and top_s[tid + step] > top_s[tid]:
-            top_s[tid] = top_s[tid + step]
+def _make_fixed_rows(bf16):
+    """The row kernel for float32 rows, or (``bf16``) for the cache's own bfloat16 words (int16):
+    widened exactly in registers, so a bfloat16 cache needs no float32 copy."""
+
+    @cuda.jit(device=True)
+    def bits_of(w):
+        if bf16:
+            return (np.int64(w) & 0xFFFF) << 16
+        return _f32_bits(w)
+
+    @cuda.jit
+    def kernel(x, t_first, X, e):
+        # one block per row: blockIdx (token, plane); its threads stride over the channels, the
+        # largest magnitude's bits reduced in shared memory (integers: any order), then each
+        # thread writes the integers of its channels (adjacent threads, adjacent words)
+        C = x.shape[3]
+        t = cuda.blockIdx.x
+        p = cuda.blockIdx.y
+        l = p // 2
+        kv = p % 2
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        top_s = cuda.shared.array(FIXED_ROW_THREADS, np.uint32)
+        top = np.int64(0)
+        for c in range(tid, C, nt):
+            a = bits_of(x[l, kv, t_first + t, c]) & 0x7FFFFFFF
+            if a > top:
+                top = a
+        top_s[tid] = top
         cuda.syncthreads()
-        step //= 2
-    ex = _fx.row_exponent(top_s[0])
-    scale = math.ldexp(1.0, int(_fx.X_BITS - ex))
-    for c in range(tid, C, nt):
-        X[l, kv, t, c] = _fx.round_even(np.float64(x[l, kv, t_first + t, c]) * scale)
-    if tid == 0:
-        e[l, kv, t] = ex
+        step = nt // 2
+        while step > 0:
+            if tid < step and top_s[tid + step] > top_s[tid]:
+                top_s[tid] = top_s[tid + step]
+            cuda.syncthreads()
+            step //= 2
+        ex = _fx.row_exponent(top_s[0])
+        scale = math.ldexp(1.0, int(_fx.X_BITS - ex))
+        for c in range(tid, C, nt):
+            v = np.float64(_bits_f32(bits_of(x[l, kv, t_first + t, c])))
+            X[l, kv, t, c] = _fx.round_even(v * scale)
+        if tid == 0:
+            e[l, kv, t] = ex
+
+    return kernel
 
 
 def fixed_rows(x, t_first, X, e, stream=0):
-    """fixed_rotation.fixed_rows: one block of FIXED_ROW_THREADS per row."""
+    """fixed_rotation.fixed_rows: one block of FIXED_ROW_THREADS per row.  x: float32 rows, or
+    a bfloat16 cache's int16 words."""
     L, _, T, C = x.shape
     n = T - t_first
     if n <= 0 or L == 0 or C == 0:
         return
-    _fixed_rows_kernel[(n, L * 2), FIXED_ROW_THREADS, stream](as_device(x), np.int64(t_first), as_device(X),
-                                                             as_device(e))
+    kern = _made(_make_fixed_rows, x.dtype == np.int16)
+    kern[(n, L * 2), FIXED_ROW_THREADS, stream](as_device(x), np.int64(t_first), as_device(X), as_device(e))
 
 
 @cuda.jit
@@ -426,26 +440,43 @@ def offset_sums(offsets, rint_t, b, stream=0):
     _offset_sums_kernel[blocks, threads, stream](as_device(offsets), as_device(rint_t), as_device(b))
 
 
-@cuda.jit
-def _fixed_values_kernel(A, steps, b, t_first, out):
-    # blockIdx (token, plane), threads over the channels
-    C = A.shape[3]
-    t = cuda.blockIdx.x
-    p = cuda.blockIdx.y
-    l = p // 2
-    kv = p % 2
-    unit = math.ldexp(steps[l, kv], -_fx.R_BITS)
-    for c in range(cuda.threadIdx.x, C, cuda.blockDim.x):
-        out[l, kv, t_first + t, c] = _fx.fixed_value(A[l, kv, t, c], unit, b[l, kv, c])
+def _make_fixed_values(bf16):
+    """The values kernel writing float32, or (``bf16``) bfloat16 words rounded to nearest even
+    and saturating (docs/format.md's cast, as rope.store_values on the CPU): one pass, no float32
+    copy to cast."""
+
+    @cuda.jit
+    def kernel(A, steps, b, t_first, out):
+        # blockIdx (token, plane), threads over the channels
+        C = A.shape[3]
+        t = cuda.blockIdx.x
+        p = cuda.blockIdx.y
+        l = p // 2
+        kv = p % 2
+        unit = math.ldexp(steps[l, kv], -_fx.R_BITS)
+        for c in range(cuda.threadIdx.x, C, cuda.blockDim.x):
+            v = _fx.fixed_value(A[l, kv, t, c], unit, b[l, kv, c])
+            if bf16:
+                u = _f32_bits(v) & 0xFFFFFFFF
+                w = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+                if (w & 0x7FFF) == 0x7F80:  # rounded up to an infinity: the largest finite value
+                    w -= 1
+                out[l, kv, t_first + t, c] = np.int16(w - 65536 if w >= 32768 else w)
+            else:
+                out[l, kv, t_first + t, c] = v
+
+    return kernel
 
 
 def fixed_values(A, steps, b, t_first, out, stream=0):
-    """fixed_rotation.fixed_values: one block per row."""
+    """fixed_rotation.fixed_values: one block per row.  out: float32, or int16 for bfloat16
+    words (saturating)."""
     L, _, n, C = A.shape
     if n <= 0 or L == 0 or C == 0:
         return
-    _fixed_values_kernel[(n, L * 2), FIXED_ROW_THREADS, stream](as_device(A), as_device(steps), as_device(b),
-                                                               np.int64(t_first), as_device(out))
+    kern = _made(_make_fixed_values, out.dtype == np.int16)
+    kern[(n, L * 2), FIXED_ROW_THREADS, stream](as_device(A), as_device(steps), as_device(b), np.int64(t_first),
+                                               as_device(out))
 
 
 # ---------------------------------------------------------------- statistics (method 2)

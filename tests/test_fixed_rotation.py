@@ -139,3 +139,23 @@ def test_a_calibration_with_entries_past_one_still_decodes_finite():
     blob = cg.encode(x, quality="small", calibration=cal, chunk_tokens=8, device="cpu")
     out = cg.decode(blob, calibration=cal, device="cpu")["kv"]
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_device_pipeline_near_the_top_of_the_range_as_the_cpu(dtype):
+    """Channels whose means sit near the top of bfloat16, through a rotation: the device
+    pipeline (the CUDA simulator here; tests/test_device_pipeline.py runs on the GPU) writes the
+    CPU's bytes and decodes the CPU's values, bfloat16 words rounded (and saturated, would they
+    pass the top) in its values kernel."""
+    from test_device_pipeline import _check
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(1, 2, 12, 2, 4, generator=g)
+    x[:, :, :, 0, :2] = 3.0e38  # two channels whose means are near the top: rotated, they add up past it
+    x = x.to(dtype)
+    rot = np.zeros((1, 2, 8, 8), np.float32)
+    rot[:, :] = np.linalg.qr(np.random.default_rng(2).standard_normal((8, 8)))[0].astype(np.float32)
+    cal = calib.Calibration(rot, {"format": "cachegen-calibration", "version": "1"})
+    blob = _check(x, "small", chunk_tokens=4, calibration=cal)
+    out = cg.decode(blob, calibration=cal, device="cpu")["kv"]
+    assert torch.isfinite(out).all()

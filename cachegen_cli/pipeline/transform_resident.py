@@ -291,7 +291,9 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
             from ..kernels.fixed_rotation import block_product
 
             if x32 is None:
-                x32 = x if x.dtype == torch.float32 else x.to(torch.float32)  # torch's conversion, as the CPU's
+                # a bfloat16 cache's own words (widened exactly in the kernel), else float32 values
+                x32 = (words if x.dtype == torch.bfloat16 else x if x.dtype == torch.float32
+                       else x.to(torch.float32))  # torch's conversion, as the CPU's
             Xr = _empty((L, 2, T - sink, C), torch.float64, dev)
             er = _empty((L, 2, T - sink), torch.int32, dev)
             k.fixed_rows(_nb(x32), sink, _nb(Xr), _nb(er))
@@ -696,9 +698,12 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
             del Qr
             b_d = _empty((L, 2, C), torch.float64, dev)
             k.offset_sums(_nb(file_offsets), _nb(rot_t), _nb(b_d))
-            data = _empty((L, 2, T, C), torch.float32, dev)
+            direct = dtype == torch.bfloat16 and rope is None  # bfloat16 words out, saturating
+            data = _empty((L, 2, T, C), torch.int16 if direct else torch.float32, dev)
             k.fixed_values(_nb(Ar), _nb(file_steps), _nb(b_d), S, _nb(data))
             del Ar
+            if direct:
+                data = data.view(torch.bfloat16)
         elif rotated:
             # x = z R^T, block by block: the same product with each block transposed
             data = _empty((L, 2, T, C), torch.float32, dev)
@@ -707,7 +712,7 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
         if rope is not None:  # the keys turned back by their RoPE (float32, saturating)
             freq_d = _to_device(np.ascontiguousarray(rope.inv_freq, np.float64), dev)
             k.turn_keys(_nb(data), _nb(freq_d), rope, 0, S, True)
-        if dtype != torch.float32:
+        if dtype != data.dtype:
             if rope is not None or fixed:  # saturating: a turned pair can reach past the dtype's largest value
                 lim = float(torch.finfo(dtype).max)
                 data.clamp_(-lim, lim)
