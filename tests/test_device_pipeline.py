@@ -22,7 +22,7 @@ from cachegen_cli.pipeline import codec, transform_resident
 from cachegen_cli.format import container
 from cachegen_cli.storage import kvio
 from cachegen_cli.methods.config import TransformConfig, resolve_quantization
-from cachegen_cli.errors import ChecksumError, SizeError
+from cachegen_cli.errors import CacheGenError, ChecksumError, SizeError
 
 from cachegen_cli.kernels import cuda_pipeline
 from cachegen_cli.kernels.cuda import cuda
@@ -437,3 +437,24 @@ def test_no_kernel_gets_a_temporary_tensor():
     src = inspect.getsource(transform_resident)
     bad = re.findall(r"_nb\((?:_empty|_to_device|_upload|torch\.(?:empty|zeros|from_numpy|tensor))\(", src)
     assert bad == []
+
+
+@pytest.mark.parametrize("field, value", [(1, 5), (3, 7), (7, 1), (8, 1)])
+def test_a_wrong_chunk_header_field_gives_the_cpu_readers_error(field, value):
+    """The chunk headers are checked after the device decoded (their sizes come from the index):
+    a field that disagrees (index, token count, payload size, reserved), with a valid CRC, still
+    gets exactly the CPU reader's error."""
+    kv = realistic_kv(layers=1, tokens=12, heads=1, head_dim=5, dtype=torch.bfloat16, seed=5)
+    blob = cg.encode(kv, quality="balanced", chunk_tokens=8, device="cpu")
+    reader, _ = codec.open_input(blob)
+    _, _, offsets, _ = codec.read_header_and_index(reader)
+    bad = bytearray(blob)
+    fields = list(container.CHUNK_HEADER.unpack_from(blob, offsets[0]))
+    fields[field] = value
+    container.CHUNK_HEADER.pack_into(bad, offsets[0], *fields)
+    _recrc_chunk(bad, offsets[0])
+    with pytest.raises(CacheGenError) as cpu_error:
+        cg.decode(bytes(bad), device="cpu")
+    with pytest.raises(type(cpu_error.value)) as device_error:
+        _device_decode(bytes(bad))
+    assert str(device_error.value) == str(cpu_error.value)

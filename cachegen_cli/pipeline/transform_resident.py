@@ -605,22 +605,21 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
     _mark("start")
     offsets = np.asarray(offsets_l, np.int64)
     hb = container.CHUNK_HEADER.size
+    # The records' sizes come from the index (they are contiguous, up to the index): nothing
+    # waits for the chunk headers, whose fields are checked with the rest in the one copy back
+    # at the end (their bytes gathered on the device now, while it decodes).
     at = _to_device((offsets[:, None] + np.arange(hb, dtype=np.int64)[None, :]).reshape(-1), dev)
-    heads = np.frombuffer(blob[at].cpu().numpy().tobytes(), _HEAD_DTYPE)
+    head_bytes_d = blob[at]
     kk = np.arange(K, dtype=np.int64)
     tks = np.minimum(ct, T - kk * ct)
     refined = h.flags & container.FLAG_REFINED
     bits = p.refine_bits if refined else 0
     raw = raw_sizes(L, C, T, ct, h.raw_bytes_per_value, p.refine_tokens if refined else 0, bits)
-    payload = heads["payload_size"].astype(np.int64)
-    rec_sizes = hb + raw + 2 * per + payload
     index_offset = size - container.TRAILER.size - (12 + 8 * K)
-    ends = offsets + rec_sizes
-    ok = ((heads["magic"] == container.CHUNK_MAGIC) & (heads["index"] == kk) & (heads["first_token"] == kk * ct)
-          & (heads["token_count"] == tks) & (heads["raw_size"] == raw) & (heads["cdf_size"] == 0)
-          & (heads["lengths_size"] == 2 * per) & (payload <= per * (2 * tks * G + 8)) & (ends <= index_offset)
-          & (np.append(offsets[1:], index_offset) == ends) & (heads["reserved"] == 0))
-    if not ok.all():
+    ends = np.append(offsets[1:], index_offset)
+    rec_sizes = ends - offsets
+    payload = rec_sizes - (hb + raw + 2 * per)
+    if not ((payload >= 0) & (payload <= per * (2 * tks * G + 8)) & (ends <= index_offset)).all():
         return None, True
     raw_at = offsets + hb
     lengths_at = raw_at + raw
@@ -739,11 +738,16 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
         by_chunk.sum(dim=1),
         (by_chunk > bound[:, None]).any(dim=1).to(torch.int64),
         (blob[pad_at_d].to(torch.int64) & pad_mask_d),
-    ]).reshape(-1), tables_bad, crc[K : K + 1]]).cpu().numpy()
+    ]).reshape(-1), tables_bad, crc[K : K + 1], head_bytes_d.to(torch.int64)]).cpu().numpy()
     _mark("CRC-32s + checks (sync)")
-    flags = checks[4 * K : -1]
-    header_ok = int(checks[-1]) == header_crc
+    flags = checks[4 * K : 4 * K + 2]
+    header_ok = int(checks[4 * K + 2]) == header_crc
+    heads = np.frombuffer(checks[4 * K + 3 :].astype(np.uint8).tobytes(), _HEAD_DTYPE)
     checks = checks[: 4 * K].reshape(4, K)
-    failed = bool((checks[0] != heads["crc"]).any() or (checks[1] != payload).any() or checks[2].any()
+    heads_ok = bool(((heads["magic"] == container.CHUNK_MAGIC) & (heads["index"] == kk)
+                     & (heads["first_token"] == kk * ct) & (heads["token_count"] == tks) & (heads["raw_size"] == raw)
+                     & (heads["cdf_size"] == 0) & (heads["lengths_size"] == 2 * per)
+                     & (heads["payload_size"] == payload) & (heads["reserved"] == 0)).all())
+    failed = bool(not heads_ok or (checks[0] != heads["crc"]).any() or (checks[1] != payload).any() or checks[2].any()
                   or checks[3].any() or flags.any() or not header_ok)
     return data, failed
