@@ -159,3 +159,14 @@ def test_device_pipeline_near_the_top_of_the_range_as_the_cpu(dtype):
     blob = _check(x, "small", chunk_tokens=4, calibration=cal)
     out = cg.decode(blob, calibration=cal, device="cpu")["kv"]
     assert torch.isfinite(out).all()
+
+
+def test_stats_names_the_fixed_point_rotation(tmp_path):
+    from cachegen_cli.model.stats import file_stats
+
+    fixed, _ = _rotated_file(True)
+    older, _ = _rotated_file(False)
+    (tmp_path / "a.cgen").write_bytes(fixed)
+    (tmp_path / "b.cgen").write_bytes(older)
+    assert file_stats(tmp_path / "a.cgen")["method"] == "transform + rotation (fixed-point)"
+    assert file_stats(tmp_path / "b.cgen")["method"] == "transform + rotation"

@@ -71,7 +71,8 @@ def file_stats(path: str | Path, reference: str | Path | None = None, device: st
     out = {
         "file": str(path),
         "format_version": h.version,
-        "method": {1: "per-token abs-max (LMCache table)", 2: "transform" + (" + rotation" if h.rotated else "")
+        "method": {1: "per-token abs-max (LMCache table)", 2: "transform" + ((" + rotation (fixed-point)" if h.fixed_rotation else " + rotation")
+                                                                   if h.rotated else "")
                    + (" + keys without RoPE" if h.params is not None and h.params.rope is not None else ""),
                    3: "lossless"}[h.method],
         "layout": h.layout,
