@@ -14,6 +14,11 @@ thread, as many as one 8-byte word holds, see ``lanes``):
   rotate_blocks      a block of threads per (128 tokens, layer, K/V, diagonal block, 128
                      outputs), 8 x 8 outputs per thread: the rotation (float64 rows out) and, on
                      decoding, its inverse (float32 out)
+  fixed_rows,        one block per (token, layer, K/V), threads over the channels: the
+  fixed_rows_out,    fixed-point rotation's integer rows (largest magnitude reduced in shared
+  fixed_values       memory), their product scaled back to float32, the decoder's values x'
+                     (float32 or bfloat16 words, saturating); the product between is cuBLAS's
+  offset_sums        one thread per output channel: the offsets through the rotation, in order
   stats_partial      one thread per (layer, K/V, 256-token block, V channels): the block's sum
                      and sum of squares in token order (transform.STATS_BLOCK's tree)
   stats_reduce       one thread per (layer, K/V, channel): the block sums in block order
