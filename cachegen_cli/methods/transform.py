@@ -309,7 +309,10 @@ class _SlabEncoder:
         rot = self.rot
         if self.fixed is not None:
             # The rows rotated by integer products (kernels/fixed_rotation), as float32 values.
-            src, shift, rot = fixed_rotate(self, src, shift), 0, _NO_ROTATION
+            # In place where the float32 rows are this encoder's own buffer (widened, converted or
+            # turned here; a float32 cache's rows may be the caller's tensor): no fresh pages.
+            own = self.rope is not None or self.source.cache.dtype_name != "float32"
+            src, shift, rot = fixed_rotate(self, src, shift, own), 0, _NO_ROTATION
         elif self.single and rot.size and src.size * 8 <= ROTATED_CACHE_BYTES:
             y = np.empty(src.shape, np.float64)
             k2.rotate_rows(src, shift, rot, y)
@@ -493,16 +496,19 @@ class _SlabEncoder:
                                None if self.lossless else extra)
 
 
-def fixed_rotate(enc: "_SlabEncoder", src: np.ndarray, shift: int) -> np.ndarray:
+def fixed_rotate(enc: "_SlabEncoder", src: np.ndarray, shift: int, own: bool) -> np.ndarray:
     """A slab's rows rotated by the fixed-point rotation (kernels/fixed_rotation): float32
-    values' bits [L, 2, Ts, C] (uint32).  src, shift: the slab's bits as _fill_rows takes them."""
+    values' bits [L, 2, Ts, C] (uint32).  src, shift: the slab's bits as _fill_rows takes them;
+    ``own``: float32 rows (shift 0) are a buffer of the encoder's, which may be overwritten
+    (rotate_rows reads each plane before it writes it)."""
     L, _, Ts, C = src.shape
     if shift == 16:
         x = enc._empty("fixed_x", (L, 2, Ts, C), np.float32)
         rope_kernels.widen_bf16(src, x.view(np.uint32))
+        own = True
     else:
         x = src.view(np.float32)
-    y = enc._empty("fixed_y", (L, 2, Ts, C), np.float32)
+    y = x if own else enc._empty("fixed_y", (L, 2, Ts, C), np.float32)
     fixed_kernels.rotate_rows(x, enc.fixed, 0, y)
     return y.view(np.uint32)
 
