@@ -220,3 +220,20 @@ def test_cache_positions_match_one_long_pass(smol):
     # and the cache goes in unchanged: a second scoring of the same cache is bit-identical
     again = evaluate.score(ref, ref.cache)
     assert again["kl_mean"] == 0.0 and again["top1_agreement"] == 1.0
+
+
+@pytest.mark.model
+def test_eval_a_rotated_file_with_its_calibration(captured, tmp_path):
+    """A file encoded with a calibration (the fixed-point rotation) is scored with --calibration;
+    without it, eval says in one line what to pass."""
+    from cachegen_cli.methods import calibration as calib
+    from cachegen_cli.storage import kvio
+
+    cal_path = tmp_path / "cal.safetensors"
+    calib.save(calib.fit([kvio.read_safetensors(SAMPLE_CODE_96).data.float()]), cal_path)
+    rotated = tmp_path / "rotated.cgen"
+    cg.encode_file(captured, rotated, quality="high", calibration=cal_path, device="cpu")
+    r = _eval(rotated, "--calibration", str(cal_path))
+    assert r["kind"] == "cgen" and 0 <= r["kl_mean"] < 0.05 and r["top1_agreement"] >= 0.9
+    result = runner.invoke(app, ["eval", str(rotated), "--text", str(PYDOC), "--continuation", str(CONTINUATION)])
+    assert result.exit_code == 1 and "--calibration" in _one_line(result)

@@ -67,6 +67,10 @@ def eval_cmd(
     ),
     continuation: int = typer.Option(128, "--continuation", "-c", help="Text tokens after the context to score."),
     generate: int = typer.Option(32, "--generate", "-g", help="Tokens to generate greedily with each cache."),
+    calibration: Optional[Path] = typer.Option(
+        None, "--calibration",
+        help="The calibration file a rotated .cgen was encoded with (cachegen calibrate).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress notes on stderr."),
 ) -> None:
@@ -74,7 +78,7 @@ def eval_cmd(
 
     Rebuilds the original cache of the context (token ids from the file's metadata; the text's sha256 must match), replaces it by the decoded one and scores the next --continuation tokens of the text: perplexity with each cache and their ratio, mean KL(original || decoded) of the next-token distributions, top-1 agreement, and the agreement of --generate greedily generated tokens. Needs [bold]pip install 'cachegen\\[eval]'[/].
 
-    Example: [bold]cachegen eval kv.cgen --text notes.txt[/]
+    Example: [bold]cachegen eval kv.cgen --text notes.txt[/] (a file encoded with a calibration: add [bold]--calibration CAL.safetensors[/])
     """
     from .common import _errors
 
@@ -84,7 +88,7 @@ def eval_cmd(
         log = _logger(not quiet and not as_json)
         _, load = _loader(model, log)
         r = evaluate_file(input, text, model_path=model, continuation=continuation, generate=generate,
-                          loaded=load, log=log)
+                          loaded=load, log=log, calibration=calibration)
         if as_json:
             sys.stdout.write(json.dumps(r, indent=2) + "\n")
             return

@@ -344,8 +344,9 @@ class KVFile:
         return self.values * _ITEMSIZE[self.data.dtype]
 
 
-def read_kv_file(path: str | Path) -> KVFile:
-    """A .cgen file (decoded on the CPU) or a KV .safetensors file, in the internal form."""
+def read_kv_file(path: str | Path, calibration=None) -> KVFile:
+    """A .cgen file (decoded on the CPU; a rotated one with its ``calibration``, a path or a
+    Calibration) or a KV .safetensors file, in the internal form."""
     path = Path(path)
     from ..storage.outputs import check_input
 
@@ -362,7 +363,7 @@ def read_kv_file(path: str | Path) -> KVFile:
         blob = path.read_bytes()
         header = codec.read_header_and_index(container.BufferReader(blob))[0]
         descriptor = header.descriptor
-        tensors = decode(blob, device="cpu")
+        tensors = decode(blob, device="cpu", calibration=calibration)
         cache = kvio.from_tensors(tensors, descriptor["layout"], descriptor.get("metadata", {}))
         kind = "cgen"
     else:
@@ -400,8 +401,10 @@ def evaluate_file(
     generate: int = DEFAULT_GENERATE,
     loaded: tuple[Any, Any] | None = None,
     log: Log | None = None,
+    calibration=None,
 ) -> dict[str, Any]:
     """``cachegen eval``: score a .cgen (or KV .safetensors) file against the cache it was made from.
+    ``calibration``: the calibration file (path) or Calibration a rotated file was encoded with.
 
     ``loaded`` is an already loaded ``(model, tokenizer)`` for ``model_path``, or a
     function returning one (called once the inputs are checked).
@@ -420,7 +423,7 @@ def evaluate_file(
     t_start = time.perf_counter()
     text = read_text(text_path)
     try:
-        kv = read_kv_file(kv_path)
+        kv = read_kv_file(kv_path, calibration)
         layered = kv.data.shape[2] != len(_token_ids(kv.path, kv.metadata))
     except (InputError, FormatError) as exc:
         if isinstance(exc, (NoTokenIdsError, InputNotFoundError)) or (isinstance(exc, FormatError)
@@ -428,7 +431,7 @@ def evaluate_file(
             raise
         layered = True
     if layered:  # windowed layers, MLA, extras ...: the model's own cache class, layer by layer
-        return _evaluate_layered(read_kv_layers(kv_path), text, text_path, model_path, continuation, generate,
+        return _evaluate_layered(read_kv_layers(kv_path, calibration), text, text_path, model_path, continuation, generate,
                                  loaded, log, t_start)
     ids = context_of(kv)
     want = kv.metadata.get("text_sha256")
@@ -547,7 +550,7 @@ class LayeredKV:
         return next(iter(self.layers.values()))[0].dtype
 
 
-def read_kv_layers(path: str | Path) -> LayeredKV:
+def read_kv_layers(path: str | Path, calibration=None) -> LayeredKV:
     """A .cgen file of any format version (decoded on the CPU) or a KV .safetensors of any
     shape, layer by layer (batch 1; latent-only files have no transformers cache)."""
     from ..api import _decode_tensors, _version
@@ -561,7 +564,7 @@ def read_kv_layers(path: str | Path) -> LayeredKV:
         magic = f.read(8)
     if magic == container.MAGIC or path.suffix == ".cgen":
         blob = path.read_bytes()
-        tensors, entries = _decode_tensors(blob, "cpu", None, None)
+        tensors, entries = _decode_tensors(blob, "cpu", calibration, None)
         if _version(blob) == 3:
             metadata = parts_format.PartsFile(blob).manifest["metadata"]
         else:
