@@ -32,8 +32,8 @@ from .coding_params import PROB_BITS
 from .cpu import _FAST, INTERLEAVE, _decode_plane_streams, _encode_plane_streams, _plane_index, build_lut
 from .range_coder import decode_stream, encode_stream, stream_coords
 from .tables import STAT_EMPTY, share_plane
-from .transform import (STATS_BLOCK, refine_index, rotate_row, symbol_top_byte, token_level, token_value, top_byte_symbol,
-                        unrotate_row)
+from .transform import (STATS_BLOCK, pairwise_sum, refine_index, rotate_row, symbol_top_byte, token_level, token_value,
+                        top_byte_symbol, unrotate_row)
 
 _JIT = dict(cache=True, nogil=True)
 
@@ -1002,76 +1002,10 @@ def encode_word_planes(words, nraw, lo, tab, chunk_tokens, group, raw, lengths, 
 
 
 @njit(**_JIT)
-def _pairwise_block(a, lo, n):
-    """A leaf of numpy's pairwise sum (n <= 128): under 8 values in order, else 8 running sums."""
-    if n < 8:
-        res = 0.0
-        for i in range(n):
-            res += a[lo + i]
-        return res
-    r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
-    r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
-    i = 8
-    while i < n - n % 8:
-        r0 += a[lo + i]
-        r1 += a[lo + i + 1]
-        r2 += a[lo + i + 2]
-        r3 += a[lo + i + 3]
-        r4 += a[lo + i + 4]
-        r5 += a[lo + i + 5]
-        r6 += a[lo + i + 6]
-        r7 += a[lo + i + 7]
-        i += 8
-    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
-    while i < n:
-        res += a[lo + i]
-        i += 1
-    return res
-
-
-@njit(**_JIT)
 def _pairwise_sum(a, lo, n):
-    """sum(a[lo:lo + n]) in numpy's pairwise order (leaves of at most 128, halves split at
-    multiples of 8), so the steps match what ``np.sum`` gave before this kernel.  The
-    recursion runs on an explicit stack: numba's cache cannot reload a recursive function."""
-    if n <= 128:
-        return _pairwise_block(a, lo, n)
-    los = np.empty(64, np.int64)
-    ns = np.empty(64, np.int64)
-    stage = np.zeros(64, np.int64)  # 0: nothing summed, 1: left half summed (in left)
-    left = np.empty(64)
-    top = 0
-    los[0], ns[0], stage[0] = lo, n, 0
-    value = 0.0
-    have = False  # value holds the sum of the node just popped
-    while top >= 0:
-        if have:
-            if stage[top] == 1:  # the left half came back: now the right half
-                left[top] = value
-                have = False
-                stage[top] = 2
-                n2 = ns[top] // 2
-                n2 -= n2 % 8
-                if ns[top] - n2 <= 128:
-                    value = _pairwise_block(a, los[top] + n2, ns[top] - n2)
-                    have = True
-                else:
-                    los[top + 1], ns[top + 1], stage[top + 1] = los[top] + n2, ns[top] - n2, 0
-                    top += 1
-            else:  # the right half came back
-                value = left[top] + value
-                top -= 1
-            continue
-        n2 = ns[top] // 2
-        n2 -= n2 % 8
-        stage[top] = 1
-        if n2 <= 128:
-            value = _pairwise_block(a, los[top], n2)
-            have = True
-        else:
-            los[top + 1], ns[top + 1], stage[top + 1] = los[top], n2, 0
-            top += 1
-    return value
+    """sum(a[lo:lo + n]) in numpy's pairwise order (transform.pairwise_sum)."""
+    return pairwise_sum(a, lo, n, np.empty(64, np.int64), np.empty(64, np.int64), np.zeros(64, np.int64),
+                        np.empty(64))
 
 
 @njit(**_JIT)

@@ -57,6 +57,7 @@ from .crc import CRC_TABLE, multmodp, x8nmodp
 from .quantize import float_from_bits16
 from . import rope as _rope
 from . import fixed_rotation as _fx
+from . import transform as _tr
 
 import os as _os
 
@@ -572,7 +573,7 @@ def transform_stats(words, itemsize, fmt, sink, part1, part2, sums, sumsq, strea
 # encoder need not wait for them on the host.  The same IEEE operations as the CPU's
 # (cpu_transform.plane_offsets_rms): products that feed a sum are rounded on their own
 # (mul_rn), never fused into a multiply-add as the compiler would otherwise do, and the sum
-# over channels follows numpy's pairwise tree (_pairwise_block / the explicit stack below).
+# over channels follows numpy's pairwise tree (transform.pairwise_sum, shared with the CPU).
 
 if SIM:
     @cuda.jit(device=True)
@@ -587,85 +588,11 @@ else:
 
 
 @cuda.jit(device=True)
-def _pairwise_leaf(a, lo, n):
-    if n < 8:
-        res = 0.0
-        for i in range(n):
-            res += a[lo + i]
-        return res
-    r0 = a[lo]
-    r1 = a[lo + 1]
-    r2 = a[lo + 2]
-    r3 = a[lo + 3]
-    r4 = a[lo + 4]
-    r5 = a[lo + 5]
-    r6 = a[lo + 6]
-    r7 = a[lo + 7]
-    i = 8
-    while i < n - n % 8:
-        r0 += a[lo + i]
-        r1 += a[lo + i + 1]
-        r2 += a[lo + i + 2]
-        r3 += a[lo + i + 3]
-        r4 += a[lo + i + 4]
-        r5 += a[lo + i + 5]
-        r6 += a[lo + i + 6]
-        r7 += a[lo + i + 7]
-        i += 8
-    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
-    while i < n:
-        res += a[lo + i]
-        i += 1
-    return res
-
-
-@cuda.jit(device=True)
 def _pairwise(a, n):
-    """sum(a[:n]) in numpy's pairwise order (cpu_transform._pairwise_sum, the same stack walk)."""
-    if n <= 128:
-        return _pairwise_leaf(a, 0, n)
-    los = cuda.local.array(64, np.int64)
-    ns = cuda.local.array(64, np.int64)
-    stage = cuda.local.array(64, np.int64)
-    left = cuda.local.array(64, np.float64)
-    top = 0
-    los[0] = 0
-    ns[0] = n
-    stage[0] = 0
-    value = 0.0
-    have = False
-    while top >= 0:
-        if have:
-            if stage[top] == 1:
-                left[top] = value
-                have = False
-                stage[top] = 2
-                n2 = ns[top] // 2
-                n2 -= n2 % 8
-                if ns[top] - n2 <= 128:
-                    value = _pairwise_leaf(a, los[top] + n2, ns[top] - n2)
-                    have = True
-                else:
-                    los[top + 1] = los[top] + n2
-                    ns[top + 1] = ns[top] - n2
-                    stage[top + 1] = 0
-                    top += 1
-            else:
-                value = left[top] + value
-                top -= 1
-            continue
-        n2 = ns[top] // 2
-        n2 -= n2 % 8
-        stage[top] = 1
-        if n2 <= 128:
-            value = _pairwise_leaf(a, los[top], n2)
-            have = True
-        else:
-            los[top + 1] = los[top]
-            ns[top + 1] = n2
-            stage[top + 1] = 0
-            top += 1
-    return value
+    """sum(a[:n]) in numpy's pairwise order: transform.pairwise_sum, the CPU's function, over
+    this thread's local scratch."""
+    return _tr.pairwise_sum(a, 0, n, cuda.local.array(64, np.int64), cuda.local.array(64, np.int64),
+                            cuda.local.array(64, np.int64), cuda.local.array(64, np.float64))
 
 
 @cuda.jit

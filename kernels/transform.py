@@ -185,3 +185,82 @@ def symbol_top_byte(sym):
     """Inverse of top_byte_symbol."""
     s = np.int64(sym) & 0xFF
     return (s >> 1) | ((s & 1) << 7)
+
+
+@register_jitable
+def pairwise_leaf(a, lo, n):
+    """A leaf of numpy's pairwise sum (n <= 128): under 8 values in order, else 8 running sums."""
+    if n < 8:
+        res = 0.0
+        for i in range(n):
+            res += a[lo + i]
+        return res
+    r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
+    r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
+    i = 8
+    while i < n - n % 8:
+        r0 += a[lo + i]
+        r1 += a[lo + i + 1]
+        r2 += a[lo + i + 2]
+        r3 += a[lo + i + 3]
+        r4 += a[lo + i + 4]
+        r5 += a[lo + i + 5]
+        r6 += a[lo + i + 6]
+        r7 += a[lo + i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += a[lo + i]
+        i += 1
+    return res
+
+
+@register_jitable
+def pairwise_sum(a, lo, n, los, ns, stage, left):
+    """sum(a[lo:lo + n]) in numpy's pairwise order (leaves of at most 128, halves split at
+    multiples of 8), so the steps match what ``np.sum`` gave before this kernel.  The
+    recursion runs on an explicit stack (numba's cache cannot reload a recursive function, and
+    a GPU thread has no deep stack): los, ns, stage (int64) and left (float64), 64 entries
+    each, are its scratch (numpy arrays on the CPU, cuda.local arrays on a GPU).  Only sums:
+    no product to fuse, the same bits on every device."""
+    if n <= 128:
+        return pairwise_leaf(a, lo, n)
+    # stage: 0 nothing summed, 1 the left half summed (in left), 2 the right half asked for
+    top = 0
+    los[0] = lo
+    ns[0] = n
+    stage[0] = 0
+    value = 0.0
+    have = False  # value holds the sum of the node just popped
+    while top >= 0:
+        if have:
+            if stage[top] == 1:  # the left half came back: now the right half
+                left[top] = value
+                have = False
+                stage[top] = 2
+                n2 = ns[top] // 2
+                n2 -= n2 % 8
+                if ns[top] - n2 <= 128:
+                    value = pairwise_leaf(a, los[top] + n2, ns[top] - n2)
+                    have = True
+                else:
+                    los[top + 1] = los[top] + n2
+                    ns[top + 1] = ns[top] - n2
+                    stage[top + 1] = 0
+                    top += 1
+            else:  # the right half came back
+                value = left[top] + value
+                top -= 1
+            continue
+        n2 = ns[top] // 2
+        n2 -= n2 % 8
+        stage[top] = 1
+        if n2 <= 128:
+            value = pairwise_leaf(a, los[top], n2)
+            have = True
+        else:
+            los[top + 1] = los[top]
+            ns[top + 1] = n2
+            stage[top + 1] = 0
+            top += 1
+    return value

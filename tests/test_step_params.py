@@ -41,3 +41,28 @@ def test_step_params_matches_the_numpy_expressions(seed):
     for w, g in zip(want, got):
         assert w.dtype == g.dtype and w.shape == g.shape
         assert np.array_equal(np.asarray(w).view(np.uint8), np.asarray(g).view(np.uint8))
+
+
+from cachegen_cli.kernels import cuda_pipeline  # noqa: E402
+from cachegen_cli.kernels.cuda import cuda  # noqa: E402
+
+
+@cuda.jit
+def _one_pairwise_sum(x, out):
+    if cuda.grid(1) == 0:
+        out[0] = cuda_pipeline._pairwise(x, x.shape[0])
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 127, 128, 129, 1000, 1024, 4097, 70000])
+def test_pairwise_sum_is_numpys_on_the_cpu_and_the_device(n):
+    """transform.pairwise_sum (the CPU's njit and the CUDA device function share it) gives np.sum's
+    bits: leaves of 128, halves at multiples of 8, the stack walk past one level."""
+    from cachegen_cli.kernels import cpu_transform
+
+    a = np.random.default_rng(n).standard_normal(n) * 10.0 ** np.random.default_rng(n + 1).integers(-8, 8, n)
+    want = np.sum(a)
+    assert cpu_transform._pairwise_sum(a, 0, n) == want
+
+    out = np.zeros(1)
+    _one_pairwise_sum[1, 1](a, out)
+    assert out[0] == want
