@@ -85,19 +85,28 @@ def _channel_coords(i, L, C):
 
 
 @cuda.jit(device=True)
-def _row_scale_bits(top, bits_shared, tid, local):
-    """Block-wide maximum of the threads' ``local`` abs-max values (a tree reduction in
-    shared memory), as the bfloat16 scale bits every thread of the row gets back."""
+def _block_max(top, tid, local, threads):
+    """Block-wide maximum of the threads' ``local`` values, a tree reduction in the shared
+    array ``top`` (one slot per thread; ``threads``, the block's size, a power of two); every
+    thread gets it back (the loop's last barrier orders the reads of top[0])."""
     top[tid] = local
     cuda.syncthreads()
-    width = ROW_THREADS // 2
+    width = threads // 2
     while width > 0:
         if tid < width and top[tid + width] > top[tid]:
             top[tid] = top[tid + width]
         cuda.syncthreads()
         width //= 2
+    return top[0]
+
+
+@cuda.jit(device=True)
+def _row_scale_bits(top, bits_shared, tid, local):
+    """Block-wide maximum of the threads' ``local`` abs-max values (_block_max), as the
+    bfloat16 scale bits every thread of the row gets back."""
+    m = _block_max(top, tid, local, ROW_THREADS)
     if tid == 0:
-        bits_shared[0] = bf16_bits_round_up(top[0])
+        bits_shared[0] = bf16_bits_round_up(m)
     cuda.syncthreads()
     return bits_shared[0]
 

@@ -50,7 +50,7 @@ import math
 
 import numpy as np
 
-from .cuda import BLOCK, SIM, _bits_f32, _bits_f64, _crc_span, _f32_bits, _grid, _placeholder, as_device, cuda  # noqa: F401
+from .cuda import BLOCK, SIM, _bits_f32, _bits_f64, _block_max, _crc_span, _f32_bits, _grid, _placeholder, as_device, cuda  # noqa: F401
 from .cdf import codes_to_cum, counts_to_codes
 from .coding_params import MASK32, PROB_BITS, PROB_TOTAL, RANGE_INIT, RANGE_TOP
 from .crc import CRC_TABLE, multmodp, x8nmodp
@@ -336,6 +336,13 @@ def rotate_blocks(x, rot, t_first, y, stream=0):
 FIXED_ROW_THREADS = 32 if SIM else 128
 
 
+@cuda.jit(device=True)
+def _block_row():
+    """(layer, K/V, row) of a row kernel's block: blockIdx (row, plane), plane = 2 layer + K/V."""
+    p = cuda.blockIdx.y
+    return p // 2, p % 2, cuda.blockIdx.x
+
+
 def _make_fixed_rows(bf16):
     """The row kernel for float32 rows, or (``bf16``) for the cache's own bfloat16 words (int16):
     widened exactly in registers, so a bfloat16 cache needs no float32 copy."""
@@ -352,10 +359,7 @@ def _make_fixed_rows(bf16):
         # largest magnitude's bits reduced in shared memory (integers: any order), then each
         # thread writes the integers of its channels (adjacent threads, adjacent words)
         C = x.shape[3]
-        t = cuda.blockIdx.x
-        p = cuda.blockIdx.y
-        l = p // 2
-        kv = p % 2
+        l, kv, t = _block_row()
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
         top_s = cuda.shared.array(FIXED_ROW_THREADS, np.uint32)
@@ -364,15 +368,7 @@ def _make_fixed_rows(bf16):
             a = bits_of(x[l, kv, t_first + t, c]) & 0x7FFFFFFF
             if a > top:
                 top = a
-        top_s[tid] = top
-        cuda.syncthreads()
-        step = nt // 2
-        while step > 0:
-            if tid < step and top_s[tid + step] > top_s[tid]:
-                top_s[tid] = top_s[tid + step]
-            cuda.syncthreads()
-            step //= 2
-        ex = _fx.row_exponent(top_s[0])
+        ex = _fx.row_exponent(_block_max(top_s, tid, top, FIXED_ROW_THREADS))
         scale = math.ldexp(1.0, int(_fx.X_BITS - ex))
         for c in range(tid, C, nt):
             v = np.float64(_bits_f32(bits_of(x[l, kv, t_first + t, c])))
@@ -398,10 +394,7 @@ def fixed_rows(x, t_first, X, e, stream=0):
 def _fixed_rows_out_kernel(Y, e, t_first, y):
     # blockIdx (token, plane), threads over the channels: no index division
     C = Y.shape[3]
-    t = cuda.blockIdx.x
-    p = cuda.blockIdx.y
-    l = p // 2
-    kv = p % 2
+    l, kv, t = _block_row()
     scale = math.ldexp(1.0, int(e[l, kv, t] - _fx.X_BITS - _fx.R_BITS))  # exact: see fixed_rotation
     for c in range(cuda.threadIdx.x, C, cuda.blockDim.x):
         y[l, kv, t_first + t, c] = np.float32(Y[l, kv, t, c] * scale)
@@ -455,19 +448,15 @@ def _make_fixed_values(bf16):
     def kernel(A, steps, b, t_first, out):
         # blockIdx (token, plane), threads over the channels
         C = A.shape[3]
-        t = cuda.blockIdx.x
-        p = cuda.blockIdx.y
-        l = p // 2
-        kv = p % 2
+        l, kv, t = _block_row()
         unit = math.ldexp(steps[l, kv], -_fx.R_BITS)
         for c in range(cuda.threadIdx.x, C, cuda.blockDim.x):
             v = _fx.fixed_value(A[l, kv, t, c], unit, b[l, kv, c])
             if bf16:
-                u = _f32_bits(v) & 0xFFFFFFFF
-                w = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+                w = _bf16_nearest(v)
                 if (w & 0x7FFF) == 0x7F80:  # rounded up to an infinity: the largest finite value
                     w -= 1
-                out[l, kv, t_first + t, c] = np.int16(w - 65536 if w >= 32768 else w)
+                out[l, kv, t_first + t, c] = np.int16(w)
             else:
                 out[l, kv, t_first + t, c] = v
 

@@ -697,6 +697,7 @@ class V2SlabDecoder:
             if h.fixed_rotation:
                 # The levels q' decode alone (step 1, offset 0: exact), then the integer product
                 # and the offsets carried through it (kernels/fixed_rotation).
+                self.unit_offsets, self.unit_steps = np.zeros_like(self.offsets), np.ones_like(self.steps)
                 self.fixed_t = fixed_kernels.fixed_matrix_kept(rot, p.calibration, True)
                 self.fixed_b = np.empty((L, 2, C), np.float64)
                 fixed_kernels.offset_sums(self.offsets, self.fixed_t.numpy(), self.fixed_b)
@@ -748,27 +749,20 @@ class V2SlabDecoder:
         ref = gather_refinement(h, chunks)
         sink = min(max(h.sink_tokens - T0, 0), Ts)
         first_refined = max(h.refine_start - T0, 0)
-        if self.fixed_t is not None:
-            args += (_NO_ROTATION, sink, np.zeros_like(self.offsets), np.ones_like(self.steps), first_refined,
-                     p.refine_bits, ref)
-            tmp = self.buf.get("f32", (L, 2, Ts, C), np.float32)
-            k2.decode_transform_planes(*args, tmp, 0, False)  # the levels q'
-            fixed_kernels.unrotate_values(tmp, self.fixed_t, self.steps, self.fixed_b, sink, tmp)
-            if p.rope is not None:
-                rope_kernels.turn_keys(tmp, p.rope.inv_freq, p.rope, T0, h.sink_tokens, True)
-            self._store(tmp, sink, out, t_out, Ts)
-            check_level_range(int(seen[:, 0].min()), int(seen[:, 1].max()), h.method)
-            if sink:
-                out[:, :, t_out : t_out + sink] = self.sink[:, :, T0 : T0 + sink]
-            return
-        args += (self.rot_t, sink, self.offsets, self.steps, first_refined, p.refine_bits,
-                 ref)
-        if p.rope is not None:
-            # float32 values, the keys turned back by their RoPE, then the source dtype
-            r = p.rope
+        fixed = self.fixed_t is not None
+        if fixed:  # the levels q' alone (step 1, offset 0: exact), rotated back below
+            args += (_NO_ROTATION, sink, self.unit_offsets, self.unit_steps, first_refined, p.refine_bits, ref)
+        else:
+            args += (self.rot_t, sink, self.offsets, self.steps, first_refined, p.refine_bits, ref)
+        if fixed or p.rope is not None:
+            # float32 values (x' through the fixed-point rotation; the keys turned back by their
+            # RoPE), then the source dtype, saturating
             tmp = self.buf.get("f32", (L, 2, Ts, C), np.float32)
             k2.decode_transform_planes(*args, tmp, 0, False)
-            rope_kernels.turn_keys(tmp, r.inv_freq, r, T0, h.sink_tokens, True)
+            if fixed:
+                fixed_kernels.unrotate_values(tmp, self.fixed_t, self.steps, self.fixed_b, sink, tmp)
+            if p.rope is not None:
+                rope_kernels.turn_keys(tmp, p.rope.inv_freq, p.rope, T0, h.sink_tokens, True)
             self._store(tmp, sink, out, t_out, Ts)
         elif h.dtype == "bfloat16":
             k2.decode_transform_planes(*args, out, t_out, True)

@@ -118,37 +118,29 @@ def _nb(t: torch.Tensor):
     return view
 
 
-#: Device copies of the last rotations used ((digest, device, transposed) -> tensor): a full
+#: Device copies of the last rotations used ((digest, device, transposed, fixed) -> tensor): a full
 #: Llama-sized rotation is 268 MB, whose upload (and, for decoding, transpose) would cost more
 #: than the rest of a call.
 _ROTATIONS: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
 ROTATIONS_KEPT = 2
 
 
-def _device_rotation(rot: np.ndarray, digest: bytes, dev: torch.device, transposed: bool) -> torch.Tensor:
-    """rot ([L, 2, H, D, D] blocks) on ``dev``, each block transposed when ``transposed``."""
-    key = (digest, str(dev), transposed)
+def _device_rotation(rot: np.ndarray, digest: bytes, dev: torch.device, transposed: bool,
+                     fixed: bool = False) -> torch.Tensor:
+    """rot ([L, 2, H, D, D] blocks) on ``dev``, each block transposed when ``transposed``; with
+    ``fixed``, the fixed-point rotation's integers instead (kernels/fixed_rotation.fixed_matrix,
+    float64)."""
+    key = (digest, str(dev), transposed, fixed)
     t = _ROTATIONS.get(key)
     if t is None:
-        t = torch.from_numpy(rot).to(dev)
-        if transposed:
-            t = t.transpose(-1, -2).contiguous()
-        _ROTATIONS[key] = t
-        while len(_ROTATIONS) > ROTATIONS_KEPT:
-            _ROTATIONS.popitem(last=False)
-    _ROTATIONS.move_to_end(key)
-    return t
+        if fixed:
+            from ..kernels.fixed_rotation import fixed_matrix_kept
 
-
-def _device_fixed(rot: np.ndarray, digest: bytes, dev: torch.device, transposed: bool) -> torch.Tensor:
-    """The fixed-point rotation's blocks of rot (kernels/fixed_rotation.fixed_matrix: float64
-    integers [L, 2, H, D, D]) on ``dev``, kept as _device_rotation keeps rotations."""
-    from ..kernels import fixed_rotation
-
-    key = (digest, str(dev), transposed, "fixed")
-    t = _ROTATIONS.get(key)
-    if t is None:
-        t = torch.from_numpy(fixed_rotation.fixed_matrix(rot, transposed)).to(dev)
+            t = fixed_matrix_kept(rot, digest, transposed).to(dev)
+        else:
+            t = torch.from_numpy(rot).to(dev)
+            if transposed:
+                t = t.transpose(-1, -2).contiguous()
         _ROTATIONS[key] = t
         while len(_ROTATIONS) > ROTATIONS_KEPT:
             _ROTATIONS.popitem(last=False)
@@ -297,7 +289,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
             Xr = _empty((L, 2, T - sink, C), torch.float64, dev)
             er = _empty((L, 2, T - sink), torch.int32, dev)
             k.fixed_rows(_nb(x32), sink, _nb(Xr), _nb(er))
-            rint = _device_fixed(rot_h, digest, dev, False)
+            rint = _device_rotation(rot_h, digest, dev, False, fixed=True)
             Yr = block_product(Xr, rint)
             del Xr
             y = _empty((L, 2, T, C), torch.float32, dev)
@@ -567,10 +559,8 @@ def decode(blob: torch.Tensor, h: FileHeader, offsets: list[int], size: int, cal
     with _LOCK:
         if not rot.size:
             rot_t = None
-        elif h.fixed_rotation:
-            rot_t = _device_fixed(rot, h.params.calibration, blob.device, True)
         else:
-            rot_t = _device_rotation(rot, h.params.calibration, blob.device, True)
+            rot_t = _device_rotation(rot, h.params.calibration, blob.device, True, fixed=h.fixed_rotation)
         out, failed = _decode(blob, h, offsets, size, rot_t)
     if failed:
         _raise_cpu_error(blob, calibration)
