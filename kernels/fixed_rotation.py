@@ -206,7 +206,7 @@ def block_product(X, rint, out=None):
 
 # ---- the CPU's passes, a (layer, K/V) plane at a time: the float64 scratch of one plane is
 # reused (and stays in cache), where slab-sized arrays would each cost their pages' first touch
-# (measured on the 2-core development machine: ~3 us a 4 KiB page, more than the arithmetic)
+# (on the development machine, more than the arithmetic)
 
 
 def rotate_rows(x, rint, t_first, y):
