@@ -132,3 +132,31 @@ def test_v2_zero_planes_float_dtypes():
         for quality in ("balanced", "lossless"):
             cpu = cg.encode(kv, quality=quality, device="cpu")
             assert cpu == cg.encode(kv.cuda(), quality=quality, device="cuda")
+
+
+def test_upload_ring_wraps_without_overwriting_queued_copies():
+    """pipeline/staging's ring, made tiny so that it wraps many times while copies are queued
+    behind a long kernel: every device tensor holds its own host array."""
+    import numpy as np
+
+    from cachegen_cli.pipeline.staging import UploadRing
+
+    ring = UploadRing(min_bytes=4096)
+    dev = torch.device("cuda")
+    rng = np.random.default_rng(5)
+    slow = torch.randn(4096, 4096, device=dev)
+    for _ in range(4):
+        slow = slow @ slow  # keeps the stream busy while the uploads are queued behind it
+    outs = []
+    for i in range(300):
+        dtype = [np.int64, np.float32, np.uint8, np.float64][i % 4]
+        a = (rng.standard_normal(int(rng.integers(0, 700))) * 100).astype(dtype)
+        outs.append(ring.upload(a, dev))
+        a[...] = 0  # the caller's array may change as soon as upload returns
+    torch.cuda.synchronize()
+    rng = np.random.default_rng(5)  # the sources were zeroed: made again from the seed
+    for i, o in enumerate(outs):
+        dtype = [np.int64, np.float32, np.uint8, np.float64][i % 4]
+        a = (rng.standard_normal(int(rng.integers(0, 700))) * 100).astype(dtype)
+        assert o.dtype == torch.from_numpy(a).dtype
+        assert np.array_equal(o.cpu().numpy(), a)

@@ -23,6 +23,7 @@ import torch
 from ..format import container
 from ..format.container import Chunk, FileHeader
 from ..kernels.coding_params import max_stream_bytes
+from . import staging
 
 
 def _kernels():
@@ -365,13 +366,7 @@ assert _CHUNK_HEADER_DTYPE.itemsize == container.CHUNK_HEADER.size
 def _upload(parts: list[np.ndarray], dev: torch.device, heads_row: int = 0) -> list[torch.Tensor]:
     """Several small host int64 arrays to the device in one copy; returns device views.
     With heads_row, the last part is returned as uint8 rows of that many bytes."""
-    flat = np.concatenate([np.asarray(p, np.int64).reshape(-1) for p in parts]) if parts else np.zeros(0, np.int64)
-    d = torch.from_numpy(flat).to(dev)
-    out, o = [], 0
-    for p in parts:
-        n = int(np.asarray(p).size)
-        out.append(d[o : o + n])
-        o += n
+    out = staging.upload_int64(parts, dev)
     if heads_row:
         out[-1] = out[-1].view(torch.uint8).view(-1, heads_row)
     return out

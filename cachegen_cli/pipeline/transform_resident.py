@@ -47,6 +47,7 @@ from ..kernels.transform import STATS_BLOCK
 from ..storage.kvio import EXPONENT_WORDS, DTYPE_BY_NAME, KVCache, check_finite
 from ..format.params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, bf16_values
 from ..methods import rope as rope_methods
+from . import staging
 
 _FMT = {"float32": 0, "bfloat16": 1, "float16": 2}
 _TORCH_WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a word of n bytes
@@ -175,27 +176,13 @@ def _int64_view(t: torch.Tensor, C: int):
 
 
 def _to_device(a: np.ndarray, dev: torch.device) -> torch.Tensor:
-    """A host array on ``dev`` without stalling the host: a copy from pageable memory makes the
-    host wait for all the work queued on the stream (CUDA's rule for pageable transfers), so
-    the array goes through pinned memory (torch's caching host allocator keeps the block
-    until the copy has run) and the copy is queued like a kernel."""
-    a = np.ascontiguousarray(a)
-    t = torch.from_numpy(a if a.flags.writeable else a.copy())
-    if dev.type != "cuda":
-        return t
-    return t.pin_memory().to(dev, non_blocking=True)
+    """A host array on ``dev``, its copy queued without stalling the host (pipeline/staging)."""
+    return staging.to_device(a, dev)
 
 
 def _upload(parts: list[np.ndarray], dev: torch.device) -> list[torch.Tensor]:
     """Small host int64 arrays to the device in one copy."""
-    flat = np.concatenate([np.asarray(p, np.int64).reshape(-1) for p in parts])
-    d = _to_device(flat, dev)
-    out, o = [], 0
-    for p in parts:
-        n = int(np.asarray(p).size)
-        out.append(d[o : o + n])
-        o += n
-    return out
+    return staging.upload_int64(parts, dev)
 
 
 # ---------------------------------------------------------------- encoding

@@ -1,0 +1,99 @@
+"""Small host arrays to the device without stalling the host: the GPU-resident pipelines'
+steps, offsets, chunk positions and header bytes (kilobytes, a few per call).
+
+Why not the obvious ways: a copy from pageable memory makes the host wait for all the work
+queued on the stream (CUDA's rule for pageable transfers), and ``tensor.pin_memory()`` costs
+about a millisecond per call on the H200 host (benchmarks/profile_host.py, 2026-12-02: six of
+them were ~6 ms of a 15 ms decode).  So every array goes through one page-locked ring buffer
+allocated once: its bytes are written at the ring's head, the copy is queued like a kernel,
+and a CUDA event recorded after it says when that stretch of the ring may be written again
+(the host waits on an event only when the ring has wrapped onto a copy not yet run).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+
+import numpy as np
+import torch
+
+_ALIGN = 256  # each array's stretch starts on a 256-byte boundary (any dtype's view is aligned)
+_MIN_RING = 4 << 20
+
+
+class UploadRing:
+    """A page-locked ring buffer that stages host arrays for asynchronous device copies."""
+
+    def __init__(self, min_bytes: int = _MIN_RING) -> None:
+        self._min = min_bytes
+        self._buf: torch.Tensor | None = None
+        self._head = 0
+        self._pending: deque = deque()  # (start, end, event): stretches whose copy may not have run
+        self._lock = threading.Lock()
+
+    def _wait_overlapping(self, a0: int, a1: int) -> None:
+        keep = deque()
+        for s, e, ev in self._pending:
+            if s < a1 and a0 < e:
+                ev.synchronize()
+            elif not ev.query():
+                keep.append((s, e, ev))
+        self._pending = keep
+
+    def _reserve(self, nbytes: int) -> int:
+        need = -(-max(nbytes, 1) // _ALIGN) * _ALIGN
+        if self._buf is None or need > self._buf.numel():
+            for _, _, ev in self._pending:  # the old ring stays alive until its copies have run
+                ev.synchronize()
+            self._pending.clear()
+            self._buf = torch.empty(max(2 * need, self._min), dtype=torch.uint8, pin_memory=True)
+            self._head = 0
+        if self._head + need > self._buf.numel():
+            self._head = 0
+        a0 = self._head
+        self._wait_overlapping(a0, a0 + need)
+        self._head = a0 + need
+        return a0
+
+    def upload(self, a: np.ndarray, dev: torch.device) -> torch.Tensor:
+        """``a`` (any shape and dtype numpy has a torch twin for) as a tensor on ``dev``; the copy
+        is queued on dev's current stream.  A CPU ``dev`` (numba's simulator) gets a copy."""
+        a = np.ascontiguousarray(a)
+        dtype = torch.from_numpy(np.empty(0, a.dtype)).dtype
+        if dev.type != "cuda":
+            return torch.from_numpy(a.copy())
+        raw = a.reshape(-1).view(np.uint8)
+        out = torch.empty(a.shape, dtype=dtype, device=dev)
+        if raw.size == 0:
+            return out
+        with self._lock:
+            a0 = self._reserve(raw.size)
+            host = self._buf[a0 : a0 + raw.size]
+            host.numpy()[:] = raw
+            out.view(-1).view(torch.uint8).copy_(host, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(dev))
+            self._pending.append((a0, a0 + -(-raw.size // _ALIGN) * _ALIGN, ev))
+        return out
+
+
+_RING = UploadRing()
+
+
+def to_device(a: np.ndarray, dev: torch.device) -> torch.Tensor:
+    """A host array on ``dev``, the copy queued (the shared ring of this module)."""
+    return _RING.upload(a, dev)
+
+
+def upload_int64(parts: list[np.ndarray], dev: torch.device) -> list[torch.Tensor]:
+    """Several small host integer arrays on ``dev`` as int64, in one copy; returns views."""
+    flat = (np.concatenate([np.asarray(p, np.int64).reshape(-1) for p in parts]) if parts
+            else np.zeros(0, np.int64))
+    d = to_device(flat, dev)
+    out, o = [], 0
+    for p in parts:
+        n = int(np.asarray(p).size)
+        out.append(d[o : o + n])
+        o += n
+    return out
