@@ -443,7 +443,7 @@ def decode_streams(payload, offsets, lengths, cum, maxq, chunk_tokens, group, sy
 
 # ---------------------------------------------------------------- CRC-32 of records
 
-from .crc import CRC_TABLE, crc32_combine, crc32_range  # noqa: E402
+from .crc import CRC_SLICES, CRC_TABLE, crc32_combine, crc32_range  # noqa: E402
 
 #: Bytes per CRC segment: one thread each; a record's segments are joined by one thread.
 CRC_SEGMENT_BYTES = 16384
@@ -1294,34 +1294,45 @@ CHUNK_CRC_SEGMENT = 2048
 
 
 @cuda.jit(device=True)
-def _crc_span(data, words, aligned, start, n, table):
+def _fill_crc_slices(slices):
+    """Copy crc.CRC_SLICES into a block's shared [8, 256] uint32 array (then a barrier)."""
+    for i in range(cuda.threadIdx.x, 8 * 256, cuda.blockDim.x):
+        slices[i >> 8, i & 255] = CRC_SLICES[i >> 8, i & 255]
+    cuda.syncthreads()
+
+
+@cuda.jit(device=True)
+def _crc_span(data, words, aligned, start, n, slices):
     """zlib.crc32(data[start:start + n]); where ``aligned``, the 8-byte-aligned middle is read
-    as int64 words (words = data viewed as int64): an eighth of the load instructions, which
-    is what bounds this kernel (each thread reads its own span, so the lines thrash in L1)."""
+    as int64 words (words = data viewed as int64) and each word takes the 8 independent lookups
+    of slicing-by-8 (slices: crc.CRC_SLICES in shared memory): a byte-at-a-time table walk is a
+    chain of dependent shared-memory loads, which is what bounded this kernel."""
     c = np.int64(0xFFFFFFFF)
     p = start
     end = start + n
     if aligned:
         while p < end and (p & 7) != 0:
-            c = table[(c ^ np.int64(data[p])) & 0xFF] ^ (c >> 8)
+            c = np.int64(slices[0, (c ^ np.int64(data[p])) & 0xFF]) ^ (c >> 8)
             p += 1
         while p + 8 <= end:
             w = words[p >> 3]
-            for b in range(8):
-                c = table[(c ^ (w >> (8 * b))) & 0xFF] ^ (c >> 8)
+            lo = (c ^ w) & 0xFFFFFFFF
+            hi = (w >> 32) & 0xFFFFFFFF
+            c = (np.int64(slices[7, lo & 0xFF]) ^ np.int64(slices[6, (lo >> 8) & 0xFF])
+                 ^ np.int64(slices[5, (lo >> 16) & 0xFF]) ^ np.int64(slices[4, lo >> 24])
+                 ^ np.int64(slices[3, hi & 0xFF]) ^ np.int64(slices[2, (hi >> 8) & 0xFF])
+                 ^ np.int64(slices[1, (hi >> 16) & 0xFF]) ^ np.int64(slices[0, hi >> 24]))
             p += 8
     while p < end:
-        c = table[(c ^ np.int64(data[p])) & 0xFF] ^ (c >> 8)
+        c = np.int64(slices[0, (c ^ np.int64(data[p])) & 0xFF]) ^ (c >> 8)
         p += 1
     return c ^ 0xFFFFFFFF
 
 
 @cuda.jit
 def _crc_chunks_kernel(data, words, aligned, rec_at, rec_len, seg_first, out):
-    table = cuda.shared.array(256, np.int64)
-    for i in range(cuda.threadIdx.x, 256, cuda.blockDim.x):
-        table[i] = CRC_TABLE[i]
-    cuda.syncthreads()
+    slices = cuda.shared.array((8, 256), np.uint32)
+    _fill_crc_slices(slices)
     i = cuda.grid(1)
     R = rec_at.shape[0]
     if i >= seg_first[R]:
@@ -1351,7 +1362,7 @@ def _crc_chunks_kernel(data, words, aligned, rec_at, rec_len, seg_first, out):
     after = b1 - (start + n)
     if j == 0:
         after = b1 - b0
-    c = _crc_span(data, words, aligned, start, n, table)
+    c = _crc_span(data, words, aligned, start, n, slices)
     if after > 0:  # crc(A + B) = crc(A) x^(8|B|) xor crc(B), for every later segment B at once
         c = multmodp(x8nmodp(after), c)
     cuda.atomic.xor(out, lo, c)

@@ -50,10 +50,10 @@ import math
 
 import numpy as np
 
-from .cuda import BLOCK, SIM, _bits_f32, _bits_f64, _block_max, _crc_span, _f32_bits, _grid, _placeholder, as_device, cuda  # noqa: F401
+from .cuda import BLOCK, SIM, _bits_f32, _bits_f64, _block_max, _crc_span, _f32_bits, _fill_crc_slices, _grid, _placeholder, as_device, cuda  # noqa: F401
 from .cdf import codes_to_cum, counts_to_codes
 from .coding_params import MASK32, PROB_BITS, PROB_TOTAL, RANGE_INIT, RANGE_TOP
-from .crc import CRC_TABLE, multmodp, x8nmodp
+from .crc import multmodp, x8nmodp
 from .quantize import float_from_bits16
 from . import rope as _rope
 from . import fixed_rotation as _fx
@@ -1604,16 +1604,14 @@ def write_raw(out, raw_at, raw_first, chunk_tokens, refine_start, bits, ref, wor
 
 @cuda.jit
 def _span_crc_kernel(data, words, aligned, start, size, segment, acc):
-    table = cuda.shared.array(256, np.int64)
-    for i in range(cuda.threadIdx.x, 256, cuda.blockDim.x):
-        table[i] = CRC_TABLE[i]
-    cuda.syncthreads()
+    slices = cuda.shared.array((8, 256), np.uint32)
+    _fill_crc_slices(slices)
     j = cuda.grid(1)
     a = j * segment
     if a >= size:
         return
     n = min(segment, size - a)
-    c = _crc_span(data, words, aligned, start + a, n, table)
+    c = _crc_span(data, words, aligned, start + a, n, slices)
     after = size - (a + n)
     if after > 0:  # crc(A + B) = crc(A) x^(8|B|) xor crc(B): every segment shifted to its place
         c = multmodp(x8nmodp(after), c)

@@ -103,6 +103,32 @@ def test_record_crcs_match_zlib():
     assert out.tolist() == want
 
 
+def test_chunk_crcs_and_span_crc_match_zlib():
+    """crc32_chunks (slicing-by-8 over the aligned words, bytes at the edges) and span_crc give
+    zlib's CRC-32 for records at odd offsets, shorter and longer than a segment, with the data
+    read as words and as bytes."""
+    import zlib
+
+    from cachegen_cli.kernels import cuda as gpu
+    from cachegen_cli.kernels import cuda_pipeline
+
+    rng = np.random.default_rng(11)
+    data = rng.integers(0, 256, 3 * gpu.CHUNK_CRC_SEGMENT + 777).astype(np.uint8)
+    rec_at = np.array([3, 47, 47 + 2 * gpu.CHUNK_CRC_SEGMENT + 5], np.int64)
+    rec_len = np.array([44, 2 * gpu.CHUNK_CRC_SEGMENT + 5, data.size - rec_at[2]], np.int64)
+    want = [zlib.crc32(data[a : a + 36].tobytes() + data[a + 40 : a + n].tobytes()) for a, n in zip(rec_at, rec_len)]
+    seg_first = gpu.chunk_crc_segments(rec_at, rec_len)
+    for words in (data[: data.size // 8 * 8].view(np.int64), None):
+        out = np.zeros(3, np.int64)
+        gpu.crc32_chunks(data, words, rec_at, rec_len, seg_first, out, int(seg_first[-1]))
+        assert out.tolist() == want
+        for start, size in ((5, 3000), (8, 2 * cuda_pipeline.PARAMS_CRC_SEGMENT + 9), (0, 0)):
+            acc = np.zeros(1, np.int64)
+            value = np.zeros(1, np.int64)
+            cuda_pipeline.span_crc(data, words, start, size, 0, acc, value)
+            assert int(value[0]) == zlib.crc32(data[start : start + size].tobytes())
+
+
 def test_tiny_rows_quantize_alike():
     """A row whose abs-max is below ~1e-37 (maxq / scale overflows float32) gives the same
     symbols on both devices: the inverse step is capped at the largest float32."""
