@@ -124,11 +124,20 @@ def package_version(name: str) -> str | None:
 
 def git_commit() -> str:
     """HEAD, and whether the tracked files differ from it (other work in the tree changes numbers).
+    CACHEGEN_COMMIT names it for a tree exported without its git folder (``git archive``, as
+    benchmarks run on a lent machine), and a tree that is not its own git top level (exported
+    into another checkout, whose HEAD says nothing about this code) is "unknown".
     --no-optional-locks: never take the index lock another git command may be holding."""
+    if os.environ.get("CACHEGEN_COMMIT"):
+        return os.environ["CACHEGEN_COMMIT"] + " (CACHEGEN_COMMIT)"
+
     def git(*args):
         return subprocess.run(["git", "--no-optional-locks", *args], cwd=ROOT, capture_output=True,
                               text=True, timeout=30).stdout.strip()
     try:
+        top = git("rev-parse", "--show-toplevel")
+        if not top or Path(top).resolve() != ROOT.resolve():
+            return "unknown"
         head = git("rev-parse", "HEAD")
         dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
     except (OSError, subprocess.SubprocessError):

@@ -182,6 +182,8 @@ def cpu_run(r: dict) -> dict:
     named = re.search(r"_([0-9a-f]{7,40})\.json$", r["path"].name)
     if named and not recorded.startswith(named.group(1)):
         commit += f"; the file is named for {named.group(1)}"
+    if info.get("git_commit_note"):
+        commit += f" ({info['git_commit_note']}; recorded: {info.get('git_commit_recorded', 'not recorded')[:7]})"
     versions = ", ".join(f"{k} {info[k]}" for k in ("torch", "numba", "numpy") if info.get(k))
     return {"file": r["name"], "commit": commit, "date": info.get("date", "not recorded"),
             "host": f"{info.get('cpu', 'not recorded')}, {info.get('cpus_usable', '?')} CPUs usable",

@@ -3,11 +3,12 @@ steps, offsets, chunk positions and header bytes (kilobytes, a few per call).
 
 Why not the obvious ways: a copy from pageable memory makes the host wait for all the work
 queued on the stream (CUDA's rule for pageable transfers), and ``tensor.pin_memory()`` costs
-about a millisecond per call on the H200 host (benchmarks/profile_host.py, 2026-12-02: six of
-them were ~6 ms of a 15 ms decode).  So every array goes through one page-locked ring buffer
-allocated once: its bytes are written at the ring's head, the copy is queued like a kernel,
-and a CUDA event recorded after it says when that stretch of the ring may be written again
-(the host waits on an event only when the ring has wrapped onto a copy not yet run).
+0.4-1 ms per call on the H200 host (benchmarks/profile_host.py at 108299e, docs/results/
+2026-12-02b_profile_host_108299e.txt: six per balanced decode, ~6 ms of a profiled ~20 ms).
+So every array goes through one page-locked ring buffer allocated once: its bytes are written
+at the ring's head, the copy is queued like a kernel, and a CUDA event recorded after it says
+when that stretch of the ring may be written again (the host waits on an event only when the
+ring has wrapped onto a copy not yet run).
 """
 
 from __future__ import annotations
