@@ -9,7 +9,7 @@ TORCH_SPEC ?= torch==2.13.0
 SAMPLE ?= sample_data/smollm2_pydoc_520.safetensors
 DEMO_DIR ?= build/demo
 
-.PHONY: setup demo test test-gpu bench clean
+.PHONY: setup demo test test-gpu bench bench-page clean
 
 setup: $(VENV)/.installed
 
@@ -42,3 +42,20 @@ test: setup
 
 clean:
 	rm -rf build .pytest_cache
+
+# docs/benchmarks.md's "Current figures" at the checked-out commit, on a machine with a CUDA GPU:
+# the GPU-resident runs, the CPU runs on the same host, then the page rendered from those three
+# files (commit them under docs/results/).  On a GPU machine with its own Python: make bench-page PY=python3
+RESULTS ?= docs/results
+BENCH_METHODS ?= lossless,high,balanced,small,lmcache,high+cal/head,balanced+cal/head,small+cal/head,balanced+cal
+bench-page:
+	c=$$(git rev-parse --short HEAD); d=$$(date -u +%Y-%m-%d); \
+	$(PY) benchmarks/bench_device.py --tokens 8192 --repeats 5 --check-tokens 256 --methods $(BENCH_METHODS) \
+		--json $(RESULTS)/$${d}_bench_device_$$c.json && \
+	$(PY) benchmarks/bench_all.py --devices cpu --cpu-tokens 1024 --qualities lossless,high,balanced,small,lmcache \
+		--repeats 3 --json $(RESULTS)/$${d}_bench_all_cpu_$$c.json && \
+	$(PY) benchmarks/bench_all.py --devices cpu --cpu-tokens 1024 --cpu-cal-tokens 512 \
+		--qualities high+cal/head,balanced+cal/head,small+cal/head,balanced+cal --repeats 3 \
+		--json $(RESULTS)/$${d}_bench_all_cpu_cal_$$c.json && \
+	$(PY) benchmarks/report.py $(RESULTS)/$${d}_bench_device_$$c.json $(RESULTS)/$${d}_bench_all_cpu_$$c.json \
+		$(RESULTS)/$${d}_bench_all_cpu_cal_$$c.json
