@@ -274,3 +274,32 @@ def test_stats_takes_threads_and_prints_no_rate_for_0_tokens(tmp_path):
     assert "1 KV head x" in r.stdout and "0 tokens in 0 chunks" in r.stdout
     r = invoke("encode", src, "-f")
     assert "no values" in r.stdout and "bits/value" not in r.stdout
+
+
+@pytest.mark.parametrize("quality", ["balanced", "lossless"])
+def test_progress_is_reported_slab_by_slab_encode_and_decode(tmp_path, monkeypatch, quality):
+    """The library reports progress after each slab it codes, so that a file of several slabs
+    moves the bar while it is coded (not 0 until the end): increasing reports, the last one the
+    whole file, on encode_file and on decode_file."""
+    import torch
+    from safetensors.torch import save_file
+
+    import cachegen_cli as cg
+    from cachegen_cli.methods import transform as transform_codec
+
+    kv = torch.randn(2, 2, 64, 2, 8).to(torch.bfloat16)
+    src = tmp_path / "kv.safetensors"
+    save_file({"kv": kv}, str(src))
+    # 4-token chunks of 2 layers x 16 channels: 512 float32 bytes a chunk, so 3 chunks a slab
+    monkeypatch.setattr(transform_codec, "V2_SLAB_BYTES", 3 * 4 * 2 * 2 * 16 * 4)
+    for direction in ("encode", "decode"):
+        seen = []
+        if direction == "encode":
+            cg.encode_file(src, tmp_path / "kv.cgen", quality=quality, chunk_tokens=4, device="cpu",
+                           progress=lambda done, total: seen.append((done, total)), force=True)
+        else:
+            cg.decode_file(tmp_path / "kv.cgen", tmp_path / "out.safetensors", device="cpu",
+                           progress=lambda done, total: seen.append((done, total)), force=True)
+        assert len(seen) >= 5, (direction, seen)
+        assert all(t == 16 for _, t in seen) and seen[-1] == (16, 16), (direction, seen)
+        assert [d for d, _ in seen] == sorted(d for d, _ in seen) and seen[0][0] < 16, (direction, seen)
