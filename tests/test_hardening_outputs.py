@@ -126,7 +126,11 @@ def test_a_device_output_still_needs_force(cgen_file, tmp_path):
 
 
 SLOW_DECODE = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
+    # the signals at their default action, as in a terminal: under nohup (or a CI runner that
+    # ignores SIGHUP) an ignored signal stays ignored by the CLI, by design (outputs._cleanup_on_signals)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     from cachegen_cli.pipeline import codec
     real = codec.decode_to_file
     def slow(dec, path, progress=None):
