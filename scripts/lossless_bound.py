@@ -45,7 +45,7 @@ import torch  # noqa: E402
 
 import cachegen_cli as cg  # noqa: E402
 from cachegen_cli.model import capture, evaluate  # noqa: E402
-from rope_gain import _texts  # noqa: E402
+from rope_gain import references  # noqa: E402
 
 
 def _counts(sym: np.ndarray, nsym: int) -> np.ndarray:
@@ -109,21 +109,15 @@ def main() -> int:
     args = ap.parse_args()
     model, tok = capture.load_model(capture.find_default_model())
     rows = []
-    for name, text in _texts().items():
-        ids = capture.tokenize(tok, text)
-        for ctx in (int(c) for c in args.contexts.split(",")):
-            if len(ids) < ctx + 1:
-                print(f"# {name}: {len(ids)} tokens, too short for {ctx}", file=sys.stderr)
-                continue
-            ref = evaluate.build_reference(model, ids[:ctx], ids[ctx:ctx + 2], 0, torch.bfloat16)
-            cache = ref.cache  # [L, 2, T, C] bfloat16
-            L, _, T, C = cache.shape
-            blob = cg.encode(cache.reshape(L, 2, T, ref.num_kv_heads, ref.head_dim), quality="lossless", device="cpu")
-            words = cache.contiguous().view(torch.int16).numpy().view(np.uint16)
-            row = dict(text=name, context=ctx, file=8 * len(blob) / cache.numel(), **bounds(words))
-            rows.append(row)
-            print("# " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
-                  file=sys.stderr, flush=True)
+    for (name, ctx), ref in references(model, tok, [int(c) for c in args.contexts.split(",")], 1).items():
+        cache = ref.cache  # [L, 2, T, C] bfloat16
+        L, _, T, C = cache.shape
+        blob = cg.encode(cache.reshape(L, 2, T, ref.num_kv_heads, ref.head_dim), quality="lossless", device="cpu")
+        words = cache.contiguous().view(torch.int16).numpy().view(np.uint16)
+        row = dict(text=name, context=ctx, file=8 * len(blob) / cache.numel(), **bounds(words))
+        rows.append(row)
+        print("# " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()),
+              file=sys.stderr, flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     info = dict(date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", commit=commit,
                 command="python scripts/lossless_bound.py " + " ".join(sys.argv[1:]))

@@ -53,6 +53,21 @@ def _texts() -> dict[str, str]:
     }
 
 
+def references(model, tok, contexts, continuation: int) -> dict:
+    """{(text name, context): evaluate.build_reference} of _texts' caches at each context (bfloat16),
+    with ``continuation`` tokens after it; a text too short for a context is left out (said on stderr)."""
+    refs: dict = {}
+    for name, text in _texts().items():
+        ids = capture.tokenize(tok, text)
+        for ctx in contexts:
+            if len(ids) < ctx + continuation + 1:
+                print(f"# {name}: {len(ids)} tokens, too short for {ctx}", file=sys.stderr)
+                continue
+            refs[(name, ctx)] = evaluate.build_reference(model, ids[:ctx], ids[ctx:ctx + continuation + 1], 0,
+                                                         torch.bfloat16)
+    return refs
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="1024,4096")
@@ -65,15 +80,7 @@ def main() -> int:
     contexts = [int(c) for c in args.contexts.split(",")]
     model, tok = capture.load_model(capture.find_default_model())
     model_rope = rope.from_model(model)
-    refs: dict = {}
-    for name, text in _texts().items():
-        ids = capture.tokenize(tok, text)
-        for ctx in contexts:
-            if len(ids) < ctx + cont + 1:
-                print(f"# {name}: {len(ids)} tokens, too short for {ctx}", file=sys.stderr)
-                continue
-            refs[(name, ctx)] = evaluate.build_reference(model, ids[:ctx], ids[ctx:ctx + cont + 1], 0,
-                                                         torch.bfloat16)
+    refs = references(model, tok, contexts, cont)
     names = sorted({n for n, _ in refs})
     cal_cache = {n: refs[(n, 1024)].cache for n in names if (n, 1024) in refs}
     rows = []

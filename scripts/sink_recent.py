@@ -36,7 +36,7 @@ import torch  # noqa: E402
 import cachegen_cli as cg  # noqa: E402
 from cachegen_cli.methods.config import QUALITY_PRESETS  # noqa: E402
 from cachegen_cli.model import capture, evaluate  # noqa: E402
-from rope_gain import _texts, print_relative  # noqa: E402
+from rope_gain import print_relative, references  # noqa: E402
 
 CONTINUATION = evaluate.DEFAULT_CONTINUATION
 CHUNK_TOKENS = 256
@@ -61,36 +61,29 @@ def main() -> int:
     ap.add_argument("--qualities", default="balanced,small")
     ap.add_argument("--json", type=pathlib.Path)
     args = ap.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     contexts = [int(c) for c in args.contexts.split(",")]
     model, tok = capture.load_model(capture.find_default_model())
     rows = []
-    for name, text in _texts().items():
-        ids = capture.tokenize(tok, text)
-        for ctx in contexts:
-            if len(ids) < ctx + CONTINUATION + 1:
-                print(f"# {name}: {len(ids)} tokens, too short for {ctx}", file=sys.stderr)
-                continue
-            ref = evaluate.build_reference(model, ids[:ctx], ids[ctx:ctx + CONTINUATION + 1], 0, torch.bfloat16)
-            L, _, T, C = ref.cache.shape
-            kv = ref.cache.reshape(L, 2, T, ref.num_kv_heads, ref.head_dim)
-            for q in args.qualities.split(","):
-                for label, sink, recent, bits, scale in VARIANTS:
-                    base = QUALITY_PRESETS[q]
-                    cfg = replace(base, sink_tokens=sink, recent_tokens=recent, recent_bits=bits,
-                                  key_step=tuple(scale * v for v in base.key_step),
-                                  value_step=tuple(scale * v for v in base.value_step))
-                    t0 = time.perf_counter()
-                    blob = cg.encode(kv, quantization=cfg, chunk_tokens=CHUNK_TOKENS, device="cpu")
-                    data = evaluate.tensors_to_internal(cg.decode(blob, device="cpu"))
-                    s = evaluate.score(ref, data)
-                    row = dict(text=name, context=ctx, quality=q, variant=label, sink_tokens=sink,
-                               recent_tokens=recent, recent_bits=bits, step_scale=scale, bytes=len(blob),
-                               bits_per_value=8 * len(blob) / ref.cache.numel(), kl=s["kl_mean"],
-                               top1=s["top1_agreement"], seconds=time.perf_counter() - t0)
-                    rows.append(row)
-                    print(f"# {name} {ctx} {q:8s} {label:36s} {row['bits_per_value']:.3f} bits  KL {row['kl']:.2e}  "
-                          f"top1 {row['top1']:.3f}", file=sys.stderr, flush=True)
+    for (name, ctx), ref in references(model, tok, contexts, CONTINUATION).items():
+        L, _, T, C = ref.cache.shape
+        kv = ref.cache.reshape(L, 2, T, ref.num_kv_heads, ref.head_dim)
+        for q in args.qualities.split(","):
+            for label, sink, recent, bits, scale in VARIANTS:
+                base = QUALITY_PRESETS[q]
+                cfg = replace(base, sink_tokens=sink, recent_tokens=recent, recent_bits=bits,
+                              key_step=tuple(scale * v for v in base.key_step),
+                              value_step=tuple(scale * v for v in base.value_step))
+                t0 = time.perf_counter()
+                blob = cg.encode(kv, quantization=cfg, chunk_tokens=CHUNK_TOKENS, device="cpu")
+                data = evaluate.tensors_to_internal(cg.decode(blob, device="cpu"))
+                s = evaluate.score(ref, data)
+                row = dict(text=name, context=ctx, quality=q, variant=label, sink_tokens=sink,
+                           recent_tokens=recent, recent_bits=bits, step_scale=scale, bytes=len(blob),
+                           bits_per_value=8 * len(blob) / ref.cache.numel(), kl=s["kl_mean"],
+                           top1=s["top1_agreement"], seconds=time.perf_counter() - t0)
+                rows.append(row)
+                print(f"# {name} {ctx} {q:8s} {label:36s} {row['bits_per_value']:.3f} bits  KL {row['kl']:.2e}  "
+                      f"top1 {row['top1']:.3f}", file=sys.stderr, flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
     info = dict(date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", commit=commit,
                 command="python scripts/sink_recent.py " + " ".join(sys.argv[1:]),
