@@ -23,7 +23,7 @@ from bench_device import method_options  # noqa: E402
 import cachegen_cli as cg  # noqa: E402
 
 
-def report(fn, calls: int, top: int) -> str:
+def report(fn, calls: int, top: int, sort: str = "tottime") -> str:
     fn()
     torch.cuda.synchronize()
     prof = cProfile.Profile()
@@ -33,7 +33,7 @@ def report(fn, calls: int, top: int) -> str:
     torch.cuda.synchronize()
     prof.disable()
     out = io.StringIO()
-    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    pstats.Stats(prof, stream=out).sort_stats(sort).print_stats(top)
     return out.getvalue()
 
 
@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument("--methods", default="balanced,high")
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--sort", default="tottime", help="pstats order: tottime (time of their own) or cumulative")
     args = ap.parse_args()
     x = build_cache(args.tokens).cuda()
     for name in args.methods.split(","):
@@ -50,9 +51,9 @@ def main() -> None:
         blob = cg.encode_to_device(x, **opts)
         dec = {k: v for k, v in opts.items() if k == "calibration"}
         print(f"=== {name} encode ({args.calls} calls)")
-        print(report(lambda: cg.encode_to_device(x, **opts), args.calls, args.top))
+        print(report(lambda: cg.encode_to_device(x, **opts), args.calls, args.top, args.sort))
         print(f"=== {name} decode ({args.calls} calls)")
-        print(report(lambda: cg.decode(blob, device="cuda", **dec), args.calls, args.top))
+        print(report(lambda: cg.decode(blob, device="cuda", **dec), args.calls, args.top, args.sort))
 
 
 if __name__ == "__main__":
