@@ -525,6 +525,11 @@ if SIM:  # numba's simulator has neither libdevice bit casts nor warp shuffles
         return np.array(np.int64(b), np.int64).view(np.float64)[()]
 
     @cuda.jit(device=True)
+    def _fast_div(x, y):
+        """x / y in float32 (the device's approximate division: see below)."""
+        return np.float32(x) / np.float32(y)
+
+    @cuda.jit(device=True)
     def _warp_max(v, scratch, warp, lane):
         """Maximum of v over the 32 threads of a warp (every thread of the block calls it)."""
         scratch[warp, lane] = v
@@ -553,6 +558,11 @@ else:
         if b >= 0x80000000:
             b -= np.int64(1) << 32
         return libdevice.int_as_float(np.int32(b))
+
+    @cuda.jit(device=True)
+    def _fast_div(x, y):
+        # a reciprocal and a multiply (within 2 ulp): for callers that correct the quotient
+        return libdevice.fast_fdividef(np.float32(x), np.float32(y))
 
     @cuda.jit(device=True)
     def _warp_max(v, scratch, warp, lane):

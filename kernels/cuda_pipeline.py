@@ -50,7 +50,7 @@ import math
 
 import numpy as np
 
-from .cuda import BLOCK, SIM, _bits_f32, _bits_f64, _block_max, _crc_span, _f32_bits, _fill_crc_slices, _grid, _placeholder, as_device, cuda  # noqa: F401
+from .cuda import BLOCK, SIM, _bits_f32, _bits_f64, _block_max, _crc_span, _f32_bits, _fast_div, _fill_crc_slices, _grid, _placeholder, as_device, cuda  # noqa: F401
 from .cdf import codes_to_cum, counts_to_codes
 from .coding_params import MASK32, PROB_BITS, PROB_TOTAL, RANGE_INIT, RANGE_TOP
 from .crc import multmodp, x8nmodp
@@ -1178,43 +1178,70 @@ def _coder_thread(i, L, T, C, chunk_tokens, group):
 
 
 @cuda.jit(device=True)
-def _emit(out, n, p, f, b):
+def _put(out32, n, acc, b):
+    """Byte b at position n of a stream: into acc, the word being filled (byte n at bits
+    8 (n % 4)), and acc to the stream's word n // 4 once full.  A warp's lanes write different
+    streams: four bytes a store instead of one cut the coder's memory transactions fourfold."""
+    acc |= np.int64(b) << (8 * (n & 3))
+    n += 1
+    if (n & 3) == 0:
+        out32[(n >> 2) - 1] = acc
+        acc = np.int64(0)
+    return n, acc
+
+
+@cuda.jit(device=True)
+def _emit(out32, n, acc, p, f, b):
     """Emit byte b.  The coder holds back its last byte below 0xFF (p, -1 before the first)
     and the 0xFF bytes after it (f of them): range_coder._add_carry's walk back over 0xFF
     bytes then happens in registers, not in reads of the bytes just written (a carry comes
     every ~15 symbols, and a warp waits for any lane's)."""
     if b == 0xFF and p >= 0:
-        return n, p, f + 1
+        return n, acc, p, f + 1
     if p >= 0:
-        out[n] = p
-        n += 1
+        n, acc = _put(out32, n, acc, p)
         for _ in range(f):
-            out[n] = 0xFF
-            n += 1
-    return n, b, 0
+            n, acc = _put(out32, n, acc, 0xFF)
+    return n, acc, b, 0
 
 
 @cuda.jit(device=True)
-def _carry(out, n, p, f):
+def _add_carry_words(out, n, acc):
+    """range_coder._add_carry(out, n) when bytes n & ~3 .. n - 1 are still in acc (_put)."""
+    i = n - 1
+    while i >= (n & ~3):
+        sh = 8 * (i & 3)
+        if ((acc >> sh) & 0xFF) != 0xFF:
+            return acc + (np.int64(1) << sh)
+        acc &= ~(np.int64(0xFF) << sh)
+        i -= 1
+    while i >= 0 and out[i] == 255:
+        out[i] = 0
+        i -= 1
+    if i >= 0:
+        out[i] += 1
+    return acc
+
+
+@cuda.jit(device=True)
+def _carry(out, out32, n, acc, p, f):
     """Add one to the big-endian number out[:n], p, f x 0xFF (range_coder._add_carry)."""
     if p < 0:  # nothing emitted yet: nothing to add to (as _add_carry(out, 0))
-        return n, p, f
+        return n, acc, p, f
     p += 1
     if p == 256:  # only when the first byte was 0xFF: the written bytes take the carry
         p = 0
-        _add_carry(out, n)
+        acc = _add_carry_words(out, n, acc)
     if f == 0:
-        return n, p, 0
-    out[n] = p  # the 0xFF bytes became zeros: the last one is the byte held back
-    n += 1
+        return n, acc, p, 0
+    n, acc = _put(out32, n, acc, p)  # the 0xFF bytes became zeros: the last one is the byte held back
     for _ in range(f - 1):
-        out[n] = 0
-        n += 1
-    return n, 0, 0
+        n, acc = _put(out32, n, acc, 0)
+    return n, acc, 0, 0
 
 
 @cuda.jit(device=True)
-def _code_symbol(low, rng, n, p, f, out, entry):
+def _code_symbol(low, rng, n, acc, p, f, out, out32, entry):
     """One symbol of range_coder.encode_stream (entry = cum | freq << 16), bytes held back
     as _emit says."""
     # 32 x 32 -> 64-bit products (the operands fit 32 bits): one wide multiply each
@@ -1222,13 +1249,13 @@ def _code_symbol(low, rng, n, p, f, out, entry):
     low += r * np.int64(np.uint32(entry & 0xFFFF))
     rng = r * np.int64(np.uint32((entry >> 16) & 0xFFFF))
     if low > MASK32:
-        n, p, f = _carry(out, n, p, f)
+        n, acc, p, f = _carry(out, out32, n, acc, p, f)
         low &= MASK32
     while rng < RANGE_TOP:
-        n, p, f = _emit(out, n, p, f, (low >> 24) & 0xFF)
+        n, acc, p, f = _emit(out32, n, acc, p, f, (low >> 24) & 0xFF)
         low = (low << 8) & MASK32
         rng <<= 8
-    return low, rng, n, p, f
+    return low, rng, n, acc, p, f
 
 
 @cuda.jit(device=True)
@@ -1244,9 +1271,11 @@ def _encode_kernel(qf, q64f, words8, lob, dmb, lob64, dmb64, tabf, W, L, T, C, c
         return
     trow0 = (plane * C + c0) * W  # channel c's table row: trow0 + (c - c0) * W
     out = slots[s]
+    out32 = out.view(np.uint32)  # the same bytes as words (_put; a row is a whole number of words)
     low = np.int64(0)
     rng = np.int64(RANGE_INIT)
     n = 0
+    acc = np.int64(0)
     p = np.int64(-1)  # the byte held back (_emit) and the 0xFF bytes after it
     f = 0
     if words8 and c1 - c0 == 8:
@@ -1273,7 +1302,7 @@ def _encode_kernel(qf, q64f, words8, lob, dmb, lob64, dmb64, tabf, W, L, T, C, c
                 sw = _sub_bytes(_sub_bytes((w >> sh) & MASK32, (pm >> sh) & MASK32), (lw >> sh) & MASK32)
                 for j in range(4):
                     entry = np.int64(tabf[trow0 + (4 * half + j) * W + ((sw >> (8 * j)) & 0xFF)])
-                    low, rng, n, p, f = _code_symbol(low, rng, n, p, f, out, entry)
+                    low, rng, n, acc, p, f = _code_symbol(low, rng, n, acc, p, f, out, out32, entry)
             prev = w
         t1 = t0  # done: the general loop below runs no token
     for t in range(t0, t1):
@@ -1293,7 +1322,7 @@ def _encode_kernel(qf, q64f, words8, lob, dmb, lob64, dmb64, tabf, W, L, T, C, c
                     sw = _sub_bytes(_sub_bytes((w >> sh) & MASK32, (pm >> sh) & MASK32), (lw >> sh) & MASK32)
                     for j in range(4):
                         entry = np.int64(tabf[tb + (4 * half + j) * W + ((sw >> (8 * j)) & 0xFF)])
-                        low, rng, n, p, f = _code_symbol(low, rng, n, p, f, out, entry)
+                        low, rng, n, acc, p, f = _code_symbol(low, rng, n, acc, p, f, out, out32, entry)
         else:
             at = (plane * T + t) * C
             for c in range(c0, c1):
@@ -1302,9 +1331,11 @@ def _encode_kernel(qf, q64f, words8, lob, dmb, lob64, dmb64, tabf, W, L, T, C, c
                     pm = np.int64(qf[at + c - C]) & np.int64(dmb[plane * C + c])
                 sym = (np.int64(qf[at + c]) - pm - np.int64(lob[plane * C + c])) & 0xFF
                 entry = np.int64(tabf[trow0 + (c - c0) * W + sym])
-                low, rng, n, p, f = _code_symbol(low, rng, n, p, f, out, entry)
+                low, rng, n, acc, p, f = _code_symbol(low, rng, n, acc, p, f, out, out32, entry)
     if p >= 0:  # write what is held back (the 0 only pushes it out), then the CPU's flush
-        n, p, f = _emit(out, n, p, f, 0)
+        n, acc, p, f = _emit(out32, n, acc, p, f, 0)
+    for i in range(n & ~3, n):  # the last word's bytes so far, one by one
+        out[i] = (acc >> (8 * (i & 3))) & 0xFF
     lengths[s] = flush_stream(low, rng, n, out)
 
 
@@ -1312,13 +1343,16 @@ def encode_streams(q, q64, lob, dmb, lob64, dmb64, tab, chunk_tokens, group, slo
     """Range-code every stream of the levels q [L, 2, T, C] (int8 levels or uint8 lossless
     symbols) with tab (coder_tables) and the symbol bytes lob / dmb of the tables the channels
     code with (symbol_bytes of lo_eff): slots[s] gets stream s (the format's order: chunk,
-    layer, K/V, group), lengths[s] its length: the bytes of cpu_transform.encode_table_planes.
+    layer, K/V, group), lengths[s] its length: the bytes of cpu_transform.encode_table_planes;
+    slots' rows must be a whole number of 4-byte words (the coder writes words).
     q64, lob64, dmb64: the same as int64 words, used when group and C are multiples of 8
     (else any placeholders)."""
     L, _, T, C = q.shape
     n = lengths.shape[0]
     if n == 0:
         return
+    if slots.shape[1] % 4:
+        raise ValueError("encode_streams: slot rows must be whole 4-byte words")
     words8 = group % 8 == 0 and C % 8 == 0
     W = tab.shape[3]
     _encode_kernel[(*_cfg(n), stream)](
@@ -1329,62 +1363,68 @@ def encode_streams(q, q64, lob, dmb, lob64, dmb64, tab, chunk_tokens, group, slo
 
 
 @cuda.jit(device=True)
-def _stream_byte(blob, blob64, n64, a, end, cur, cur_at, nxt):
-    """(byte a of the file, or 0 at or past end; the word cache): the bytes come from one
-    aligned 8-byte load per 8 (cur holds word cur_at of blob64, its first n64 words; nxt the
-    word after it, loaded when cur was, so that a stream's next word is in flight while the
-    current one is decoded), the file's last partial word byte by byte."""
-    if a >= end:
-        return np.int64(0), cur, cur_at, nxt
-    wi = a >> 3
-    if wi != cur_at:
-        if wi == cur_at + 1 and wi < n64:
-            cur = nxt
-        elif wi < n64:
-            cur = np.int64(blob64[wi])
-        else:
-            cur = np.int64(0)
-            for b in range(8):
-                if wi * 8 + b < blob.shape[0]:
-                    cur |= np.int64(blob[wi * 8 + b]) << (8 * b)
-        cur_at = wi
-        if wi + 1 < n64:
-            nxt = np.int64(blob64[wi + 1])
-    return (cur >> (8 * (a & 7))) & 0xFF, cur, cur_at, nxt
+def _file_word(blob, blob64, n64, wi):
+    """Bytes 8 wi .. 8 wi + 7 of the file as a little-endian int64: one aligned load within
+    blob64 (the file's first n64 words), byte by byte past it (zeros past the file's end)."""
+    if wi < n64:
+        return np.int64(blob64[wi])
+    w = np.int64(0)
+    for b in range(8):
+        if wi * 8 + b < blob.shape[0]:
+            w |= np.int64(blob[wi * 8 + b]) << (8 * b)
+    return w
 
 
 @cuda.jit(device=True)
-def _decode_symbol(code, rng, a, end, cur, cur_at, nxt, blob, blob64, n64, tabf, trow, lutf, lrow):
-    """One symbol of range_coder.decode_stream: (symbol, code, rng, a, cur, cur_at), reading
-    the stream's byte a next (_stream_byte).  The channel's lookup table (at lutf[lrow:])
-    gives the first candidate; the scan over its table row (tabf[trow:]) stops at the row's
-    PROB_TOTAL entry at the latest."""
-    r = rng >> PROB_BITS
-    # floor(code / r): a float32 quotient is within 2 of it (code < 2^32, 2^8 <= r <= 2^17),
-    # then exact integer steps; cheaper than a float64 division per symbol
-    qq = np.int64(np.float32(code) / np.float32(r))
-    rem = code - qq * r
+def _stream_byte(blob, blob64, n64, a, end, cur, left, wi, nxt):
+    """(byte a of the file as a uint32, 0 at or past end; a + 1 and the word cache): cur holds
+    the rest of word wi (its next byte lowest; ``left`` bytes), nxt word wi + 1, loaded one word
+    ahead so that a stream's next word is in flight while the current one is decoded."""
+    x = np.uint32(cur & 0xFF)
+    if a >= end:
+        x = np.uint32(0)
+    cur >>= 8
+    left -= 1
+    if left == 0:
+        wi += 1
+        cur = nxt
+        left = 8
+        nxt = _file_word(blob, blob64, n64, wi + 1)
+    return x, a + 1, cur, left, wi, nxt
+
+
+@cuda.jit(device=True)
+def _decode_symbol(code, rng, tabf, trow, lutf, lrow):
+    """One symbol of range_coder.decode_stream, before the renormalisation: (symbol, code,
+    rng), all three uint32.  The channel's lookup table (at lutf[lrow:]) gives the first
+    candidate; the scan over its table row (tabf[trow:]) stops at the row's PROB_TOTAL entry
+    at the latest.  32-bit arithmetic throughout: a valid stream keeps code < rng <= 2^32 - 1,
+    and r * freq, r * cum < 2^32 (r < 2^17, freq, cum <= 2^15); a corrupt one wraps, decodes to
+    some symbols of the table, and fails its chunk CRC."""
+    r = np.uint32(rng >> PROB_BITS)
+    # floor(code / r): a float32 quotient (code rounded to 24 bits, an approximate division)
+    # is within 2 of it; the remainder of that guess fits an int32, and integer steps fix it
+    qq = np.int32(_fast_div(code, r))
+    rem = np.int32(code - np.uint32(qq) * r)
     while rem < 0:
-        qq -= 1
-        rem += r
+        qq = np.int32(qq - 1)
+        rem = np.int32(rem + r)
     while rem >= r:
-        qq += 1
-        rem -= r
+        qq = np.int32(qq + 1)
+        rem = np.int32(rem - r)
     if qq >= PROB_TOTAL:
-        qq = PROB_TOTAL - 1
-    s = np.int64(lutf[lrow + (qq >> LUT_SHIFT)])
-    while (np.int64(tabf[trow + s + 1]) & 0xFFFF) <= qq:
-        s += 1
-    entry = np.int64(tabf[trow + s])
-    r32 = np.int64(np.uint32(r))  # 32 x 32 -> 64-bit products: one wide multiply each
-    code -= r32 * np.int64(np.uint32(entry & 0xFFFF))
-    rng = r32 * np.int64(np.uint32((entry >> 16) & 0xFFFF))
-    while rng < RANGE_TOP:
-        x, cur, cur_at, nxt = _stream_byte(blob, blob64, n64, a, end, cur, cur_at, nxt)
-        code = ((code << 8) | x) & MASK32
-        a += 1
-        rng <<= 8
-    return s, code, rng, a, cur, cur_at, nxt
+        qq = np.int32(PROB_TOTAL - 1)
+    s = np.int32(lutf[lrow + (qq >> LUT_SHIFT)])
+    # the candidate's entry and the next one's cum, loaded together; a step reuses the next
+    e0 = np.uint32(tabf[trow + s])
+    e1 = np.uint32(tabf[trow + s + 1])
+    while np.int32(e1 & 0xFFFF) <= qq:
+        s = np.int32(s + 1)
+        e0 = e1
+        e1 = np.uint32(tabf[trow + s + 1])
+    code = np.uint32(code - r * (e0 & 0xFFFF))
+    rng = np.uint32(r * (e0 >> 16))
+    return s, code, rng
 
 
 @_jit("decode")
@@ -1396,15 +1436,15 @@ def _decode_kernel(blob, blob64, n64, starts, lens, tabf, W, lutf, L, T, C, chun
     lrow0 = (plane * C + c0) * LUT_SIZE
     a = np.int64(starts[s])
     end = a + np.int64(lens[s])
-    cur = np.int64(0)
-    nxt = np.int64(0)
-    cur_at = np.int64(-2)  # no word cached (and the next one is not cur_at + 1)
-    code = np.int64(0)
+    wi = a >> 3
+    cur = _file_word(blob, blob64, n64, wi) >> (8 * (a & 7))  # arithmetic shift: bytes are masked
+    left = 8 - (a & 7)
+    nxt = _file_word(blob, blob64, n64, wi + 1)
+    code = np.uint32(0)
     for _ in range(4):
-        x, cur, cur_at, nxt = _stream_byte(blob, blob64, n64, a, end, cur, cur_at, nxt)
-        code = (code << 8) | x
-        a += 1
-    rng = np.int64(RANGE_INIT)
+        x, a, cur, left, wi, nxt = _stream_byte(blob, blob64, n64, a, end, cur, left, wi, nxt)
+        code = np.uint32((code << 8) | x)
+    rng = np.uint32(RANGE_INIT)
     for t in range(t0, t1):
         if words8:
             at = ((plane * T + t) * C + c0) // 8
@@ -1413,17 +1453,22 @@ def _decode_kernel(blob, blob64, n64, starts, lens, tabf, W, lutf, L, T, C, chun
                 tb = trow0 + wj * 8 * W
                 lb = lrow0 + wj * 8 * LUT_SIZE
                 for j in range(8):
-                    x, code, rng, a, cur, cur_at, nxt = _decode_symbol(code, rng, a, end, cur, cur_at, nxt, blob,
-                                                                       blob64, n64, tabf, tb + j * W, lutf,
-                                                                       lb + j * LUT_SIZE)
-                    w |= x << (8 * j)
+                    x, code, rng = _decode_symbol(code, rng, tabf, tb + j * W, lutf, lb + j * LUT_SIZE)
+                    while rng < RANGE_TOP:
+                        y, a, cur, left, wi, nxt = _stream_byte(blob, blob64, n64, a, end, cur, left, wi, nxt)
+                        code = np.uint32((code << 8) | y)
+                        rng = np.uint32(rng << 8)
+                    w |= np.int64(x) << (8 * j)
                 sym64f[at + wj] = w
         else:
             at = (plane * T + t) * C
             for c in range(c0, c1):
-                x, code, rng, a, cur, cur_at, nxt = _decode_symbol(code, rng, a, end, cur, cur_at, nxt, blob, blob64,
-                                                                   n64, tabf, trow0 + (c - c0) * W, lutf,
-                                                                   lrow0 + (c - c0) * LUT_SIZE)
+                x, code, rng = _decode_symbol(code, rng, tabf, trow0 + (c - c0) * W, lutf,
+                                              lrow0 + (c - c0) * LUT_SIZE)
+                while rng < RANGE_TOP:
+                    y, a, cur, left, wi, nxt = _stream_byte(blob, blob64, n64, a, end, cur, left, wi, nxt)
+                    code = np.uint32((code << 8) | y)
+                    rng = np.uint32(rng << 8)
                 symf[at + c] = x
 
 

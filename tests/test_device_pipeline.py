@@ -240,24 +240,30 @@ def test_fast_level_is_step_level():
 
 @cuda.jit
 def _code_one_stream(symbols, entries, out, length):
+    out32 = out.view(np.uint32)
     low = np.int64(0)
     rng = np.int64(0xFFFFFFFF)
     n = 0
+    acc = np.int64(0)
     p = np.int64(-1)
     f = 0
     for i in range(symbols.shape[0]):
-        low, rng, n, p, f = cuda_pipeline._code_symbol(low, rng, n, p, f, out, np.int64(entries[symbols[i]]))
+        low, rng, n, acc, p, f = cuda_pipeline._code_symbol(low, rng, n, acc, p, f, out, out32,
+                                                            np.int64(entries[symbols[i]]))
     if p >= 0:
-        n, p, f = cuda_pipeline._emit(out, n, p, f, 0)
+        n, acc, p, f = cuda_pipeline._emit(out32, n, acc, p, f, 0)
+    for i in range(n & ~3, n):
+        out[i] = (acc >> (8 * (i & 3))) & 0xFF
     length[0] = cuda_pipeline.flush_stream(low, rng, n, out)
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_device_coder_holds_bytes_back_exactly(seed):
     """The device encoder keeps its last byte and the 0xFF bytes after it in registers
-    (_emit, _carry) instead of walking back over written bytes on a carry: the same bytes as
-    range_coder.encode_stream, on streams made to carry often and to emit long 0xFF runs
-    (one symbol of probability ~1, rare symbols at the top of the range)."""
+    (_emit, _carry) instead of walking back over written bytes on a carry, and writes whole
+    words (_put): the same bytes as range_coder.encode_stream, on streams made to carry often
+    and to emit long 0xFF runs (one symbol of probability ~1, rare symbols at the top of the
+    range)."""
     from cachegen_cli.kernels import range_coder
     from cachegen_cli.kernels.coding_params import PROB_TOTAL, max_stream_bytes
 
@@ -272,7 +278,7 @@ def test_device_coder_holds_bytes_back_exactly(seed):
         symbols[::3] = len(freq) - 1
     entries = (cum[:-1] | (freq << 16)).astype(np.int64)
     entries[entries >= 1 << 31] -= 1 << 32
-    out = np.zeros(max_stream_bytes(symbols.size), np.uint8)
+    out = np.zeros(-(-max_stream_bytes(symbols.size) // 8) * 8, np.uint8)
     length = np.zeros(1, np.int64)
     _code_one_stream[1, 1](symbols, entries.astype(np.int32), out, length)
     want = np.zeros_like(out)
@@ -282,24 +288,29 @@ def test_device_coder_holds_bytes_back_exactly(seed):
 
 @cuda.jit
 def _replay(ops, out, length):
+    out32 = out.view(np.uint32)
     n = 0
+    acc = np.int64(0)
     p = np.int64(-1)
     f = 0
     for i in range(ops.shape[0]):
         if ops[i] < 0:
-            n, p, f = cuda_pipeline._carry(out, n, p, f)
+            n, acc, p, f = cuda_pipeline._carry(out, out32, n, acc, p, f)
         else:
-            n, p, f = cuda_pipeline._emit(out, n, p, f, np.int64(ops[i]))
+            n, acc, p, f = cuda_pipeline._emit(out32, n, acc, p, f, np.int64(ops[i]))
     if p >= 0:
-        n, p, f = cuda_pipeline._emit(out, n, p, f, 0)
+        n, acc, p, f = cuda_pipeline._emit(out32, n, acc, p, f, 0)
+    for i in range(n & ~3, n):
+        out[i] = (acc >> (8 * (i & 3))) & 0xFF
     length[0] = n
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_held_back_bytes_and_carries(seed):
     """_emit / _carry against range_coder._add_carry on bytes in memory, over sequences rich in
-    0xFF bytes and carries: carries into a run of 0xFF, into a held-back 0xFF first byte,
-    twice in a row, before any byte."""
+    0xFF bytes and carries: carries into a run of 0xFF, into a held-back 0xFF first byte
+    (through the word being filled and the words written: _add_carry_words), twice in a row,
+    before any byte."""
     from cachegen_cli.kernels import range_coder
 
     rng = np.random.default_rng(seed)
@@ -313,7 +324,7 @@ def test_held_back_bytes_and_carries(seed):
         else:
             want[n] = op
             n += 1
-    out = np.zeros(ops.size, np.uint8)
+    out = np.zeros(-(-ops.size // 8) * 8, np.uint8)
     length = np.zeros(1, np.int64)
     _replay[1, 1](ops, out, length)
     assert int(length[0]) == n and out[:n].tobytes() == want[:n].tobytes()

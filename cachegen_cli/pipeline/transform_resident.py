@@ -387,7 +387,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     k.coder_tables(_nb(cum), _nb(refc), _nb(lo), _nb(alphabet), _nb(tab), _nb(lo_eff), _nb(alphabet_eff),
                    _nb(lut_unused))
     k.symbol_bytes(_nb(lo_eff), _nb(modes), _nb(lob[1]), _nb(dmb))
-    slots = _empty((n, max_stream_bytes(ct * G)), torch.uint8, dev)
+    slots = _empty((n, -(-max_stream_bytes(ct * G) // 8) * 8), torch.uint8, dev)  # rows of whole words
     lengths = _empty((n,), torch.int32, dev)
     k.encode_streams(_nb(q), _nb(_int64_view(q, C)), _nb(lob[1]), _nb(dmb), _nb(_int64_view(lob[1], C)),
                      _nb(_int64_view(dmb, C)), _nb(tab), ct, G, _nb(slots), _nb(lengths))
