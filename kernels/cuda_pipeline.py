@@ -62,14 +62,15 @@ from . import transform as _tr
 import os as _os
 
 #: Register caps per kernel: a lower cap lets more threads run per SM at the price of spills;
-#: the bytes never change.  Chosen on the H200 on 2026-12-01 at 1f50d53 with
-#: `CACHEGEN_MAXREG=... python benchmarks/bench_device.py --methods balanced,small` (docs/
-#: benchmarks.md, history, night section).  Of those runs only two are committed:
-#: docs/results/2026-12-01d_maxreg_default_1f50d53.json (no caps) and ..._maxreg_64_1f50d53.json
-#: (its recorded command wrote bench_caps_45.json, and the JSON does not record the caps);
-#: the run with these caps was not kept, so what they gained is not quoted here.
+#: the bytes never change.  First chosen on the H200 on 2026-12-01 at 1f50d53 (docs/
+#: benchmarks.md, history, night section); re-chosen for the 32-bit decoder and the word-writing
+#: encoder on 2026-12-02 at 4dde434: `CACHEGEN_MAXREG=... python benchmarks/bench_device.py
+#: --tokens 8192 --repeats 7 --methods high,balanced,lossless` with no change, decode=80,
+#: decode=0, encode=64, encode=72 (docs/results/2026-12-02c_maxreg_4dde434.txt): encode=64 gave
+#: 103-117 GB/s encode against 96-106 with no cap (82 registers), and the decoder without its
+#: cap 108-115 decode against 101-106 with 64.
 #: CACHEGEN_MAXREG="decode=64,encode=0,..." overrides them (0: no cap), for such measurements.
-REG_CAPS = {"decode": 64, "dequantize": 64, "quantize": 96}
+REG_CAPS = {"encode": 64, "dequantize": 64, "quantize": 96}
 REG_CAPS.update({k: int(v) for k, v in (item.split("=") for item in
                                         filter(None, _os.environ.get("CACHEGEN_MAXREG", "").split(",")))})
 
