@@ -875,55 +875,37 @@ def _encode_stream_words(words, t0, t1, g, group, cum, row0, row_step, out):
 
 
 @cuda.jit(device=True)
-def _file_word(blob, blob64, n64, wi):
-    """Bytes 8 wi .. 8 wi + 7 of the file as a little-endian int64: one aligned load within
-    blob64 (the file's first n64 words), byte by byte past it (zeros past the file's end)."""
-    if wi < n64:
-        return np.int64(blob64[wi])
-    w = np.int64(0)
-    for b in range(8):
-        if wi * 8 + b < blob.shape[0]:
-            w |= np.int64(blob[wi * 8 + b]) << (8 * b)
-    return w
-
-
-@cuda.jit(device=True)
-def _stream_byte(blob, blob64, n64, a, end, cur, left, wi, nxt):
-    """(byte a of the file as a uint32, 0 at or past end; a + 1 and the word cache): cur holds
-    the rest of word wi (its next byte lowest; ``left`` bytes), nxt word wi + 1, loaded one word
-    ahead so that a stream's next word is in flight while the current one is decoded."""
-    x = np.uint32(cur & 0xFF)
-    if a >= end:
-        x = np.uint32(0)
-    cur >>= 8
-    left -= 1
-    if left == 0:
-        wi += 1
-        cur = nxt
-        left = 8
-        nxt = _file_word(blob, blob64, n64, wi + 1)
-    return x, a + 1, cur, left, wi, nxt
-
-
-@cuda.jit(device=True)
 def _decode_words(data, words, nwords, start, length, t0, t1, g, group, cum, row0, row_step, alphabet, m, steps,
                   out):
     """_decode_values for bfloat16 output and a stream whose ``group`` channels (group <= 4)
     are one output word per token (out = the plane's bfloat16 bits viewed with 2 x group bytes
     per item, column g): one store per token; and the stream's bytes are read 8 at a time
-    (words = the file as int64, nwords of them: _stream_byte's word cache, the next word
-    loaded ahead, as the version-2 decoder reads), instead of a dependent one-byte load for
-    every byte.  Same symbols and values as _decode_values."""
+    (words = the file as int64, nwords of them; the next word is loaded ahead), instead of a
+    dependent one-byte load for every byte.  Same symbols and values as _decode_values."""
     end = start + length
+    widx = np.int64(-2)
+    cur = np.int64(0)
+    nxt = np.int64(0)
     a = start
-    wi = a >> 3
-    cur = _file_word(data, words, nwords, wi) >> (8 * (a & 7))  # arithmetic shift: bytes are masked
-    left = 8 - (a & 7)
-    nxt = _file_word(data, words, nwords, wi + 1)
     code = np.int64(0)
     for _ in range(4):
-        b, a, cur, left, wi, nxt = _stream_byte(data, words, nwords, a, end, cur, left, wi, nxt)
-        code = (code << 8) | np.int64(b)
+        b = np.int64(0)
+        if a < end:
+            wi = a >> 3
+            if wi < nwords:
+                if wi != widx:
+                    if wi == widx + 1:
+                        cur = nxt
+                    else:
+                        cur = np.int64(words[wi])
+                    widx = wi
+                    if wi + 1 < nwords:
+                        nxt = np.int64(words[wi + 1])
+                b = (cur >> (8 * (a & 7))) & 0xFF
+            else:
+                b = np.int64(data[a])
+        a += 1
+        code = (code << 8) | b
     rng = np.int64(RANGE_INIT)
     for t in range(t0, t1):
         step = steps[t]
@@ -946,8 +928,23 @@ def _decode_words(data, words, nwords, start, length, t0, t1, g, group, cum, row
             code -= r * base
             rng = r * (np.int64(cum[j, lo + 1]) - base)
             while rng < RANGE_TOP:
-                b, a, cur, left, wi, nxt = _stream_byte(data, words, nwords, a, end, cur, left, wi, nxt)
-                code = ((code << 8) | np.int64(b)) & MASK32
+                b = np.int64(0)
+                if a < end:
+                    wi = a >> 3
+                    if wi < nwords:
+                        if wi != widx:
+                            if wi == widx + 1:
+                                cur = nxt
+                            else:
+                                cur = np.int64(words[wi])
+                            widx = wi
+                            if wi + 1 < nwords:
+                                nxt = np.int64(words[wi + 1])
+                        b = (cur >> (8 * (a & 7))) & 0xFF
+                    else:
+                        b = np.int64(data[a])
+                a += 1
+                code = ((code << 8) | b) & MASK32
                 rng <<= 8
             u = _f32_bits(dequantize_value(lo, step, m)) & MASK32  # to bfloat16, nearest even
             packed |= (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF) << (16 * q)

@@ -50,7 +50,7 @@ import math
 
 import numpy as np
 
-from .cuda import BLOCK, SIM, _bits_f32, _bits_f64, _block_max, _crc_span, _f32_bits, _fast_div, _file_word, _fill_crc_slices, _grid, _placeholder, _stream_byte, as_device, cuda  # noqa: F401
+from .cuda import BLOCK, SIM, _bits_f32, _bits_f64, _block_max, _crc_span, _f32_bits, _fast_div, _fill_crc_slices, _grid, _placeholder, as_device, cuda  # noqa: F401
 from .cdf import codes_to_cum, counts_to_codes
 from .coding_params import MASK32, PROB_BITS, PROB_TOTAL, RANGE_INIT, RANGE_TOP
 from .crc import multmodp, x8nmodp
@@ -1361,6 +1361,37 @@ def encode_streams(q, q64, lob, dmb, lob64, dmb64, tab, chunk_tokens, group, slo
         as_device(dmb.reshape(-1)), as_device(lob64.reshape(-1)), as_device(dmb64.reshape(-1)),
         as_device(tab.reshape(-1)), np.int64(W), np.int64(L), np.int64(T), np.int64(C), np.int64(chunk_tokens),
         np.int64(group), as_device(slots), as_device(lengths))
+
+
+@cuda.jit(device=True)
+def _file_word(blob, blob64, n64, wi):
+    """Bytes 8 wi .. 8 wi + 7 of the file as a little-endian int64: one aligned load within
+    blob64 (the file's first n64 words), byte by byte past it (zeros past the file's end)."""
+    if wi < n64:
+        return np.int64(blob64[wi])
+    w = np.int64(0)
+    for b in range(8):
+        if wi * 8 + b < blob.shape[0]:
+            w |= np.int64(blob[wi * 8 + b]) << (8 * b)
+    return w
+
+
+@cuda.jit(device=True)
+def _stream_byte(blob, blob64, n64, a, end, cur, left, wi, nxt):
+    """(byte a of the file as a uint32, 0 at or past end; a + 1 and the word cache): cur holds
+    the rest of word wi (its next byte lowest; ``left`` bytes), nxt word wi + 1, loaded one word
+    ahead so that a stream's next word is in flight while the current one is decoded."""
+    x = np.uint32(cur & 0xFF)
+    if a >= end:
+        x = np.uint32(0)
+    cur >>= 8
+    left -= 1
+    if left == 0:
+        wi += 1
+        cur = nxt
+        left = 8
+        nxt = _file_word(blob, blob64, n64, wi + 1)
+    return x, a + 1, cur, left, wi, nxt
 
 
 @cuda.jit(device=True)
