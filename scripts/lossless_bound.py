@@ -12,7 +12,12 @@ mantissa bits) as it is.  For each cache this prints, in bits per value:
 - ``sign+exp + 7``: the same for the 9-bit (sign, exponent) symbol plus the 7 mantissa bits
   (the exponent's last bit coded with the rest);
 - ``+1 mantissa bit + 6``: a 10-bit symbol with the first mantissa bit too;
-- ``mantissa``: the empirical entropy of the 7 mantissa bits per channel (7.0: nothing left).
+- ``mantissa``: the empirical entropy of the 7 mantissa bits per channel (7.0: nothing left);
+- ``sign+exp | previous token``, ``sign+exp | channel before``: the (sign, exponent) symbol coded
+  with one table per channel and context, the context what a decoder already has: the class
+  of the same channel's exponent at the token before, or of the channel before's exponent at
+  the same token (``NCTX`` classes: the exponent against that channel's most common one,
+  clipped); what context modelling of the exponents could add (issue 13).
 
 "empirical": the per-channel empirical entropy, which leaves out the tables' cost and
 underestimates the true entropy of a short sample (the more, the larger the alphabet);
@@ -75,6 +80,37 @@ def two_part_bits(sym: np.ndarray, nsym: int) -> float:
     return channel_entropy(sym, nsym) + float(table.mean()) / T
 
 
+#: Context classes of an exponent against its channel's most common one: <= -2, -1, 0, >= +1.
+NCTX = 4
+
+
+def exponent_class(e: np.ndarray) -> np.ndarray:
+    """The context class (0 .. NCTX - 1) of exponents e [tokens, channels]: e minus the
+    channel's most common exponent, clipped to -2 .. +1."""
+    T, C = e.shape
+    mode = _counts(e, 256).argmax(axis=1)
+    return np.clip(e - mode[None, :], -2, NCTX - 3) + 2
+
+
+def conditional_bits(sym: np.ndarray, ctx: np.ndarray, nsym: int, tables: bool) -> float:
+    """Bits per symbol of sym [tokens, channels] coded with one static table per (channel,
+    context class ctx [tokens, channels]): the empirical conditional entropy, plus (``tables``)
+    each used (channel, context)'s table as two_part_bits counts it, spread over the tokens."""
+    T, C = sym.shape
+    cell = (np.arange(C)[None, :] * NCTX + ctx).reshape(-1)
+    counts = np.bincount(cell * nsym + sym.reshape(-1), minlength=C * NCTX * nsym).reshape(C * NCTX, nsym)
+    n = counts.sum(axis=1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        bits = -np.where(counts > 0, counts * np.log2(counts / np.maximum(n, 1)), 0.0).sum()
+    if tables:
+        used = counts > 0
+        idx = np.arange(nsym)[None, :]
+        lo = np.where(used, idx, nsym).min(axis=1)
+        hi = np.where(used, idx, -1).max(axis=1)
+        bits += float(np.where(n[:, 0] > 0, 24 + 4 * (hi - lo + 1), 0).sum())
+    return float(bits) / (T * C)
+
+
 def bounds(words: np.ndarray) -> dict:
     """The columns for one cache of bfloat16 words [L, 2, T, C] (uint16), averaged over planes."""
     cols: dict[str, list] = {}
@@ -99,6 +135,13 @@ def bounds(words: np.ndarray) -> dict:
             put("+1 mantissa bit + 6 (empirical)", channel_entropy(se1, 1024) + 6)
             put("+1 mantissa bit + 6 (with tables)", two_part_bits(se1, 1024) + 6)
             put("mantissa (empirical, of 7)", channel_entropy(man, 128))
+            cls = exponent_class((w >> 7) & 0xFF)
+            prev_tok = cls[:-1]  # token t - 1's class, for tokens 1 ..
+            prev_ch = cls[:, :-1]  # channel c - 1's class, for channels 1 ..
+            put("sign+exp | previous token + 7 (empirical)", conditional_bits(se[1:], prev_tok, 512, False) + 7)
+            put("sign+exp | previous token + 7 (with tables)", conditional_bits(se[1:], prev_tok, 512, True) + 7)
+            put("sign+exp | channel before + 7 (empirical)", conditional_bits(se[:, 1:], prev_ch, 512, False) + 7)
+            put("sign+exp | channel before + 7 (with tables)", conditional_bits(se[:, 1:], prev_ch, 512, True) + 7)
     return {k: float(np.mean(v)) for k, v in cols.items()}
 
 
