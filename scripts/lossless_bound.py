@@ -17,7 +17,11 @@ mantissa bits) as it is.  For each cache this prints, in bits per value:
   with one table per channel and context, the context what a decoder already has: the class
   of the same channel's exponent at the token before, or of the channel before's exponent at
   the same token (``NCTX`` classes: the exponent against that channel's most common one,
-  clipped); what context modelling of the exponents could add (issue 13).
+  clipped); what context modelling of the exponents could add (issue 13);
+- ``shifted sign+exp | previous token, shared``: the same context, but the exponent taken
+  against its channel's most common one (that mode sent, 8 bits per channel) and one table per
+  (layer, K/V, context) for all channels: tables that cost next to nothing, at the price of
+  the channels' own shapes.
 
 "empirical": the per-channel empirical entropy, which leaves out the tables' cost and
 underestimates the true entropy of a short sample (the more, the larger the alphabet);
@@ -142,6 +146,11 @@ def bounds(words: np.ndarray) -> dict:
             put("sign+exp | previous token + 7 (with tables)", conditional_bits(se[1:], prev_tok, 512, True) + 7)
             put("sign+exp | channel before + 7 (empirical)", conditional_bits(se[:, 1:], prev_ch, 512, False) + 7)
             put("sign+exp | channel before + 7 (with tables)", conditional_bits(se[:, 1:], prev_ch, 512, True) + 7)
+            e = (w >> 7) & 0xFF
+            mode = _counts(e, 256).argmax(axis=1)
+            shifted = (((e - mode[None, :]) & 0xFF) << 1 | (w >> 15))[1:]
+            pooled = conditional_bits(shifted.reshape(-1, 1), prev_tok.reshape(-1, 1), 512, True)
+            put("shifted sign+exp | previous token, shared + 7 (with tables)", pooled + 8 / w.shape[0] + 7)
     return {k: float(np.mean(v)) for k, v in cols.items()}
 
 
