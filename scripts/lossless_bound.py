@@ -21,7 +21,12 @@ mantissa bits) as it is.  For each cache this prints, in bits per value:
 - ``shifted sign+exp | previous token, shared``: the same context, but the exponent taken
   against its channel's most common one (that mode sent, 8 bits per channel) and one table per
   (layer, K/V, context) for all channels: tables that cost next to nothing, at the price of
-  the channels' own shapes.
+  the channels' own shapes;
+- ``sign+exp, static table + adaptive context (a = A)``: a model that costs next to nothing to
+  send: each channel's static table as today (its cost counted as in ``with tables``), and, as a
+  chunk of CHUNK tokens is decoded, counts per (channel, context class of the token before):
+  p(s) = (n(s) + A q(s)) / (n + A), q the channel's static distribution; counts restart with
+  every chunk, so chunks stay independent.  Each A is reported (none chosen on these data).
 
 "empirical": the per-channel empirical entropy, which leaves out the tables' cost and
 underestimates the true entropy of a short sample (the more, the larger the alphabet);
@@ -115,6 +120,32 @@ def conditional_bits(sym: np.ndarray, ctx: np.ndarray, nsym: int, tables: bool) 
     return float(bits) / (T * C)
 
 
+#: Tokens per chunk of the adaptive estimate (the writer's default chunk).
+CHUNK = 256
+#: Weights A of the static distribution in the adaptive estimate.
+ADAPTIVE_WEIGHTS = (4, 16, 64)
+
+
+def adaptive_bits(sym: np.ndarray, ctx: np.ndarray, q: np.ndarray, weight: float) -> float:
+    """Bits per symbol of sym [tokens, channels] under the adaptive model of the docstring:
+    q [channels, nsym] the channels' static distributions, ctx the context classes."""
+    T, C = sym.shape
+    ar = np.arange(C)
+    n = np.zeros((C, NCTX, q.shape[1]))
+    tot = np.zeros((C, NCTX))
+    bits = 0.0
+    for t in range(T):
+        if t % CHUNK == 0:
+            n[:] = 0
+            tot[:] = 0
+        s, k = sym[t], ctx[t]
+        p = (n[ar, k, s] + weight * q[ar, s]) / (tot[ar, k] + weight)
+        bits -= float(np.log2(p).sum())
+        n[ar, k, s] += 1
+        tot[ar, k] += 1
+    return bits / (T * C)
+
+
 def bounds(words: np.ndarray) -> dict:
     """The columns for one cache of bfloat16 words [L, 2, T, C] (uint16), averaged over planes."""
     cols: dict[str, list] = {}
@@ -151,6 +182,12 @@ def bounds(words: np.ndarray) -> dict:
             shifted = (((e - mode[None, :]) & 0xFF) << 1 | (w >> 15))[1:]
             pooled = conditional_bits(shifted.reshape(-1, 1), prev_tok.reshape(-1, 1), 512, True)
             put("shifted sign+exp | previous token, shared + 7 (with tables)", pooled + 8 / w.shape[0] + 7)
+            cnt = _counts(se, 512)
+            q = cnt / cnt.sum(axis=1, keepdims=True)
+            table = two_part_bits(se, 512) - channel_entropy(se, 512)
+            for a in ADAPTIVE_WEIGHTS:
+                put(f"sign+exp, static table + adaptive context (a = {a}) + 7",
+                    adaptive_bits(se[1:], prev_tok, q, a) + table + 7)
     return {k: float(np.mean(v)) for k, v in cols.items()}
 
 
