@@ -3,6 +3,11 @@ arguments (numba device arrays, or torch tensors wrapped per call as the pipelin
 wrapping itself, a small torch op, and a small copy to the host (a synchronisation).  The
 GPU idles while the host spends this between a synchronisation and the next long kernel.
 
+One more row tries what a leaner launcher could do: the compiled kernel launched through
+cuda.core with each torch tensor's fields packed by hand in numba's argument layout (meminfo,
+parent, item count, item size, data pointer, shape, strides in bytes), checked against the
+values numba's own launch writes.
+
     python benchmarks/launch_cost.py --calls 2000
 """
 
@@ -54,6 +59,26 @@ def per_call_us(fn, calls: int) -> tuple[float, float, float]:
     return statistics.median(runs), min(runs), max(runs)
 
 
+def packed_launcher(dispatcher, griddim, blockdim):
+    """A launch of ``dispatcher``'s one compiled overload with torch tensors packed by hand
+    (numba-cuda 0.30's layout, see dispatcher._Kernel._prepare_args), on the default stream."""
+    from cuda.core import LaunchConfig, launch
+    from numba.cuda.cudadrv import driver
+
+    kernel = next(iter(dispatcher.overloads.values()))._codelibrary.get_cufunc().kernel
+    stream = driver._to_core_stream(0)
+    config = LaunchConfig(grid=griddim, block=blockdim)
+
+    def run(*tensors):
+        args = []
+        for t in tensors:
+            size = t.element_size()
+            args += [0, 0, t.numel(), size, t.data_ptr(), *t.shape, *(st * size for st in t.stride())]
+        launch(stream, config, kernel, *args)
+
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=2000)
@@ -76,6 +101,21 @@ def main() -> None:
     for name, fn in rows.items():
         med, lo, hi = per_call_us(fn, a.calls if "sync" not in name else a.calls // 4)
         print(f"{name:45s} {med:8.1f} us  ({lo:.1f}-{hi:.1f})")
+    try:
+        ins = [torch.arange(256, dtype=torch.int64, device="cuda") * (i + 1) for i in range(10)]
+        want = torch.zeros(256, dtype=torch.int64, device="cuda")
+        got = torch.zeros(256, dtype=torch.int64, device="cuda")
+        args = [ins[0], want, *ins[2:]]
+        _k10[1, 256](*[one(t) for t in args])  # numba's launch: what the packed one must match
+        run = packed_launcher(_k10, 1, 256)
+        run(ins[0], got, *ins[2:])
+        torch.cuda.synchronize()
+        same = torch.equal(got, want) and bool(want.any())
+        med, lo, hi = per_call_us(lambda: run(ins[0], got, *ins[2:]), a.calls)
+        print(f"{'launch, 10 torch tensors packed by hand':45s} {med:8.1f} us  ({lo:.1f}-{hi:.1f})  "
+              f"same values as numba's launch: {same}")
+    except Exception as e:  # noqa: BLE001 - a measurement: say why the row is missing
+        print(f"launch, 10 torch tensors packed by hand: failed ({type(e).__name__}: {e})")
 
 
 if __name__ == "__main__":
