@@ -1216,11 +1216,7 @@ def _add_carry_words(out, n, acc):
             return acc + (np.int64(1) << sh)
         acc &= ~(np.int64(0xFF) << sh)
         i -= 1
-    while i >= 0 and out[i] == 255:
-        out[i] = 0
-        i -= 1
-    if i >= 0:
-        out[i] += 1
+    _add_carry(out, n & ~3)  # every byte in acc was 0xFF: the carry goes on into the written words
     return acc
 
 
@@ -1428,6 +1424,17 @@ def _decode_symbol(code, rng, tabf, trow, lutf, lrow):
     return s, code, rng
 
 
+@cuda.jit(device=True)
+def _renormalize(code, rng, blob, blob64, n64, a, end, cur, left, wi, nxt):
+    """range_coder.decode_stream's renormalisation: bytes shifted into code while rng < RANGE_TOP
+    (_stream_byte's word cache); returns (code, rng, a, cur, left, wi, nxt)."""
+    while rng < RANGE_TOP:
+        y, a, cur, left, wi, nxt = _stream_byte(blob, blob64, n64, a, end, cur, left, wi, nxt)
+        code = np.uint32((code << 8) | y)
+        rng = np.uint32(rng << 8)
+    return code, rng, a, cur, left, wi, nxt
+
+
 @_jit("decode")
 def _decode_kernel(blob, blob64, n64, starts, lens, tabf, W, lutf, L, T, C, chunk_tokens, group, symf, sym64f, words8):
     s, plane, t0, t1, c0, c1 = _coder_thread(cuda.grid(1), L, T, C, chunk_tokens, group)
@@ -1455,10 +1462,8 @@ def _decode_kernel(blob, blob64, n64, starts, lens, tabf, W, lutf, L, T, C, chun
                 lb = lrow0 + wj * 8 * LUT_SIZE
                 for j in range(8):
                     x, code, rng = _decode_symbol(code, rng, tabf, tb + j * W, lutf, lb + j * LUT_SIZE)
-                    while rng < RANGE_TOP:
-                        y, a, cur, left, wi, nxt = _stream_byte(blob, blob64, n64, a, end, cur, left, wi, nxt)
-                        code = np.uint32((code << 8) | y)
-                        rng = np.uint32(rng << 8)
+                    code, rng, a, cur, left, wi, nxt = _renormalize(code, rng, blob, blob64, n64, a, end, cur, left,
+                                                                    wi, nxt)
                     w |= np.int64(x) << (8 * j)
                 sym64f[at + wj] = w
         else:
@@ -1466,10 +1471,8 @@ def _decode_kernel(blob, blob64, n64, starts, lens, tabf, W, lutf, L, T, C, chun
             for c in range(c0, c1):
                 x, code, rng = _decode_symbol(code, rng, tabf, trow0 + (c - c0) * W, lutf,
                                               lrow0 + (c - c0) * LUT_SIZE)
-                while rng < RANGE_TOP:
-                    y, a, cur, left, wi, nxt = _stream_byte(blob, blob64, n64, a, end, cur, left, wi, nxt)
-                    code = np.uint32((code << 8) | y)
-                    rng = np.uint32(rng << 8)
+                code, rng, a, cur, left, wi, nxt = _renormalize(code, rng, blob, blob64, n64, a, end, cur, left, wi,
+                                                                nxt)
                 symf[at + c] = x
 
 
