@@ -79,25 +79,29 @@ def channel_entropy(sym: np.ndarray, nsym: int) -> float:
     return float(h.mean())
 
 
+def table_bits(lo, hi):
+    """Bits of a table as cachegen's for symbols lo .. hi: 3 bytes, then 4 bits per symbol."""
+    return 24 + 4 * (hi - lo + 1)
+
+
+def channel_table_bits(sym: np.ndarray) -> float:
+    """Bits per symbol of one table per channel of sym [tokens, channels], spread over the tokens."""
+    return float(table_bits(sym.min(axis=0), sym.max(axis=0)).mean()) / sym.shape[0]
+
+
 def two_part_bits(sym: np.ndarray, nsym: int) -> float:
     """Bits per symbol of a static code per channel with its table sent: the empirical entropy
-    plus a table as cachegen's (3 bytes, then 4 bits per symbol of the range the channel uses)
-    spread over the tokens."""
-    T, C = sym.shape
-    lo, hi = sym.min(axis=0), sym.max(axis=0)
-    table = 24 + 4 * (hi - lo + 1)
-    return channel_entropy(sym, nsym) + float(table.mean()) / T
+    plus the channel's table (table_bits)."""
+    return channel_entropy(sym, nsym) + channel_table_bits(sym)
 
 
 #: Context classes of an exponent against its channel's most common one: <= -2, -1, 0, >= +1.
 NCTX = 4
 
 
-def exponent_class(e: np.ndarray) -> np.ndarray:
+def exponent_class(e: np.ndarray, mode: np.ndarray) -> np.ndarray:
     """The context class (0 .. NCTX - 1) of exponents e [tokens, channels]: e minus the
-    channel's most common exponent, clipped to -2 .. +1."""
-    T, C = e.shape
-    mode = _counts(e, 256).argmax(axis=1)
+    channel's most common exponent (mode [channels]), clipped to -2 .. +1."""
     return np.clip(e - mode[None, :], -2, NCTX - 3) + 2
 
 
@@ -116,7 +120,7 @@ def conditional_bits(sym: np.ndarray, ctx: np.ndarray, nsym: int, tables: bool) 
         idx = np.arange(nsym)[None, :]
         lo = np.where(used, idx, nsym).min(axis=1)
         hi = np.where(used, idx, -1).max(axis=1)
-        bits += float(np.where(n[:, 0] > 0, 24 + 4 * (hi - lo + 1), 0).sum())
+        bits += float(np.where(n[:, 0] > 0, table_bits(lo, hi), 0).sum())
     return float(bits) / (T * C)
 
 
@@ -170,24 +174,23 @@ def bounds(words: np.ndarray) -> dict:
             put("+1 mantissa bit + 6 (empirical)", channel_entropy(se1, 1024) + 6)
             put("+1 mantissa bit + 6 (with tables)", two_part_bits(se1, 1024) + 6)
             put("mantissa (empirical, of 7)", channel_entropy(man, 128))
-            cls = exponent_class((w >> 7) & 0xFF)
+            e = (w >> 7) & 0xFF
+            mode = _counts(e, 256).argmax(axis=1)
+            cls = exponent_class(e, mode)
             prev_tok = cls[:-1]  # token t - 1's class, for tokens 1 ..
             prev_ch = cls[:, :-1]  # channel c - 1's class, for channels 1 ..
             put("sign+exp | previous token + 7 (empirical)", conditional_bits(se[1:], prev_tok, 512, False) + 7)
             put("sign+exp | previous token + 7 (with tables)", conditional_bits(se[1:], prev_tok, 512, True) + 7)
             put("sign+exp | channel before + 7 (empirical)", conditional_bits(se[:, 1:], prev_ch, 512, False) + 7)
             put("sign+exp | channel before + 7 (with tables)", conditional_bits(se[:, 1:], prev_ch, 512, True) + 7)
-            e = (w >> 7) & 0xFF
-            mode = _counts(e, 256).argmax(axis=1)
             shifted = (((e - mode[None, :]) & 0xFF) << 1 | (w >> 15))[1:]
             pooled = conditional_bits(shifted.reshape(-1, 1), prev_tok.reshape(-1, 1), 512, True)
             put("shifted sign+exp | previous token, shared + 7 (with tables)", pooled + 8 / w.shape[0] + 7)
             cnt = _counts(se, 512)
             q = cnt / cnt.sum(axis=1, keepdims=True)
-            table = two_part_bits(se, 512) - channel_entropy(se, 512)
             for a in ADAPTIVE_WEIGHTS:
                 put(f"sign+exp, static table + adaptive context (a = {a}) + 7",
-                    adaptive_bits(se[1:], prev_tok, q, a) + table + 7)
+                    adaptive_bits(se[1:], prev_tok, q, a) + channel_table_bits(se) + 7)
     return {k: float(np.mean(v)) for k, v in cols.items()}
 
 
