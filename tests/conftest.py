@@ -13,6 +13,10 @@ from pathlib import Path
 # CUDA kernels run under numba's simulator unless the caller says otherwise
 # (NUMBA_ENABLE_CUDASIM=0 on a GPU machine).  Must be set before numba.cuda loads.
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+# ... and the Triton kernels (kernels/fixed_rotation_matmul.py) under Triton's interpreter, on the
+# simulator's CPU tensors.  Triton reads it when a kernel is decorated: before any import of it.
+if os.environ["NUMBA_ENABLE_CUDASIM"] == "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

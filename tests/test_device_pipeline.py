@@ -66,12 +66,19 @@ def _check(kv, quality=None, chunk_tokens=8, quantization=None, calibration=None
 @pytest.mark.parametrize("dtype, quality, blocks, head_dim", [
     (torch.bfloat16, "balanced", 1, 8), (torch.bfloat16, "high", 2, 8), (torch.float16, "small", 2, 8),
     (torch.float32, "balanced", 1, 5), (torch.bfloat16, "small", 2, 20),
+    # blocks the matrix-unit kernels take (kernels/fixed_rotation_matmul: Triton's interpreter here)
+    (torch.bfloat16, "high", 2, 32), (torch.bfloat16, "balanced", 1, 32), (torch.float16, "small", 2, 64),
+    (torch.float32, "high", 1, 48),
 ])
 def test_rotated_same_bytes_and_values_as_the_cpu(dtype, quality, blocks, head_dim):
     """A calibration's rotation (one full block, or one per head; blocks wider than the
     kernel's tiles and sizes that are not multiples of them): the device's rotated rows,
     statistics, levels and inverse rotation give the CPU's bytes and values."""
+    from cachegen_cli.kernels import fixed_rotation_matmul as fm
     from cachegen_cli.methods import calibration as calib
+
+    block = 2 * head_dim // blocks
+    assert fm.supports(block) == (block % 32 == 0), "the matrix-unit kernels take these blocks"
 
     sample = realistic_kv(layers=2, tokens=30, heads=2, head_dim=head_dim, dtype=torch.float32, seed=11)
     cal = calib.fit([sample.reshape(2, 2, 30, 2 * head_dim)], blocks=blocks)

@@ -149,6 +149,27 @@ def _device_rotation(rot: np.ndarray, digest: bytes, dev: torch.device, transpos
     return t
 
 
+def _matmul_digits(rot: np.ndarray, digest: bytes, dev: torch.device, transposed: bool):
+    """The fixed-point rotation's int8 digits on ``dev`` (kernels/fixed_rotation_matmul.
+    rotation_digits) and, for the decoder's transposed blocks, their column sums; None when the
+    matrix-unit kernels do not run here (no Triton, a block too small, CACHEGEN_ROTATION_MATMUL=0):
+    the caller takes the float64 product instead (the same bits)."""
+    from ..kernels import fixed_rotation_matmul as fm
+
+    if not fm.runs_on(dev) or not fm.supports(int(rot.shape[3])):
+        return None
+    key = (digest, str(dev), transposed, "digits")
+    t = _ROTATIONS.get(key)
+    if t is None:
+        rint = _device_rotation(rot, digest, dev, transposed, fixed=True)
+        t = (fm.rotation_digits(rint), fm.column_sums(rint) if transposed else None)
+        _ROTATIONS[key] = t
+        while len(_ROTATIONS) > 2 * ROTATIONS_KEPT:
+            _ROTATIONS.popitem(last=False)
+    _ROTATIONS.move_to_end(key)
+    return t
+
+
 def supports(cfg: TransformConfig, calibration) -> bool:
     """True when this pipeline encodes with ``cfg`` and ``calibration``: every quality, with or
     without a calibration (lossless with one is the caller's error)."""
@@ -273,16 +294,24 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
                 # a bfloat16 cache's own words (widened exactly in the kernel), else float32 values
                 x32 = (words if x.dtype == torch.bfloat16 else x if x.dtype == torch.float32
                        else x.to(torch.float32))  # torch's conversion, as the CPU's
-            Xr = _empty((L, 2, T - sink, C), torch.float64, dev)
-            er = _empty((L, 2, T - sink), torch.int32, dev)
-            k.fixed_rows(_nb(x32), sink, _nb(Xr), _nb(er))
-            rint = _device_rotation(rot_h, digest, dev, False, fixed=True)
-            Yr = block_product(Xr, rint)
-            del Xr
             y = _empty((L, 2, T, C), torch.float32, dev)
             y[:, :, :sink].zero_()  # the sink tokens' rows: read by no kernel, but never garbage
-            k.fixed_rows_out(_nb(Yr), _nb(er), sink, _nb(y))
-            del x32, Yr
+            digits = _matmul_digits(rot_h, digest, dev, False)
+            if digits is not None:
+                # rows, integer product and values in one pass on the matrix units
+                from ..kernels import fixed_rotation_matmul as fm
+
+                fm.rotate_rows(x32.contiguous(), digits[0], sink, y)
+            else:
+                Xr = _empty((L, 2, T - sink, C), torch.float64, dev)
+                er = _empty((L, 2, T - sink), torch.int32, dev)
+                k.fixed_rows(_nb(x32), sink, _nb(Xr), _nb(er))
+                rint = _device_rotation(rot_h, digest, dev, False, fixed=True)
+                Yr = block_product(Xr, rint)
+                del Xr
+                k.fixed_rows_out(_nb(Yr), _nb(er), sink, _nb(y))
+                del Yr
+            del x32
             vitem, fmt = 4, _FMT["float32"]
             V = k.lanes(C, 4, k.WIDTH["levels"])
             wv = y.view(torch.int32).view(_TORCH_WORD[V * 4])
@@ -548,7 +577,9 @@ def decode(blob: torch.Tensor, h: FileHeader, offsets: list[int], size: int, cal
             rot_t = None
         else:
             rot_t = _device_rotation(rot, h.params.calibration, blob.device, True, fixed=h.fixed_rotation)
-        out, failed = _decode(blob, h, offsets, size, rot_t)
+        digits = (_matmul_digits(rot, h.params.calibration, blob.device, True)
+                  if rot.size and h.fixed_rotation else None)
+        out, failed = _decode(blob, h, offsets, size, rot_t, digits)
     if failed:
         _raise_cpu_error(blob, calibration)
     return out
@@ -567,7 +598,7 @@ def _raise_cpu_error(blob: torch.Tensor, calibration=None) -> None:
 
 
 def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
-            rot_t: torch.Tensor | None) -> tuple[torch.Tensor, bool]:
+            rot_t: torch.Tensor | None, digits=None) -> tuple[torch.Tensor, bool]:
 
     k = _k()
     k1 = _k1()
@@ -665,19 +696,26 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
     elif rotated or rope is not None:
         data = words.view(torch.float32)
         if fixed:
-            # x' = sat32(A s 2^-14 + b), A = q' Rint^T exact (kernels/fixed_rotation; cuBLAS)
-            from ..kernels.fixed_rotation import block_product
-
-            Qr = words.view(torch.float32)[:, :, S:].to(torch.float64)  # q', exact
-            del words
-            Ar = block_product(Qr, rot_t)
-            del Qr
+            # x' = sat32(A s 2^-14 + b), A = q' Rint^T exact (kernels/fixed_rotation): on the
+            # matrix units in one pass (fixed_rotation_matmul), else cuBLAS's float64 product
             b_d = _empty((L, 2, C), torch.float64, dev)
             k.offset_sums(_nb(file_offsets), _nb(rot_t), _nb(b_d))
             direct = dtype == torch.bfloat16 and rope is None  # bfloat16 words out, saturating
             data = _empty((L, 2, T, C), torch.int16 if direct else torch.float32, dev)
-            k.fixed_values(_nb(Ar), _nb(file_steps), _nb(b_d), S, _nb(data))
-            del Ar
+            if digits is not None:
+                from ..kernels import fixed_rotation_matmul as fm
+
+                fm.unrotate_values(words.view(torch.float32), digits[0], digits[1], file_steps, b_d, S, data)
+                del words
+            else:
+                from ..kernels.fixed_rotation import block_product
+
+                Qr = words.view(torch.float32)[:, :, S:].to(torch.float64)  # q', exact
+                del words
+                Ar = block_product(Qr, rot_t)
+                del Qr
+                k.fixed_values(_nb(Ar), _nb(file_steps), _nb(b_d), S, _nb(data))
+                del Ar
             if direct:
                 data = data.view(torch.bfloat16)
         elif rotated:

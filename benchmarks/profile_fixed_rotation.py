@@ -1,0 +1,111 @@
+"""Time the fixed-point rotation alone, both directions, on a Llama-3.1-8B-shaped plane set (32
+layers x 2 x TOKENS x 1024 channels, bfloat16 in): the matrix-unit kernels of
+kernels/fixed_rotation_matmul.py against the float64 path they replace (fixed_rows, cuBLAS's
+float64 product, fixed_rows_out / fixed_values), checking that both give the same bits; with
+--sweep, over tile shapes, warps and pipelining depths.
+
+    python benchmarks/profile_fixed_rotation.py --tokens 8192 --blocks 8 --sweep
+
+The rows are random with a spread of channel scales (timing only: not a quality figure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+
+import numpy as np
+import torch
+
+from cachegen_cli.kernels import cuda_pipeline as k
+from cachegen_cli.kernels import fixed_rotation as fx
+from cachegen_cli.kernels import fixed_rotation_matmul as fm
+from cachegen_cli.pipeline.transform_resident import _nb
+
+
+def timed_ms(fn, repeats: int) -> tuple[float, float, float]:
+    fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return statistics.median(out), min(out), max(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=8192)
+    ap.add_argument("--blocks", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--sweep", action="store_true")
+    a = ap.parse_args()
+    L, C, H, T, S = 32, 1024, a.blocks, a.tokens, 1
+    D = C // H
+    g = torch.Generator(device="cuda").manual_seed(0)
+    scale = torch.exp(torch.randn(C, device="cuda", generator=g) * 1.5)
+    x = (torch.randn(L, 2, T, C, device="cuda", generator=g) * scale).to(torch.bfloat16)
+    words = x.view(torch.int16)
+    rot = np.empty((L, 2, H, D, D), np.float32)
+    rng = np.random.default_rng(0)
+    for i in np.ndindex(L, 2, H):
+        rot[i] = np.linalg.qr(rng.standard_normal((D, D)))[0]
+    rint = torch.from_numpy(fx.fixed_matrix(rot, False)).cuda()
+    rint_t = torch.from_numpy(fx.fixed_matrix(rot, True)).cuda()
+    dig, dig_t, sums = fm.rotation_digits(rint), fm.rotation_digits(rint_t), fm.column_sums(rint_t)
+    nbytes = x.numel() * 2
+
+    y_ref = torch.zeros(L, 2, T, C, device="cuda")
+    Xr = torch.empty(L, 2, T - S, C, dtype=torch.float64, device="cuda")
+    er = torch.empty(L, 2, T - S, dtype=torch.int32, device="cuda")
+
+    def enc_f64():
+        k.fixed_rows(_nb(words), S, _nb(Xr), _nb(er))
+        Yr = fx.block_product(Xr, rint)
+        k.fixed_rows_out(_nb(Yr), _nb(er), S, _nb(y_ref))
+
+    y = torch.zeros_like(y_ref)
+    enc_mm = lambda: fm.rotate_rows(words, dig, S, y)  # noqa: E731
+    # levels q' (multiples of 1/256 in [-127.5, 127.5]) for the decoder
+    q = (torch.randint(-127, 128, (L, 2, T, C), device="cuda", generator=g)
+         + (torch.randint(0, 256, (L, 2, T, C), device="cuda", generator=g) - 127) / 256.0).float()
+    steps = torch.full((L, 2), 0.0625, dtype=torch.float64, device="cuda")
+    b = torch.randn(L, 2, C, dtype=torch.float64, device="cuda")
+    out_ref = torch.zeros(L, 2, T, C, dtype=torch.int16, device="cuda")
+
+    def dec_f64():
+        A = fx.block_product(q[:, :, S:].to(torch.float64), rint_t)
+        k.fixed_values(_nb(A), _nb(steps), _nb(b), S, _nb(out_ref))
+
+    out = torch.zeros_like(out_ref)
+    dec_mm = lambda: fm.unrotate_values(q, dig_t, sums, steps, b, S, out)  # noqa: E731
+    for name, fn in (("encode, float64 path", enc_f64), ("decode, float64 path", dec_f64)):
+        med, lo, hi = timed_ms(fn, a.repeats)
+        print(f"{name:28s} {med:7.2f} ms ({lo:.2f}-{hi:.2f})  {nbytes / med / 1e6:6.1f} GB/s of bf16", flush=True)
+    configs = [(fm.BLOCK_M, fm.NUM_WARPS, fm.NUM_STAGES, fm.TILE)]
+    if a.sweep:
+        configs += [c for c in itertools.product((64, 128), (4, 8), (2, 3), (0, 64)) if c != configs[0]]
+    for bm, nw, ns, tile in configs:
+        fm.BLOCK_M, fm.NUM_WARPS, fm.NUM_STAGES, fm.TILE = bm, nw, ns, tile
+        try:
+            y.fill_(1.0)
+            out.fill_(7)
+            me = timed_ms(enc_mm, a.repeats)
+            md = timed_ms(dec_mm, a.repeats)
+        except Exception as e:  # noqa: BLE001 - a config the compiler refuses: say so, go on
+            print(f"BM {bm} warps {nw} stages {ns} tile {tile}: failed ({type(e).__name__}: {str(e)[:120]})")
+            continue
+        same_e = torch.equal(y[:, :, S:].view(torch.int32), y_ref[:, :, S:].view(torch.int32))
+        same_d = torch.equal(out[:, :, S:], out_ref[:, :, S:])
+        print(f"BM {bm:3d} warps {nw} stages {ns} tile {tile:3d}: encode {me[0]:6.2f} ms ({me[1]:.2f}-{me[2]:.2f}) "
+              f"decode {md[0]:6.2f} ms ({md[1]:.2f}-{md[2]:.2f})  {nbytes / me[0] / 1e6:6.1f} / "
+              f"{nbytes / md[0] / 1e6:6.1f} GB/s  same bits {same_e}/{same_d}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

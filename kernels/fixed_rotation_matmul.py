@@ -1,0 +1,265 @@
+"""The fixed-point rotation (kernels/fixed_rotation.py, docs/format.md "Fixed-point rotation")
+on the GPU's matrix units: one Triton kernel per direction, each a block-diagonal product of
+8-bit integer digits with the integer rows made before it and the values made after it in the
+same pass.
+
+Why: the product's operands are integers (rows X of at most 21 bits, the rotation's Rint of 15,
+the decoder's levels q' x 256 of 16), so their product is exact in any arithmetic that keeps
+every partial sum; float64 (cuBLAS, as fixed_rotation.block_product) does, but an H200 runs
+float64 products at ~1/30 of its 8-bit integer rate, and the float64 rows and products between
+the passes cost ~30 bytes of memory traffic a value.  Split into signed 8-bit digits, every
+digit product sums exactly in int32 (Triton's ``tl.dot`` on int8 -> int32 runs on the matrix
+units), and the digits' sums combine exactly in int64: the same integers, hence the same bits
+as the CPU's float64 product, read once and written once.
+
+Digits (all balanced, each an int8):
+  X  (|X| <= 2^20)          X = d0 + 2^7 d1 + 2^14 d2,      d0, d1 in [-64, 63], d2 in [-64, 64]
+  Rint (|R| <= 2^14)        R = r0 + 2^8 r1,                r0 in [-128, 127],   r1 in [-64, 64]
+  Q = 256 q' - 1            Q = g0 + 2^8 g1,                g0 in [-128, 127],   g1 in [-128, 127]
+    (q' in [-127.5 + 1/256, 127.5]: 256 q' in [-32639, 32640]; the 1 taken off is added back
+     as the column sums of Rint, so that no digit reaches 128)
+
+Bounds: a (digit, digit) product sums over a tile of BK <= 128 channels within 2^14 x 2^7, so
+every tile's int32 combination below stays under 2^31; the int64 sums stay under 2^50 (X) and
+2^37 x 256 (q'): exact in float64, as docs/format.md requires.
+
+Who does what: one program per (BM rows, plane); it reads its rows' largest magnitudes first
+(encoder), then for each diagonal block and BN outputs walks the block's channels BK at a time:
+digits of a [BM, BK] tile times the [BK, BN] digit tiles of the block, summed exactly, then
+scaled to float32 (or, decoding, stepped, offset, saturated, and optionally rounded to bfloat16
+words).  Adjacent lanes load adjacent channels of a row.
+
+The host wrappers take torch tensors on one device; under numba's simulator the tests run the
+same kernels through Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .fixed_rotation import R_BITS, X_BITS
+
+try:  # Triton ships with CUDA builds of torch; without it the callers use block_product
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+
+#: float32's largest finite value, and bfloat16's (the decoder's saturation)
+_F32_MAX = 3.4028234663852886e38
+
+#: Rows per program, warps per program, software-pipelining depth, and the tile of outputs /
+#: channels (0: the largest power of two up to 128 dividing the block); the smallest block a
+#: kernel takes.  Module constants so that benchmarks/profile_fixed_rotation.py can sweep them.
+BLOCK_M = 64
+NUM_WARPS = 4
+NUM_STAGES = 2
+TILE = 0
+MIN_BLOCK = 32
+
+
+#: Triton's interpreter (numpy, on CPU tensors) is on: what the simulator's tests run.  Triton
+#: reads the variable when a kernel is decorated, so this is read once too.
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def runs_on(device: torch.device) -> bool:
+    """True when the kernels run on tensors of ``device``: Triton is importable, and the device
+    is a GPU (the interpreter off) or the CPU (the interpreter on); CACHEGEN_ROTATION_MATMUL=0
+    turns them off (the float64 product instead: the same bits, for comparisons)."""
+    if triton is None or os.environ.get("CACHEGEN_ROTATION_MATMUL", "1") == "0":
+        return False
+    return (device.type == "cpu") == INTERPRETED
+
+
+def supports(block: int) -> bool:
+    """True when a rotation of diagonal blocks of ``block`` channels runs here (the matrix
+    units take tiles of at least MIN_BLOCK channels)."""
+    return triton is not None and block >= MIN_BLOCK and block % MIN_BLOCK == 0
+
+
+def _tile(block: int) -> int:
+    """Channels per tile: the largest power of two up to 128 that divides the block."""
+    t = TILE or 128
+    while block % t:
+        t //= 2
+    return t
+
+
+def rotation_digits(rint: torch.Tensor) -> torch.Tensor:
+    """The int8 digits (r0, r1) of the fixed-point blocks ``rint`` (float64 [L, 2, H, D, D],
+    integer-valued, |Rint| <= 2^14: fixed_rotation.fixed_matrix) as int8 [2, L, 2, H, D, D], on
+    rint's device."""
+    r = rint.to(torch.int32)
+    r0 = ((r + 128) & 255) - 128
+    r1 = (r - r0) >> 8
+    return torch.stack([r0, r1]).to(torch.int8).contiguous()
+
+
+def column_sums(rint_t: torch.Tensor) -> torch.Tensor:
+    """sum over i of rint_t[l, kv, h, i, j] as int64 [L, 2, H x D]: the decoder's blocks' sums
+    down each output column (what the digits' offset of 1 takes off each product)."""
+    L, K, H, D, _ = rint_t.shape
+    return rint_t.sum(dim=3, dtype=torch.float64).to(torch.int64).reshape(L, K, H * D).contiguous()
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rotate_rows_kernel(x_ptr, r_ptr, y_ptr, T, n, t_first, plane_digits,
+                            C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+                            BN: tl.constexpr, BK: tl.constexpr, BF16_WORDS: tl.constexpr,
+                            XB: tl.constexpr, RB: tl.constexpr):
+        pid_m = tl.program_id(0)
+        p = tl.program_id(1)
+        rows = pid_m * BM + tl.arange(0, BM)
+        live = rows < n
+        row_at = (p.to(tl.int64) * T + t_first + rows) * C
+        ks = tl.arange(0, BK)
+        # the rows' largest magnitudes (their float32 bits), over every channel
+        top = tl.zeros([BM], dtype=tl.int32)
+        for c0 in range(0, C, BK):
+            at = row_at[:, None] + (c0 + ks)[None, :]
+            if BF16_WORDS:
+                w = tl.load(x_ptr + at, mask=live[:, None], other=0).to(tl.int32)
+                bits = (w & 0xFFFF) << 16
+            else:
+                bits = tl.load(x_ptr + at, mask=live[:, None], other=0.0).to(tl.int32, bitcast=True)
+            top = tl.maximum(top, tl.max(bits & 0x7FFFFFFF, axis=1))
+        e = ((top >> 23) & 0xFF) - 126  # max |x| < 2^e (fixed_rotation.row_exponent)
+        # 2^(XB - e) and 2^(e - XB - RB), both normal float64: made from their exponent fields
+        scale = ((1023 + XB - e).to(tl.int64) << 52).to(tl.float64, bitcast=True)
+        back = ((1023 - XB - RB + e).to(tl.int64) << 52).to(tl.float64, bitcast=True)
+        big = 6755399441055744.0  # 1.5 x 2^52: (v + big) - big rounds v to an integer, ties to even
+        ns = tl.arange(0, BN)
+        for h in range(H):
+            for n0 in range(0, D, BN):
+                acc = tl.zeros([BM, BN], dtype=tl.int64)
+                for k0 in range(0, D, BK):
+                    at = row_at[:, None] + (h * D + k0 + ks)[None, :]
+                    if BF16_WORDS:
+                        w = tl.load(x_ptr + at, mask=live[:, None], other=0).to(tl.int32)
+                        v = ((w & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+                    else:
+                        v = tl.load(x_ptr + at, mask=live[:, None], other=0.0)
+                    X = ((v.to(tl.float64) * scale[:, None] + big) - big).to(tl.int32)
+                    d0 = ((X + 64) & 127) - 64
+                    X = (X - d0) >> 7
+                    d1 = ((X + 64) & 127) - 64
+                    d2 = (X - d1) >> 7
+                    r_at = ((p.to(tl.int64) * H + h) * D + k0 + ks)[:, None] * D + (n0 + ns)[None, :]
+                    r0 = tl.load(r_ptr + r_at)
+                    r1 = tl.load(r_ptr + plane_digits + r_at)
+                    a0 = d0.to(tl.int8)
+                    a1 = d1.to(tl.int8)
+                    a2 = d2.to(tl.int8)
+                    s0 = tl.dot(a0, r0, out_dtype=tl.int32) + (tl.dot(a0, r1, out_dtype=tl.int32) << 8)
+                    s1 = tl.dot(a1, r0, out_dtype=tl.int32) + (tl.dot(a1, r1, out_dtype=tl.int32) << 8)
+                    s2 = tl.dot(a2, r0, out_dtype=tl.int32) + (tl.dot(a2, r1, out_dtype=tl.int32) << 8)
+                    acc += s0.to(tl.int64) + (s1.to(tl.int64) << 7) + (s2.to(tl.int64) << 14)
+                y = (acc.to(tl.float64) * back[:, None]).to(tl.float32)
+                out_at = row_at[:, None] + (h * D + n0 + ns)[None, :]
+                tl.store(y_ptr + out_at, y, mask=live[:, None])
+
+    @triton.jit
+    def _unrotate_values_kernel(z_ptr, r_ptr, sums_ptr, steps_ptr, b_ptr, out_ptr, T, n, t_first,
+                                plane_digits, C: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                                BF16_OUT: tl.constexpr, F32_MAX: tl.constexpr):
+        pid_m = tl.program_id(0)
+        p = tl.program_id(1)
+        rows = pid_m * BM + tl.arange(0, BM)
+        live = rows < n
+        row_at = (p.to(tl.int64) * T + t_first + rows) * C
+        ks = tl.arange(0, BK)
+        ns = tl.arange(0, BN)
+        # A x 256 x s 2^-14 / 256: the step times 2^-22 (exact: a power of two)
+        unit = tl.load(steps_ptr + p) * 2.384185791015625e-07
+        for h in range(H):
+            for n0 in range(0, D, BN):
+                cols = h * D + n0 + ns
+                acc = tl.load(sums_ptr + p * C + cols)[None, :] + tl.zeros([BM, BN], dtype=tl.int64)
+                for k0 in range(0, D, BK):
+                    at = row_at[:, None] + (h * D + k0 + ks)[None, :]
+                    q = tl.load(z_ptr + at, mask=live[:, None], other=0.0)
+                    Q = (q * 256.0).to(tl.int32) - 1
+                    g0 = ((Q + 128) & 255) - 128
+                    g1 = (Q - g0) >> 8
+                    r_at = ((p.to(tl.int64) * H + h) * D + k0 + ks)[:, None] * D + (n0 + ns)[None, :]
+                    r0 = tl.load(r_ptr + r_at)
+                    r1 = tl.load(r_ptr + plane_digits + r_at)
+                    a0 = g0.to(tl.int8)
+                    a1 = g1.to(tl.int8)
+                    lo = tl.dot(a0, r0, out_dtype=tl.int32) + (
+                        (tl.dot(a0, r1, out_dtype=tl.int32) + tl.dot(a1, r0, out_dtype=tl.int32)) << 8)
+                    hi = tl.dot(a1, r1, out_dtype=tl.int32)
+                    acc += lo.to(tl.int64) + (hi.to(tl.int64) << 16)
+                b = tl.load(b_ptr + p * C + cols)
+                v = acc.to(tl.float64) * unit + b[None, :]
+                v = tl.minimum(tl.maximum(v, -F32_MAX), F32_MAX).to(tl.float32)
+                out_at = row_at[:, None] + cols[None, :]
+                if BF16_OUT:
+                    # bfloat16 bits rounded to nearest even; an infinity becomes the largest
+                    # finite value (cuda_pipeline._make_fixed_values' words)
+                    u = v.to(tl.int32, bitcast=True)
+                    wb = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+                    wb = tl.where((wb & 0x7FFF) == 0x7F80, wb - 1, wb)
+                    wb = tl.where(wb >= 32768, wb - 65536, wb)
+                    tl.store(out_ptr + out_at, wb.to(tl.int16), mask=live[:, None])
+                else:
+                    tl.store(out_ptr + out_at, v, mask=live[:, None])
+
+
+def _check(t: torch.Tensor, name: str, dtypes: tuple, ndim: int) -> None:
+    if t.dtype not in dtypes or t.dim() != ndim or not t.is_contiguous():
+        raise ValueError(f"{name}: a contiguous {ndim}-d tensor of {dtypes}, not {t.dtype} {tuple(t.shape)}")
+
+
+def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Tensor) -> None:
+    """y[:, :, t] = the fixed-point rotation of x[:, :, t] for t >= t_first (fixed_rotation.
+    rotate_rows' values): x float32 [L, 2, T, C], or a bfloat16 cache's int16 words; digits:
+    rotation_digits of the encoder's blocks [L, 2, H, D, D]; y float32 [L, 2, T, C] (rows before
+    t_first untouched)."""
+    _check(x, "x", (torch.float32, torch.int16), 4)
+    _check(y, "y", (torch.float32,), 4)
+    L, K, T, C = x.shape
+    _, _, _, H, D, _ = digits.shape
+    if H * D != C or tuple(y.shape) != (L, K, T, C) or not supports(D):
+        raise ValueError(f"rotate_rows: blocks {H} x {D} for {C} channels")
+    n = T - t_first
+    if n <= 0 or L * K == 0:
+        return
+    tile = _tile(D)
+    grid = (triton.cdiv(n, BLOCK_M), L * K)
+    _rotate_rows_kernel[grid](x, digits, y, T, n, t_first, digits[0].numel(), C=C, H=H, D=D, BM=BLOCK_M,
+                              BN=tile, BK=tile, BF16_WORDS=x.dtype == torch.int16, XB=X_BITS, RB=R_BITS,
+                              num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+
+
+def unrotate_values(z: torch.Tensor, digits_t: torch.Tensor, sums: torch.Tensor, steps: torch.Tensor,
+                    b: torch.Tensor, t_first: int, out: torch.Tensor) -> None:
+    """out[:, :, t] = x' of the levels q' in z[:, :, t] for t >= t_first (fixed_rotation.
+    unrotate_values' values): z float32 [L, 2, T, C]; digits_t: rotation_digits of the decoder's
+    (transposed) blocks; sums: column_sums of those blocks; steps float64 [L, 2]; b float64
+    [L, 2, C] (offset_sums); out float32, or int16 for bfloat16 words (saturating), [L, 2, T, C]."""
+    _check(z, "z", (torch.float32,), 4)
+    _check(out, "out", (torch.float32, torch.int16), 4)
+    L, K, T, C = z.shape
+    _, _, _, H, D, _ = digits_t.shape
+    if H * D != C or tuple(out.shape) != (L, K, T, C) or not supports(D):
+        raise ValueError(f"unrotate_values: blocks {H} x {D} for {C} channels")
+    n = T - t_first
+    if n <= 0 or L * K == 0:
+        return
+    tile = _tile(D)
+    grid = (triton.cdiv(n, BLOCK_M), L * K)
+    steps = steps.to(torch.float64).contiguous()
+    b = b.to(torch.float64).contiguous()
+    _unrotate_values_kernel[grid](z, digits_t, sums, steps, b, out, T, n, t_first, digits_t[0].numel(), C=C, H=H,
+                                  D=D, BM=BLOCK_M, BN=tile, BK=tile, BF16_OUT=out.dtype == torch.int16,
+                                  F32_MAX=_F32_MAX, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+
+
