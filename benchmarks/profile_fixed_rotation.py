@@ -87,24 +87,25 @@ def main() -> None:
     for name, fn in (("encode, float64 path", enc_f64), ("decode, float64 path", dec_f64)):
         med, lo, hi = timed_ms(fn, a.repeats)
         print(f"{name:28s} {med:7.2f} ms ({lo:.2f}-{hi:.2f})  {nbytes / med / 1e6:6.1f} GB/s of bf16", flush=True)
-    configs = [(fm.BLOCK_M, fm.NUM_WARPS, fm.NUM_STAGES, fm.TILE)]
-    if a.sweep:
-        configs += [c for c in itertools.product((64, 128), (4, 8), (2, 3), (0, 64)) if c != configs[0]]
-    for bm, nw, ns, tile in configs:
-        fm.BLOCK_M, fm.NUM_WARPS, fm.NUM_STAGES, fm.TILE = bm, nw, ns, tile
+    default = tuple(fm.ENCODE_LAUNCH.values()), tuple(fm.DECODE_LAUNCH.values())
+    configs = [default] if not a.sweep else [(c, c) for c in itertools.product((64, 128), (4, 8), (2, 3), (0, 64))]
+    for enc_cfg, dec_cfg in configs:
+        names = ("rows", "warps", "stages", "tile")
+        fm.ENCODE_LAUNCH, fm.DECODE_LAUNCH = dict(zip(names, enc_cfg)), dict(zip(names, dec_cfg))
+        label = f"encode {enc_cfg} decode {dec_cfg}" if enc_cfg != dec_cfg else f"rows/warps/stages/tile {enc_cfg}"
         try:
             y.fill_(1.0)
             out.fill_(7)
             me = timed_ms(enc_mm, a.repeats)
             md = timed_ms(dec_mm, a.repeats)
         except Exception as e:  # noqa: BLE001 - a config the compiler refuses: say so, go on
-            print(f"BM {bm} warps {nw} stages {ns} tile {tile}: failed ({type(e).__name__}: {str(e)[:120]})")
+            print(f"{label}: failed ({type(e).__name__}: {str(e)[:120]})")
             continue
         same_e = torch.equal(y[:, :, S:].view(torch.int32), y_ref[:, :, S:].view(torch.int32))
         same_d = torch.equal(out[:, :, S:], out_ref[:, :, S:])
-        print(f"BM {bm:3d} warps {nw} stages {ns} tile {tile:3d}: encode {me[0]:6.2f} ms ({me[1]:.2f}-{me[2]:.2f}) "
-              f"decode {md[0]:6.2f} ms ({md[1]:.2f}-{md[2]:.2f})  {nbytes / me[0] / 1e6:6.1f} / "
-              f"{nbytes / md[0] / 1e6:6.1f} GB/s  same bits {same_e}/{same_d}", flush=True)
+        print(f"{label}: encode {me[0]:6.2f} ms ({me[1]:.2f}-{me[2]:.2f}) decode {md[0]:6.2f} ms "
+              f"({md[1]:.2f}-{md[2]:.2f})  {nbytes / me[0] / 1e6:6.1f} / {nbytes / md[0] / 1e6:6.1f} GB/s  "
+              f"same bits {same_e}/{same_d}", flush=True)
 
 
 if __name__ == "__main__":

@@ -51,14 +51,18 @@ except ImportError:  # pragma: no cover - depends on the environment
 #: float32's largest finite value, and bfloat16's (the decoder's saturation)
 _F32_MAX = 3.4028234663852886e38
 
-#: Rows per program, warps per program, software-pipelining depth, and the tile of outputs /
-#: channels (0: the largest power of two up to 128 dividing the block); the smallest block a
-#: kernel takes.  Module constants so that benchmarks/profile_fixed_rotation.py can sweep them.
-BLOCK_M = 64
-NUM_WARPS = 4
-NUM_STAGES = 2
-TILE = 0
+#: Each direction's launch: rows per program, warps per program, software-pipelining depth,
+#: and channels per tile (0: the largest power of two up to 128 dividing the block), the
+#: fastest of a sweep on an H200 (benchmarks/profile_fixed_rotation.py --sweep, 2026-12-02,
+#: 8 blocks of 128: encode 3.77 ms, decode 4.15 ms for 32 x 2 x 8192 x 1024 values;
+#: docs/results/2026-12-02d_fixed_rotation_2c02488.txt).  Dicts, so that the sweep can set them.
+ENCODE_LAUNCH = {"rows": 128, "warps": 8, "stages": 2, "tile": 0}
+DECODE_LAUNCH = {"rows": 64, "warps": 4, "stages": 2, "tile": 0}
+#: The blocks the kernels take: MIN_BLOCK channels at least (the matrix units' tiles), and at most
+#: MAX_BLOCK: one full 1024-channel block ran slower than cuBLAS's float64 product on the H200
+#: (25.0 / 22.6 ms against 21.9 / 22.0 ms, the same sweep), which then stays the way.
 MIN_BLOCK = 32
+MAX_BLOCK = 128
 
 
 #: Triton's interpreter (numpy, on CPU tensors) is on: what the simulator's tests run.  Triton
@@ -77,13 +81,18 @@ def runs_on(device: torch.device) -> bool:
 
 def supports(block: int) -> bool:
     """True when a rotation of diagonal blocks of ``block`` channels runs here (the matrix
-    units take tiles of at least MIN_BLOCK channels)."""
+    units take tiles of at least MIN_BLOCK channels; past MAX_BLOCK cuBLAS's float64 product is
+    faster)."""
+    return _can_run(block) and block <= MAX_BLOCK
+
+
+def _can_run(block: int) -> bool:
     return triton is not None and block >= MIN_BLOCK and block % MIN_BLOCK == 0
 
 
-def _tile(block: int) -> int:
-    """Channels per tile: the largest power of two up to 128 that divides the block."""
-    t = TILE or 128
+def _tile(block: int, tile: int) -> int:
+    """Channels per tile: the largest power of two up to ``tile`` (0: 128) that divides the block."""
+    t = tile or 128
     while block % t:
         t //= 2
     return t
@@ -227,16 +236,17 @@ def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Te
     _check(y, "y", (torch.float32,), 4)
     L, K, T, C = x.shape
     _, _, _, H, D, _ = digits.shape
-    if H * D != C or tuple(y.shape) != (L, K, T, C) or not supports(D):
+    if H * D != C or tuple(y.shape) != (L, K, T, C) or not _can_run(D):
         raise ValueError(f"rotate_rows: blocks {H} x {D} for {C} channels")
     n = T - t_first
     if n <= 0 or L * K == 0:
         return
-    tile = _tile(D)
-    grid = (triton.cdiv(n, BLOCK_M), L * K)
-    _rotate_rows_kernel[grid](x, digits, y, T, n, t_first, digits[0].numel(), C=C, H=H, D=D, BM=BLOCK_M,
+    go = ENCODE_LAUNCH
+    tile = _tile(D, go["tile"])
+    grid = (triton.cdiv(n, go["rows"]), L * K)
+    _rotate_rows_kernel[grid](x, digits, y, T, n, t_first, digits[0].numel(), C=C, H=H, D=D, BM=go["rows"],
                               BN=tile, BK=tile, BF16_WORDS=x.dtype == torch.int16, XB=X_BITS, RB=R_BITS,
-                              num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                              num_warps=go["warps"], num_stages=go["stages"])
 
 
 def unrotate_values(z: torch.Tensor, digits_t: torch.Tensor, sums: torch.Tensor, steps: torch.Tensor,
@@ -249,17 +259,18 @@ def unrotate_values(z: torch.Tensor, digits_t: torch.Tensor, sums: torch.Tensor,
     _check(out, "out", (torch.float32, torch.int16), 4)
     L, K, T, C = z.shape
     _, _, _, H, D, _ = digits_t.shape
-    if H * D != C or tuple(out.shape) != (L, K, T, C) or not supports(D):
+    if H * D != C or tuple(out.shape) != (L, K, T, C) or not _can_run(D):
         raise ValueError(f"unrotate_values: blocks {H} x {D} for {C} channels")
     n = T - t_first
     if n <= 0 or L * K == 0:
         return
-    tile = _tile(D)
-    grid = (triton.cdiv(n, BLOCK_M), L * K)
+    go = DECODE_LAUNCH
+    tile = _tile(D, go["tile"])
+    grid = (triton.cdiv(n, go["rows"]), L * K)
     steps = steps.to(torch.float64).contiguous()
     b = b.to(torch.float64).contiguous()
     _unrotate_values_kernel[grid](z, digits_t, sums, steps, b, out, T, n, t_first, digits_t[0].numel(), C=C, H=H,
-                                  D=D, BM=BLOCK_M, BN=tile, BK=tile, BF16_OUT=out.dtype == torch.int16,
-                                  F32_MAX=_F32_MAX, num_warps=NUM_WARPS, num_stages=NUM_STAGES)
+                                  D=D, BM=go["rows"], BN=tile, BK=tile, BF16_OUT=out.dtype == torch.int16,
+                                  F32_MAX=_F32_MAX, num_warps=go["warps"], num_stages=go["stages"])
 
 

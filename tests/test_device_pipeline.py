@@ -70,15 +70,20 @@ def _check(kv, quality=None, chunk_tokens=8, quantization=None, calibration=None
     (torch.bfloat16, "high", 2, 32), (torch.bfloat16, "balanced", 1, 32), (torch.float16, "small", 2, 64),
     (torch.float32, "high", 1, 48),
 ])
-def test_rotated_same_bytes_and_values_as_the_cpu(dtype, quality, blocks, head_dim):
+def test_rotated_same_bytes_and_values_as_the_cpu(dtype, quality, blocks, head_dim, monkeypatch):
     """A calibration's rotation (one full block, or one per head; blocks wider than the
     kernel's tiles and sizes that are not multiples of them): the device's rotated rows,
-    statistics, levels and inverse rotation give the CPU's bytes and values."""
+    statistics, levels and inverse rotation give the CPU's bytes and values; blocks of 32 to 128
+    channels through the matrix-unit kernels (kernels/fixed_rotation_matmul), the others through
+    the float64 product."""
     from cachegen_cli.kernels import fixed_rotation_matmul as fm
     from cachegen_cli.methods import calibration as calib
 
     block = 2 * head_dim // blocks
-    assert fm.supports(block) == (block % 32 == 0), "the matrix-unit kernels take these blocks"
+    calls = []
+    for name in ("rotate_rows", "unrotate_values"):
+        real = getattr(fm, name)
+        monkeypatch.setattr(fm, name, lambda *a, _real=real, _name=name: (calls.append(_name), _real(*a))[1])
 
     sample = realistic_kv(layers=2, tokens=30, heads=2, head_dim=head_dim, dtype=torch.float32, seed=11)
     cal = calib.fit([sample.reshape(2, 2, 30, 2 * head_dim)], blocks=blocks)
@@ -87,6 +92,9 @@ def test_rotated_same_bytes_and_values_as_the_cpu(dtype, quality, blocks, head_d
     blob = _check(kv, quality, chunk_tokens=8, calibration=cal)
     h, _, _, _ = codec.read_header_and_index(codec.open_input(blob)[0])
     assert h.rotated and h.params.calibration == cal.sha256
+    matmul = block % 32 == 0 and fm.runs_on(transform_resident.device())
+    assert fm.supports(block) == (block % 32 == 0)
+    assert sorted(set(calls)) == (["rotate_rows", "unrotate_values"] if matmul else [])
 
 
 @pytest.mark.parametrize("dtype, quality, style, rotary_dim, blocks", [

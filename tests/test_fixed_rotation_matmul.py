@@ -1,0 +1,110 @@
+"""kernels/fixed_rotation_matmul.py: the matrix-unit kernels give the integers of
+kernels/fixed_rotation.py exactly (hence the CPU's bits), at the bounds of their digits too.
+Here under Triton's interpreter on CPU tensors (tests/conftest.py); tests/test_device_pipeline.py
+runs them through the pipeline, on the GPU when there is one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cachegen_cli.kernels import fixed_rotation as fx
+from cachegen_cli.kernels import fixed_rotation_matmul as fm
+
+pytestmark = pytest.mark.skipif(not (fm.triton is not None and fm.runs_on(torch.device("cpu"))),
+                                reason="needs Triton's interpreter (TRITON_INTERPRET=1 with the simulator)")
+
+
+def _rotation(rng, L, H, D, scale=1.0):
+    out = np.empty((L, 2, H, D, D), np.float32)
+    for i in np.ndindex(L, 2, H):
+        out[i] = np.linalg.qr(rng.standard_normal((D, D)))[0] * scale
+    return out
+
+
+def _rows(rng, L, T, C, dtype):
+    spread = np.exp(rng.standard_normal(C) * 2).astype(np.float32)
+    x = torch.from_numpy((rng.standard_normal((L, 2, T, C)) * spread).astype(np.float32)).to(dtype)
+    return x
+
+
+@pytest.mark.parametrize("L, T, H, D, S, dtype, seed", [
+    (2, 70, 2, 32, 3, torch.float32, 1), (1, 130, 1, 64, 0, torch.bfloat16, 2), (1, 40, 4, 32, 5, torch.bfloat16, 3),
+])
+def test_encoder_rows_are_the_cpu_bits(L, T, H, D, S, dtype, seed):
+    rng = np.random.default_rng(seed)
+    C = H * D
+    x = _rows(rng, L, T, C, dtype)
+    x[0, 0, S + 2] = 0  # a row of zeros
+    x[0, 1, S + 4, :] = x[0, 1, S + 4, :] * 0 + 1.0  # every value at the row's top: X = 2^20 - ...
+    x[0, 1, S + 4, 0] = -1.9999  # |X| at 2^20 after rounding: the top digit at its bound
+    if dtype == torch.float32:
+        x[0, 1, S + 6, 3] = 1e-40  # a subnormal row
+        x[0, 1, S + 6, 4:] = 0
+    rint = torch.from_numpy(fx.fixed_matrix(_rotation(rng, L, H, D), False))
+    rint[0, 0, 0, 0, :] = 2.0 ** 14  # the largest entries the format allows: r1 = 64
+    rint[0, 0, 0, 1, :] = -(2.0 ** 14)
+    want = np.zeros((L, 2, T, C), np.float32)
+    fx.rotate_rows(x.to(torch.float32).numpy(), rint, S, want)
+    got = torch.full((L, 2, T, C), 7.0)
+    fm.rotate_rows(x.view(torch.int16) if dtype == torch.bfloat16 else x, fm.rotation_digits(rint), S, got)
+    assert np.array_equal(got.numpy()[:, :, S:].view(np.int32), want[:, :, S:].view(np.int32))
+    assert (got[:, :, :S] == 7.0).all(), "rows before t_first are not written"
+
+
+@pytest.mark.parametrize("bf16_out", [False, True])
+def test_decoder_values_are_the_cpu_bits_at_the_levels_bounds(bf16_out):
+    rng = np.random.default_rng(7)
+    L, T, H, D, S = 2, 67, 2, 32, 2
+    C = H * D
+    n = 256  # 8 refinement bits: q' = q + (j - 127) / 256, j in 0..255
+    q = rng.integers(-127, 128, (L, 2, T, C)) + (rng.integers(0, n, (L, 2, T, C)) - n / 2 + 1) / n
+    q[..., :3] = 127.5  # the largest refined level: 256 q' = 32640
+    q[..., 3:5] = -127.5 + 1 / n  # the smallest
+    z = q.astype(np.float32)
+    rot = _rotation(rng, L, H, D)
+    rint_t = torch.from_numpy(fx.fixed_matrix(rot, True))
+    rint_t[1, 1, 1, :, 0] = 2.0 ** 14
+    steps = torch.tensor(rng.uniform(0.01, 3, (L, 2)), dtype=torch.float32).to(torch.bfloat16).to(torch.float64)
+    steps[0, 0] = 3.0e38  # a step near the top: the values saturate
+    offsets = torch.tensor(rng.standard_normal((L, 2, C)), dtype=torch.float32).to(torch.bfloat16).float().numpy()
+    b = np.empty((L, 2, C))
+    fx.offset_sums(offsets, rint_t.numpy(), b)
+    want = np.zeros_like(z)
+    fx.unrotate_values(z, rint_t, steps.numpy(), b, S, want)
+    out = torch.full((L, 2, T, C), 5, dtype=torch.int16 if bf16_out else torch.float32)
+    fm.unrotate_values(torch.from_numpy(z), fm.rotation_digits(rint_t), fm.column_sums(rint_t), steps,
+                       torch.from_numpy(b), S, out)
+    assert np.isfinite(want).all()
+    if bf16_out:
+        lim = float(torch.finfo(torch.bfloat16).max)
+        ref = torch.from_numpy(want).clamp(-lim, lim).to(torch.bfloat16).view(torch.int16)
+        assert torch.equal(out[:, :, S:], ref[:, :, S:])
+        assert (out[0, 0, S:].view(torch.bfloat16).float().abs() == lim).any(), "some values saturate"
+    else:
+        assert np.array_equal(out.numpy()[:, :, S:].view(np.int32), want[:, :, S:].view(np.int32))
+    assert (out[:, :, :S] == 5).all()
+
+
+def test_digits_rebuild_the_integers():
+    rint = torch.arange(-(2 ** 14), 2 ** 14 + 1, dtype=torch.float64).reshape(1, 1, 1, 1, -1)[..., :32 * 32]
+    rint = rint.reshape(1, 1, 1, 32, 32)
+    d = fm.rotation_digits(rint).to(torch.int64)
+    assert torch.equal(d[0] + 256 * d[1], rint.to(torch.int64))
+    assert d[1].abs().max() <= 64
+
+
+def test_blocks_the_kernels_take_and_the_switch():
+    assert fm.supports(32) and fm.supports(128) and fm.supports(96)
+    assert not fm.supports(16) and not fm.supports(40) and not fm.supports(1024)  # 1024: cuBLAS float64 is faster
+    with pytest.raises(ValueError, match="blocks"):
+        fm.rotate_rows(torch.zeros(1, 2, 4, 16), torch.zeros(2, 1, 2, 1, 16, 16, dtype=torch.int8), 0,
+                       torch.zeros(1, 2, 4, 16))
+
+
+def test_the_switch_turns_them_off(monkeypatch):
+    monkeypatch.setenv("CACHEGEN_ROTATION_MATMUL", "0")
+    assert not fm.runs_on(torch.device("cpu"))
+    monkeypatch.setenv("CACHEGEN_ROTATION_MATMUL", "1")
+    assert fm.runs_on(torch.device("cpu")) and not fm.runs_on(torch.device("cuda"))
