@@ -35,6 +35,8 @@ if not hasattr(np, "row_stack"):
 
 from numba import cuda  # noqa: E402
 
+from .launch import jit_kernel  # noqa: E402  (cuda.jit for kernels, with the lean launcher)
+
 from .cdf import codes_to_cum, counts_to_codes  # noqa: E402
 from .quantize import (  # noqa: E402
     bf16_bits_nearest,
@@ -119,7 +121,7 @@ def _load(x, l, kv, t, c, fmt):
     return float_from_bits16(x[l, kv, t, c], fmt)
 
 
-@cuda.jit
+@jit_kernel
 def _quantize_kernel(x, fmt, maxq, scales, symbols):
     row = cuda.blockIdx.x
     tid = cuda.threadIdx.x
@@ -150,7 +152,7 @@ def quantize(x, maxq, scales, symbols, stream=0):
     )
 
 
-@cuda.jit
+@jit_kernel
 def _dequantize_kernel(symbols, scales, maxq, out):
     row = cuda.blockIdx.x
     tid = cuda.threadIdx.x
@@ -180,7 +182,7 @@ def quantize_bits(xbits, fmt, maxq, scales, symbols, stream=0):
     )
 
 
-@cuda.jit
+@jit_kernel
 def _dequantize_bf16_kernel(symbols, scales, maxq, out_bits):
     row = cuda.blockIdx.x
     tid = cuda.threadIdx.x
@@ -209,7 +211,7 @@ def dequantize_bf16(symbols, scales, maxq, out_bits, stream=0):
 # ---------------------------------------------------------------- statistics
 
 
-@cuda.jit
+@jit_kernel
 def _histogram_kernel(symbols, chunk_tokens, counts):
     i = cuda.grid(1)
     K, L, _, C, S = counts.shape
@@ -233,7 +235,7 @@ def histogram(symbols, chunk_tokens, counts, stream=0):
     _histogram_kernel[_grid(n), BLOCK, stream](as_device(symbols), np.int64(chunk_tokens), as_device(counts))
 
 
-@cuda.jit
+@jit_kernel
 def _build_cdf_kernel(counts, maxq, codes, cum):
     i = cuda.grid(1)
     K, L, _, C, S = counts.shape
@@ -253,7 +255,7 @@ def build_cdf(counts, maxq, codes, cum, stream=0):
     _build_cdf_kernel[_grid(n), BLOCK, stream](as_device(counts), as_device(maxq), as_device(codes), as_device(cum))
 
 
-@cuda.jit
+@jit_kernel
 def _cum_from_codes_kernel(codes, maxq, cum):
     i = cuda.grid(1)
     K, L, _, C, S = codes.shape
@@ -281,7 +283,7 @@ def _stats_kernel(width: int):
     kernel = _STATS_KERNELS.get(width)
     if kernel is None:
 
-        @cuda.jit
+        @jit_kernel
         def kernel(symbols, chunk_tokens, maxq, codes, cum):
             hist = cuda.shared.array((STATS_THREADS, width), np.int32)
             tid = cuda.threadIdx.x
@@ -355,7 +357,7 @@ def _coder_kernels(threads: int, group: int, width: int):
     step = max(threads, 1)
     cols = width | 1
 
-    @cuda.jit
+    @jit_kernel
     def encode_kernel(symbols, cum, chunk_tokens, slots, lengths):
         tables = cuda.shared.array((rows, cols), np.uint16)
         s = cuda.grid(1)
@@ -373,7 +375,7 @@ def _coder_kernels(threads: int, group: int, width: int):
         else:
             lengths[s] = encode_stream(symbols[l, kv], t0, t1, c0, c1, cum[k, l, kv], c0, 1, slots[s])
 
-    @cuda.jit
+    @jit_kernel
     def decode_kernel(payload, offsets, lengths, cum, maxq, chunk_tokens, symbols):
         tables = cuda.shared.array((rows, cols), np.uint16)
         s = cuda.grid(1)
@@ -410,7 +412,7 @@ def encode_streams(symbols, cum, chunk_tokens, group, slots, lengths, stream=0):
     )
 
 
-@cuda.jit
+@jit_kernel
 def _pack_streams_kernel(slots, lengths, offsets, payload):
     s = cuda.grid(1)
     if s >= lengths.shape[0]:
@@ -449,7 +451,7 @@ from .crc import CRC_SLICES, CRC_TABLE, crc32_combine, crc32_range  # noqa: E402
 CRC_SEGMENT_BYTES = 16384
 
 
-@cuda.jit
+@jit_kernel
 def _crc_segments_kernel(data, seg_start, seg_len, out):
     table = cuda.shared.array(256, np.int64)
     for i in range(cuda.threadIdx.x, 256, cuda.blockDim.x):
@@ -460,7 +462,7 @@ def _crc_segments_kernel(data, seg_start, seg_len, out):
         out[i] = crc32_range(data, seg_start[i], seg_len[i], table)
 
 
-@cuda.jit
+@jit_kernel
 def _crc_combine_kernel(seg_crc, seg_len, rec_first, rec_count, out):
     k = cuda.grid(1)
     if k >= rec_first.shape[0]:
@@ -602,7 +604,7 @@ def _pair_value(w, half, fmt):
 QUANT_ROWS = 8  # rows (warps) per block of quantize_pairs
 
 
-@cuda.jit
+@jit_kernel
 def _quantize_pairs_kernel(words, fmt, maxq, scales, pairs):
     L, _, T, C2 = words.shape
     warp = cuda.threadIdx.x // 32
@@ -637,7 +639,7 @@ def _quantize_pairs_kernel(words, fmt, maxq, scales, pairs):
         pairs[l, kv, t, i] = p
 
 
-@cuda.jit
+@jit_kernel
 def _quantize_quads_kernel(words, fmt, maxq, scales, quads):
     L, _, T, C4 = words.shape
     warp = cuda.threadIdx.x // 32
@@ -735,7 +737,7 @@ def _stats_packed_kernel(width: int, shared: bool):
         return kernel
     rows = STATS_THREADS if shared else 1
 
-    @cuda.jit
+    @jit_kernel
     def kernel(symbols, chunk_tokens, maxq, plane_off, codes_at, packed, counts):
         hist = cuda.shared.array((rows, width), np.int32)
         tid = cuda.threadIdx.x
@@ -972,7 +974,7 @@ CODER_REGISTERS = int(_os.environ.get("CACHEGEN_CUDA_CODER_REGISTERS", "0") or 0
 
 
 def _coder_jit(fn):
-    return cuda.jit(max_registers=CODER_REGISTERS)(fn) if CODER_REGISTERS else cuda.jit(fn)
+    return jit_kernel(max_registers=CODER_REGISTERS)(fn) if CODER_REGISTERS else jit_kernel(fn)
 
 
 def _packed_coders(threads: int, group: int, width: int):
@@ -1182,7 +1184,7 @@ def decode_values(blob, lens, incl, payload_at, codes_at, plane_off, maxq, steps
 # ---------------------------------------------------------------- record fields read from / written to the bytes
 
 
-@cuda.jit
+@jit_kernel
 def _prepare_kernel(blob, lengths_at, per, lens, scales_at, chunk_tokens, maxq, steps, chunk_bad):
     # Threads [0, n) read the streams' lengths, the others the tokens' scales: one launch.
     i = cuda.grid(1)
@@ -1226,7 +1228,7 @@ def prepare_decode(blob, lengths_at, per, lens, scales_at, chunk_tokens, maxq, s
 CHUNK_HEADER_BYTES = 40
 
 
-@cuda.jit
+@jit_kernel
 def _assemble_kernel(out, rec_at, heads, scales, packed, cdf_size, lengths, per, chunk_tokens, slots, incl, delta,
                      rest_blocks):
     # Chunk k = blockIdx.y.  Block columns x < 2L copy plane x's scales (whole 16-bit words);
@@ -1339,7 +1341,7 @@ def _crc_span(data, words, aligned, start, n, slices):
     return c ^ 0xFFFFFFFF
 
 
-@cuda.jit
+@jit_kernel
 def _crc_chunks_kernel(data, words, aligned, rec_at, rec_len, seg_first, out):
     slices = cuda.shared.array((8, 256), np.uint32)
     _fill_crc_slices(slices)
@@ -1406,7 +1408,7 @@ def crc32_chunks(data, words, rec_at, rec_len, seg_first, out, total_segments, s
     )
 
 
-@cuda.jit
+@jit_kernel
 def _put_crc_kernel(out, rec_at, crc):
     i = cuda.grid(1)
     if i >= 4 * rec_at.shape[0]:

@@ -50,6 +50,7 @@ import math
 
 import numpy as np
 
+from .launch import jit_kernel
 from .cuda import BLOCK, SIM, _bits_f32, _bits_f64, _block_max, _crc_span, _f32_bits, _fast_div, _fill_crc_slices, _grid, _placeholder, as_device, cuda  # noqa: F401
 from .cdf import codes_to_cum, counts_to_codes
 from .coding_params import MASK32, PROB_BITS, PROB_TOTAL, RANGE_INIT, RANGE_TOP
@@ -76,9 +77,9 @@ REG_CAPS.update({k: int(v) for k, v in (item.split("=") for item in
 
 
 def _jit(role: str):
-    """cuda.jit with the register cap REG_CAPS gives ``role`` (none by default)."""
+    """``jit_kernel`` (kernels/launch.py) with the register cap REG_CAPS gives ``role`` (none by default)."""
     cap = REG_CAPS.get(role)
-    return cuda.jit(max_registers=cap) if cap and not SIM else cuda.jit
+    return jit_kernel(max_registers=cap) if cap and not SIM else jit_kernel
 
 from .range_coder import _add_carry, flush_stream
 from .tables import COST_ONE, SHARE_SPAN, STAT_EMPTY, choose_table, table_bytes
@@ -206,7 +207,7 @@ def _word_thread(i, K, CW):
 def _make_nonfinite(nvals, bits):
     vmask = (1 << bits) - 1
 
-    @cuda.jit
+    @jit_kernel
     def kernel(wf, per_layer, emask, flags):
         # thread i reads words i, i + n, i + 2n, ... (n threads): coalesced, several loads in
         # flight per thread
@@ -311,7 +312,7 @@ def _make_rotate(TM, TN, TK, RM, RN, wide, flat=True):
             src += [f"        d = d0 + tx + {NX * j}", "        if d < D:", f"            y[l, kv, t, base + d] = {value}"]
     env = {"cuda": cuda, "np": np, "TM": TM, "TN": TN, "TK": TK, "NX": NX, "NY": NY, "NT": NT}
     exec(compile("\n".join(src), f"<rotate {TM}x{TN}x{TK}/{RM}x{RN}>", "exec"), env)
-    return cuda.jit(env["kernel"]), NT
+    return jit_kernel(env["kernel"]), NT
 
 
 def rotate_blocks(x, rot, t_first, y, stream=0):
@@ -354,7 +355,7 @@ def _make_fixed_rows(bf16):
             return (np.int64(w) & 0xFFFF) << 16
         return _f32_bits(w)
 
-    @cuda.jit
+    @jit_kernel
     def kernel(x, t_first, X, e):
         # one block per row: blockIdx (token, plane); its threads stride over the channels, the
         # largest magnitude's bits reduced in shared memory (integers: any order), then each
@@ -391,7 +392,7 @@ def fixed_rows(x, t_first, X, e, stream=0):
     kern[(n, L * 2), FIXED_ROW_THREADS, stream](as_device(x), np.int64(t_first), as_device(X), as_device(e))
 
 
-@cuda.jit
+@jit_kernel
 def _fixed_rows_out_kernel(Y, e, t_first, y):
     # blockIdx (token, plane), threads over the channels: no index division
     C = Y.shape[3]
@@ -410,7 +411,7 @@ def fixed_rows_out(Y, e, t_first, y, stream=0):
                                                                  as_device(y))
 
 
-@cuda.jit
+@jit_kernel
 def _offset_sums_kernel(offsets, rint_t, b):
     # one thread per output (l, kv, h D + i), its sum over j in order; adjacent threads read
     # adjacent words of the transposed blocks
@@ -445,7 +446,7 @@ def _make_fixed_values(bf16):
     and saturating (docs/format.md's cast, as rope.store_values on the CPU): one pass, no float32
     copy to cast."""
 
-    @cuda.jit
+    @jit_kernel
     def kernel(A, steps, b, t_first, out):
         # blockIdx (token, plane), threads over the channels
         C = A.shape[3]
@@ -486,7 +487,7 @@ def _value_mask(B):
 def _make_stats_partial(V, B):
     vmask = _value_mask(B)
 
-    @cuda.jit
+    @jit_kernel
     def kernel(wf, L, T, CW, fmt, sink, part1, part2):
         i = cuda.grid(1)
         NB = part1.shape[2]
@@ -522,7 +523,7 @@ def _make_stats_partial(V, B):
     return kernel
 
 
-@cuda.jit
+@jit_kernel
 def _stats_reduce_kernel(part1, part2, sums, sumsq):
     i = cuda.grid(1)
     L, _, NB, C = part1.shape
@@ -585,7 +586,7 @@ def _pairwise(a, n):
                             cuda.local.array(64, np.int64), cuda.local.array(64, np.float64))
 
 
-@cuda.jit
+@jit_kernel
 def _plane_steps_kernel(sums, sumsq, n, bf16_max, rel, obits, offs, sbits, steps, resid, bad):
     p = cuda.grid(1)
     L, _, C = sums.shape
@@ -817,7 +818,7 @@ def _levels(lossless, words, itemsize, fmt, sink, offsets, steps, threshold, t_r
 # ---------------------------------------------------------------- tables
 
 
-@cuda.jit
+@jit_kernel
 def _choose_kernel(stats, allow_delta, num_tokens, modes, lo, alphabet):
     i = cuda.grid(1)
     L, _, K, C, _ = stats.shape
@@ -857,7 +858,7 @@ def choose_tables(stats, allow_delta, num_tokens, modes, lo, alphabet, stream=0)
 def _make_histogram(V):
     HL = 32 // V  # threads across a tile of 32 channels
 
-    @cuda.jit
+    @jit_kernel
     def kernel(qf, L, T, CW, lob, dmb, chunk_tokens, counts):
         hist = cuda.shared.array((32, HIST_ROW), np.int32)
         K = (T + chunk_tokens - 1) // chunk_tokens
@@ -926,7 +927,7 @@ def histogram(q, lob, dmb, chunk_tokens, counts, stream=0):
                                                         np.int64(chunk_tokens), as_device(counts))
 
 
-@cuda.jit
+@jit_kernel
 def _symbol_bytes_kernel(lo, modes, lob, dmb):
     i = cuda.grid(1)
     L, _, C = lo.shape
@@ -948,7 +949,7 @@ def symbol_bytes(lo, modes, lob, dmb, stream=0):
                                                           as_device(dmb))
 
 
-@cuda.jit
+@jit_kernel
 def _build_kernel(counts, alphabet, codes, cum):
     i = cuda.grid(1)
     L, _, C, _ = counts.shape
@@ -995,7 +996,7 @@ else:
         return v
 
 
-@cuda.jit
+@jit_kernel
 def _share_kernel(counts, lo, alphabet, modes, cum, cost, shared, ref):
     scratch = cuda.shared.array(32, np.int64)
     L, _, C = alphabet.shape
@@ -1039,7 +1040,7 @@ def share_tables(counts, lo, alphabet, modes, cum, cost, shared, ref, stream=0):
                                          as_device(cum), as_device(cost), as_device(shared), as_device(ref))
 
 
-@cuda.jit
+@jit_kernel
 def _coder_table_kernel(cum, ref, lo, alphabet, tab, lo_eff, alphabet_eff, lut):
     i = cuda.grid(1)
     L, _, C, W = tab.shape
@@ -1501,7 +1502,7 @@ def decode_streams(blob, blob64, starts, lens, tab, lut, chunk_tokens, group, sy
 # ---------------------------------------------------------------- the file's sections
 
 
-@cuda.jit
+@jit_kernel
 def _tables_kernel(out, at, excl, shared, modes, lo, alphabet, codes):
     e = cuda.grid(1)
     L, _, C = alphabet.shape
@@ -1537,7 +1538,7 @@ def write_tables(out, at, excl, shared, modes, lo, alphabet, codes, stream=0):
                                        as_device(modes), as_device(lo), as_device(alphabet), as_device(codes))
 
 
-@cuda.jit
+@jit_kernel
 def _lengths_payload_kernel(out, payload_at, lengths_at, lengths, excl, per, slots):
     # A warp per stream: lane 0 writes the u16 length, all lanes copy the stream's bytes.
     s = cuda.grid(1) // LANES
@@ -1581,7 +1582,7 @@ def _chunk_of(i, first):
     return lo_k
 
 
-@cuda.jit
+@jit_kernel
 def _raw_kernel(out, raw_at, raw_first, chunk_tokens, refine_start, bits, ref, L, T, C):
     i = cuda.grid(1)
     K = raw_first.shape[0] - 1
@@ -1611,7 +1612,7 @@ def _raw_kernel(out, raw_at, raw_first, chunk_tokens, refine_start, bits, ref, L
 def _make_low_bytes(V, B):
     vmask = (1 << B) - 1
 
-    @cuda.jit
+    @jit_kernel
     def kernel(out, raw_at, wf, T, CW, chunk_tokens, nraw):
         # a block per (layer, K/V, token) row: its index arithmetic once, V values per thread
         row = cuda.blockIdx.x
@@ -1651,7 +1652,7 @@ def write_raw(out, raw_at, raw_first, chunk_tokens, refine_start, bits, ref, wor
                                         as_device(ref), np.int64(L), np.int64(T), np.int64(CW * V))
 
 
-@cuda.jit
+@jit_kernel
 def _span_crc_kernel(data, words, aligned, start, size, segment, acc):
     slices = cuda.shared.array((8, 256), np.uint32)
     _fill_crc_slices(slices)
@@ -1667,7 +1668,7 @@ def _span_crc_kernel(data, words, aligned, start, size, segment, acc):
     cuda.atomic.xor(acc, 0, c)
 
 
-@cuda.jit
+@jit_kernel
 def _header_crc_kernel(out, acc, crc_head, size, at):
     if cuda.grid(1) != 0:
         return
@@ -1692,7 +1693,7 @@ def put_header_crc(out, words, start, size, crc_head, at, acc, stream=0):
     _header_crc_kernel[1, 1, stream](as_device(out), as_device(acc), np.int64(crc_head), np.int64(size), np.int64(at))
 
 
-@cuda.jit
+@jit_kernel
 def _span_crc_value_kernel(acc, crc_head, size, value):
     if cuda.grid(1) != 0:
         return
@@ -1847,7 +1848,7 @@ _sincos_rn = _rope.make_sincos(_mul_rn)
 _unturn_rn, _turn_rn = _rope.make_pair_ops(_mul_rn)
 
 
-@cuda.jit
+@jit_kernel
 def _turn_keys_kernel(x, L, T, C, inv_freq, rows, F, style, rotary_dim, head_dim, pos0, t_first, sink, forward):
     """One thread per (layer, token, pair): the pair's angle once, then the pair in every head."""
     i = cuda.grid(1)

@@ -1,7 +1,7 @@
 """kernels/fixed_rotation_matmul.py: the matrix-unit kernels give the integers of
 kernels/fixed_rotation.py exactly (hence the CPU's bits), at the bounds of their digits too.
-Here under Triton's interpreter on CPU tensors (tests/conftest.py); tests/test_device_pipeline.py
-runs them through the pipeline, on the GPU when there is one."""
+Here on the GPU, or under Triton's interpreter on CPU tensors (tests/conftest.py, with numba's
+simulator); tests/test_device_pipeline.py runs them through the pipeline."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ import torch
 from cachegen_cli.kernels import fixed_rotation as fx
 from cachegen_cli.kernels import fixed_rotation_matmul as fm
 
-pytestmark = pytest.mark.skipif(not (fm.triton is not None and fm.runs_on(torch.device("cpu"))),
-                                reason="needs Triton's interpreter (TRITON_INTERPRET=1 with the simulator)")
+#: where the kernels run: the GPU, or the CPU under Triton's interpreter
+DEV = next((torch.device(d) for d in ("cuda", "cpu") if (d == "cpu" or torch.cuda.is_available())
+            and fm.runs_on(torch.device(d))), None)
+pytestmark = pytest.mark.skipif(DEV is None, reason="needs Triton: a GPU, or its interpreter (TRITON_INTERPRET=1)")
 
 
 def _rotation(rng, L, H, D, scale=1.0):
@@ -47,8 +49,10 @@ def test_encoder_rows_are_the_cpu_bits(L, T, H, D, S, dtype, seed):
     rint[0, 0, 0, 1, :] = -(2.0 ** 14)
     want = np.zeros((L, 2, T, C), np.float32)
     fx.rotate_rows(x.to(torch.float32).numpy(), rint, S, want)
-    got = torch.full((L, 2, T, C), 7.0)
-    fm.rotate_rows(x.view(torch.int16) if dtype == torch.bfloat16 else x, fm.rotation_digits(rint), S, got)
+    got = torch.full((L, 2, T, C), 7.0, device=DEV)
+    xin = (x.view(torch.int16) if dtype == torch.bfloat16 else x).to(DEV)
+    fm.rotate_rows(xin, fm.rotation_digits(rint.to(DEV)), S, got)
+    got = got.cpu()
     assert np.array_equal(got.numpy()[:, :, S:].view(np.int32), want[:, :, S:].view(np.int32))
     assert (got[:, :, :S] == 7.0).all(), "rows before t_first are not written"
 
@@ -73,9 +77,11 @@ def test_decoder_values_are_the_cpu_bits_at_the_levels_bounds(bf16_out):
     fx.offset_sums(offsets, rint_t.numpy(), b)
     want = np.zeros_like(z)
     fx.unrotate_values(z, rint_t, steps.numpy(), b, S, want)
-    out = torch.full((L, 2, T, C), 5, dtype=torch.int16 if bf16_out else torch.float32)
-    fm.unrotate_values(torch.from_numpy(z), fm.rotation_digits(rint_t), fm.column_sums(rint_t), steps,
-                       torch.from_numpy(b), S, out)
+    out = torch.full((L, 2, T, C), 5, dtype=torch.int16 if bf16_out else torch.float32, device=DEV)
+    rt = rint_t.to(DEV)
+    fm.unrotate_values(torch.from_numpy(z).to(DEV), fm.rotation_digits(rt), fm.column_sums(rt), steps.to(DEV),
+                       torch.from_numpy(b).to(DEV), S, out)
+    out = out.cpu()
     assert np.isfinite(want).all()
     if bf16_out:
         lim = float(torch.finfo(torch.bfloat16).max)
@@ -99,12 +105,13 @@ def test_blocks_the_kernels_take_and_the_switch():
     assert fm.supports(32) and fm.supports(128) and fm.supports(96)
     assert not fm.supports(16) and not fm.supports(40) and not fm.supports(1024)  # 1024: cuBLAS float64 is faster
     with pytest.raises(ValueError, match="blocks"):
-        fm.rotate_rows(torch.zeros(1, 2, 4, 16), torch.zeros(2, 1, 2, 1, 16, 16, dtype=torch.int8), 0,
-                       torch.zeros(1, 2, 4, 16))
+        fm.rotate_rows(torch.zeros(1, 2, 4, 16, device=DEV), torch.zeros(2, 1, 2, 1, 16, 16, dtype=torch.int8,
+                       device=DEV), 0, torch.zeros(1, 2, 4, 16, device=DEV))
 
 
 def test_the_switch_turns_them_off(monkeypatch):
     monkeypatch.setenv("CACHEGEN_ROTATION_MATMUL", "0")
-    assert not fm.runs_on(torch.device("cpu"))
+    assert not fm.runs_on(DEV)
     monkeypatch.setenv("CACHEGEN_ROTATION_MATMUL", "1")
-    assert fm.runs_on(torch.device("cpu")) and not fm.runs_on(torch.device("cuda"))
+    other = torch.device("cuda" if DEV.type == "cpu" else "cpu")
+    assert fm.runs_on(DEV) and not fm.runs_on(other)
