@@ -52,12 +52,13 @@ except ImportError:  # pragma: no cover - depends on the environment
 _F32_MAX = 3.4028234663852886e38
 
 #: Each direction's launch: rows per program, warps per program, software-pipelining depth,
-#: and channels per tile (0: the largest power of two up to 128 dividing the block), the
+#: channels per tile (0: the largest power of two up to 128 dividing the block) and whether
+#: each diagonal block gets programs of its own (split; else a program walks its rows' blocks), the
 #: fastest of a sweep on an H200 (benchmarks/profile_fixed_rotation.py --sweep, 2026-12-02,
 #: 8 blocks of 128: encode 3.77 ms, decode 4.15 ms for 32 x 2 x 8192 x 1024 values;
 #: docs/results/2026-12-02d_fixed_rotation_2c02488.txt).  Dicts, so that the sweep can set them.
-ENCODE_LAUNCH = {"rows": 128, "warps": 8, "stages": 2, "tile": 0}
-DECODE_LAUNCH = {"rows": 64, "warps": 4, "stages": 2, "tile": 0}
+ENCODE_LAUNCH = {"rows": 128, "warps": 8, "stages": 2, "tile": 0, "split": 0}
+DECODE_LAUNCH = {"rows": 64, "warps": 4, "stages": 2, "tile": 0, "split": 0}
 #: The blocks the kernels take: MIN_BLOCK channels at least (the matrix units' tiles), and at most
 #: MAX_BLOCK: one full 1024-channel block ran slower than cuBLAS's float64 product on the H200
 #: (25.0 / 22.6 ms against 21.9 / 22.0 ms, the same sweep), which then stays the way.
@@ -121,9 +122,12 @@ if triton is not None:
     def _rotate_rows_kernel(x_ptr, r_ptr, y_ptr, T, n, t_first, plane_digits,
                             C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                             BN: tl.constexpr, BK: tl.constexpr, BF16_WORDS: tl.constexpr,
-                            XB: tl.constexpr, RB: tl.constexpr):
+                            XB: tl.constexpr, RB: tl.constexpr, SPLIT: tl.constexpr):
         pid_m = tl.program_id(0)
         p = tl.program_id(1)
+        # SPLIT: one program per diagonal block (grid axis 2), else each program walks them all
+        h_first = tl.program_id(2) if SPLIT else 0
+        h_end = h_first + 1 if SPLIT else H
         rows = pid_m * BM + tl.arange(0, BM)
         live = rows < n
         row_at = (p.to(tl.int64) * T + t_first + rows) * C
@@ -144,7 +148,7 @@ if triton is not None:
         back = ((1023 - XB - RB + e).to(tl.int64) << 52).to(tl.float64, bitcast=True)
         big = 6755399441055744.0  # 1.5 x 2^52: (v + big) - big rounds v to an integer, ties to even
         ns = tl.arange(0, BN)
-        for h in range(H):
+        for h in range(h_first, h_end):
             for n0 in range(0, D, BN):
                 acc = tl.zeros([BM, BN], dtype=tl.int64)
                 for k0 in range(0, D, BK):
@@ -177,9 +181,11 @@ if triton is not None:
     def _unrotate_values_kernel(z_ptr, r_ptr, sums_ptr, steps_ptr, b_ptr, out_ptr, T, n, t_first,
                                 plane_digits, C: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
                                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                                BF16_OUT: tl.constexpr, F32_MAX: tl.constexpr):
+                                BF16_OUT: tl.constexpr, F32_MAX: tl.constexpr, SPLIT: tl.constexpr):
         pid_m = tl.program_id(0)
         p = tl.program_id(1)
+        h_first = tl.program_id(2) if SPLIT else 0
+        h_end = h_first + 1 if SPLIT else H
         rows = pid_m * BM + tl.arange(0, BM)
         live = rows < n
         row_at = (p.to(tl.int64) * T + t_first + rows) * C
@@ -187,7 +193,7 @@ if triton is not None:
         ns = tl.arange(0, BN)
         # A x 256 x s 2^-14 / 256: the step times 2^-22 (exact: a power of two)
         unit = tl.load(steps_ptr + p) * 2.384185791015625e-07
-        for h in range(H):
+        for h in range(h_first, h_end):
             for n0 in range(0, D, BN):
                 cols = h * D + n0 + ns
                 acc = tl.load(sums_ptr + p * C + cols)[None, :] + tl.zeros([BM, BN], dtype=tl.int64)
@@ -243,10 +249,10 @@ def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Te
         return
     go = ENCODE_LAUNCH
     tile = _tile(D, go["tile"])
-    grid = (triton.cdiv(n, go["rows"]), L * K)
+    grid = (triton.cdiv(n, go["rows"]), L * K, H if go["split"] else 1)
     _rotate_rows_kernel[grid](x, digits, y, T, n, t_first, digits[0].numel(), C=C, H=H, D=D, BM=go["rows"],
                               BN=tile, BK=tile, BF16_WORDS=x.dtype == torch.int16, XB=X_BITS, RB=R_BITS,
-                              num_warps=go["warps"], num_stages=go["stages"])
+                              SPLIT=bool(go["split"]), num_warps=go["warps"], num_stages=go["stages"])
 
 
 def unrotate_values(z: torch.Tensor, digits_t: torch.Tensor, sums: torch.Tensor, steps: torch.Tensor,
@@ -266,11 +272,11 @@ def unrotate_values(z: torch.Tensor, digits_t: torch.Tensor, sums: torch.Tensor,
         return
     go = DECODE_LAUNCH
     tile = _tile(D, go["tile"])
-    grid = (triton.cdiv(n, go["rows"]), L * K)
+    grid = (triton.cdiv(n, go["rows"]), L * K, H if go["split"] else 1)
     steps = steps.to(torch.float64).contiguous()
     b = b.to(torch.float64).contiguous()
     _unrotate_values_kernel[grid](z, digits_t, sums, steps, b, out, T, n, t_first, digits_t[0].numel(), C=C, H=H,
                                   D=D, BM=go["rows"], BN=tile, BK=tile, BF16_OUT=out.dtype == torch.int16,
-                                  F32_MAX=_F32_MAX, num_warps=go["warps"], num_stages=go["stages"])
+                                  F32_MAX=_F32_MAX, SPLIT=bool(go["split"]), num_warps=go["warps"], num_stages=go["stages"])
 
 
