@@ -87,6 +87,22 @@ def round_even(v):
     return (v + big) - big
 
 
+@register_jitable
+def _fixed_row(bits, dst):
+    """dst = round(x 2^(X_BITS - e)) for the float32 row whose bits are ``bits``; returns e."""
+    top = np.uint32(0)
+    for c in range(bits.shape[0]):
+        a = bits[c] & np.uint32(0x7FFFFFFF)
+        if a > top:
+            top = a
+    ex = row_exponent(top)
+    scale = math.ldexp(1.0, int(X_BITS - ex))
+    row = bits.view(np.float32)
+    for c in range(bits.shape[0]):
+        dst[c] = round_even(np.float64(row[c]) * scale)
+    return ex
+
+
 @njit(parallel=True, **_JIT)
 def fixed_rows(x, t_first, X, e):
     """X[l, kv, t - t_first, c] = round(x[l, kv, t, c] 2^(X_BITS - e)) and e[l, kv, t - t_first]
@@ -97,19 +113,24 @@ def fixed_rows(x, t_first, X, e):
         l = job // (K * n)
         kv = (job // n) % K
         t = job % n
-        bits = x[l, kv, t_first + t].view(np.uint32)
-        top = np.uint32(0)
+        e[l, kv, t] = _fixed_row(x[l, kv, t_first + t].view(np.uint32), X[l, kv, t])
+
+
+@njit(parallel=True, **_JIT)
+def fixed_rows_bf16(w, t_first, X, e):
+    """fixed_rows of a bfloat16 cache given as its uint16 words (widened exactly row by row: no
+    float32 copy of the cache)."""
+    L, K, T, C = w.shape
+    n = T - t_first
+    for job in prange(L * K * n):
+        l = job // (K * n)
+        kv = (job // n) % K
+        t = job % n
+        src = w[l, kv, t_first + t]
+        bits = np.empty(C, np.uint32)
         for c in range(C):
-            a = bits[c] & np.uint32(0x7FFFFFFF)
-            if a > top:
-                top = a
-        ex = row_exponent(top)
-        scale = math.ldexp(1.0, int(X_BITS - ex))
-        row = x[l, kv, t_first + t]
-        dst = X[l, kv, t]
-        for c in range(C):
-            dst[c] = round_even(np.float64(row[c]) * scale)
-        e[l, kv, t] = ex
+            bits[c] = np.uint32(src[c]) << np.uint32(16)
+        e[l, kv, t] = _fixed_row(bits, X[l, kv, t])
 
 
 @njit(parallel=True, **_JIT)
@@ -211,8 +232,8 @@ def block_product(X, rint, out=None):
 
 def rotate_rows(x, rint, t_first, y):
     """y[:, :, t] = the fixed-point rotation of x[:, :, t] (fixed_rows, block_product,
-    fixed_rows_out) for t >= t_first; x, y float32 [L, 2, T, C] numpy; rint: torch float64
-    [L, 2, H, D, D] (fixed_matrix)."""
+    fixed_rows_out) for t >= t_first; x float32, or a bfloat16 cache's uint16 words, and y
+    float32, [L, 2, T, C] numpy; rint: torch float64 [L, 2, H, D, D] (fixed_matrix)."""
     import torch
 
     L, _, T, C = x.shape
@@ -223,9 +244,10 @@ def rotate_rows(x, rint, t_first, y):
     Y = np.empty_like(X)
     e = np.empty((1, 1, n), np.int32)
     Xt, Yt = torch.from_numpy(X), torch.from_numpy(Y)
+    rows = fixed_rows_bf16 if x.dtype == np.uint16 else fixed_rows
     for l in range(L):
         for kv in range(2):
-            fixed_rows(x[l : l + 1, kv : kv + 1], t_first, X, e)
+            rows(x[l : l + 1, kv : kv + 1], t_first, X, e)
             block_product(Xt, rint[l : l + 1, kv : kv + 1], Yt)
             fixed_rows_out(Y, e, t_first, y[l : l + 1, kv : kv + 1])
 

@@ -503,9 +503,8 @@ def fixed_rotate(enc: "_SlabEncoder", src: np.ndarray, shift: int, own: bool) ->
     (rotate_rows reads each plane before it writes it)."""
     L, _, Ts, C = src.shape
     if shift == 16:
-        x = enc._empty("fixed_x", (L, 2, Ts, C), np.float32)
-        rope_kernels.widen_bf16(src, x.view(np.uint32))
-        own = True
+        x = src  # the bfloat16 words, widened row by row in fixed_rows_bf16
+        own = False
     else:
         x = src.view(np.float32)
     y = x if own else enc._empty("fixed_y", (L, 2, Ts, C), np.float32)
