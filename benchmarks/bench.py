@@ -67,7 +67,8 @@ def median_time(fn, repeats: int, sync=None) -> float:
     return statistics.median(times)
 
 
-def gpu_event_time(fn, repeats: int) -> float:
+def gpu_event_times(fn, repeats: int) -> list[float]:
+    """Seconds of each of ``repeats`` calls of fn after a warm-up one, timed by CUDA events."""
     fn()
     torch.cuda.synchronize()
     times = []
@@ -78,7 +79,11 @@ def gpu_event_time(fn, repeats: int) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return times
+
+
+def gpu_event_time(fn, repeats: int) -> float:
+    return statistics.median(gpu_event_times(fn, repeats))
 
 
 def copy_bandwidth() -> float:

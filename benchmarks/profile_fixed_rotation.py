@@ -15,27 +15,25 @@ import argparse
 import itertools
 import statistics
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import torch
 
-from cachegen_cli.kernels import cuda_pipeline as k
-from cachegen_cli.kernels import fixed_rotation as fx
-from cachegen_cli.kernels import fixed_rotation_matmul as fm
-from cachegen_cli.pipeline.transform_resident import _nb
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench import gpu_event_times  # noqa: E402
+
+from cachegen_cli.kernels import cuda_pipeline as k  # noqa: E402
+from cachegen_cli.kernels import fixed_rotation as fx  # noqa: E402
+from cachegen_cli.kernels import fixed_rotation_matmul as fm  # noqa: E402
+from cachegen_cli.pipeline.transform_resident import _nb  # noqa: E402
 
 
 def timed_ms(fn, repeats: int) -> tuple[float, float, float]:
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b))
-    return statistics.median(out), min(out), max(out)
+    """Median, min and max milliseconds of fn (bench.gpu_event_times)."""
+    ms = [t * 1e3 for t in gpu_event_times(fn, repeats)]
+    return statistics.median(ms), min(ms), max(ms)
 
 
 def main() -> None:

@@ -119,28 +119,48 @@ def column_sums(rint_t: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
+    def _program_rows(T, n, t_first, C: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr):
+        """This program's plane, rows (t - t_first), which are live, their first words' offsets,
+        and its diagonal blocks [h_first, h_end): with SPLIT one per program (grid axis 2), else
+        every block of its rows."""
+        p = tl.program_id(1)
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        row_at = (p.to(tl.int64) * T + t_first + rows) * C
+        h_first = tl.program_id(2) if SPLIT else 0
+        h_end = h_first + 1 if SPLIT else H
+        return p, rows < n, row_at, h_first, h_end
+
+    @triton.jit
+    def _load_values(x_ptr, at, live, BF16_WORDS: tl.constexpr):
+        """float32 values at offsets ``at`` of the live rows (0 elsewhere): float32 words, or
+        bfloat16 words widened exactly."""
+        if BF16_WORDS:
+            w = tl.load(x_ptr + at, mask=live[:, None], other=0).to(tl.int32)
+            v = ((w & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        else:
+            v = tl.load(x_ptr + at, mask=live[:, None], other=0.0)
+        return v
+
+    @triton.jit
+    def _digit_tiles(r_ptr, plane_digits, p, h, k0, n0, H: tl.constexpr, D: tl.constexpr, BK: tl.constexpr,
+                     BN: tl.constexpr):
+        """The [BK, BN] tiles of digits r0 and r1 of block h of plane p, from row k0, column n0."""
+        r_at = (((p.to(tl.int64) * H + h) * D + k0 + tl.arange(0, BK))[:, None] * D
+                + (n0 + tl.arange(0, BN))[None, :])
+        return tl.load(r_ptr + r_at), tl.load(r_ptr + plane_digits + r_at)
+
+    @triton.jit
     def _rotate_rows_kernel(x_ptr, r_ptr, y_ptr, T, n, t_first, plane_digits,
                             C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                             BN: tl.constexpr, BK: tl.constexpr, BF16_WORDS: tl.constexpr,
                             XB: tl.constexpr, RB: tl.constexpr, SPLIT: tl.constexpr):
-        pid_m = tl.program_id(0)
-        p = tl.program_id(1)
-        # SPLIT: one program per diagonal block (grid axis 2), else each program walks them all
-        h_first = tl.program_id(2) if SPLIT else 0
-        h_end = h_first + 1 if SPLIT else H
-        rows = pid_m * BM + tl.arange(0, BM)
-        live = rows < n
-        row_at = (p.to(tl.int64) * T + t_first + rows) * C
+        p, live, row_at, h_first, h_end = _program_rows(T, n, t_first, C, H, BM, SPLIT)
         ks = tl.arange(0, BK)
         # the rows' largest magnitudes (their float32 bits), over every channel
         top = tl.zeros([BM], dtype=tl.int32)
         for c0 in range(0, C, BK):
-            at = row_at[:, None] + (c0 + ks)[None, :]
-            if BF16_WORDS:
-                w = tl.load(x_ptr + at, mask=live[:, None], other=0).to(tl.int32)
-                bits = (w & 0xFFFF) << 16
-            else:
-                bits = tl.load(x_ptr + at, mask=live[:, None], other=0.0).to(tl.int32, bitcast=True)
+            bits = _load_values(x_ptr, row_at[:, None] + (c0 + ks)[None, :], live, BF16_WORDS).to(tl.int32,
+                                                                                                  bitcast=True)
             top = tl.maximum(top, tl.max(bits & 0x7FFFFFFF, axis=1))
         e = ((top >> 23) & 0xFF) - 126  # max |x| < 2^e (fixed_rotation.row_exponent)
         # 2^(XB - e) and 2^(e - XB - RB), both normal float64: made from their exponent fields
@@ -152,20 +172,13 @@ if triton is not None:
             for n0 in range(0, D, BN):
                 acc = tl.zeros([BM, BN], dtype=tl.int64)
                 for k0 in range(0, D, BK):
-                    at = row_at[:, None] + (h * D + k0 + ks)[None, :]
-                    if BF16_WORDS:
-                        w = tl.load(x_ptr + at, mask=live[:, None], other=0).to(tl.int32)
-                        v = ((w & 0xFFFF) << 16).to(tl.float32, bitcast=True)
-                    else:
-                        v = tl.load(x_ptr + at, mask=live[:, None], other=0.0)
+                    v = _load_values(x_ptr, row_at[:, None] + (h * D + k0 + ks)[None, :], live, BF16_WORDS)
                     X = ((v.to(tl.float64) * scale[:, None] + big) - big).to(tl.int32)
                     d0 = ((X + 64) & 127) - 64
                     X = (X - d0) >> 7
                     d1 = ((X + 64) & 127) - 64
                     d2 = (X - d1) >> 7
-                    r_at = ((p.to(tl.int64) * H + h) * D + k0 + ks)[:, None] * D + (n0 + ns)[None, :]
-                    r0 = tl.load(r_ptr + r_at)
-                    r1 = tl.load(r_ptr + plane_digits + r_at)
+                    r0, r1 = _digit_tiles(r_ptr, plane_digits, p, h, k0, n0, H, D, BK, BN)
                     a0 = d0.to(tl.int8)
                     a1 = d1.to(tl.int8)
                     a2 = d2.to(tl.int8)
@@ -182,13 +195,7 @@ if triton is not None:
                                 plane_digits, C: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
                                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                                 BF16_OUT: tl.constexpr, F32_MAX: tl.constexpr, SPLIT: tl.constexpr):
-        pid_m = tl.program_id(0)
-        p = tl.program_id(1)
-        h_first = tl.program_id(2) if SPLIT else 0
-        h_end = h_first + 1 if SPLIT else H
-        rows = pid_m * BM + tl.arange(0, BM)
-        live = rows < n
-        row_at = (p.to(tl.int64) * T + t_first + rows) * C
+        p, live, row_at, h_first, h_end = _program_rows(T, n, t_first, C, H, BM, SPLIT)
         ks = tl.arange(0, BK)
         ns = tl.arange(0, BN)
         # A x 256 x s 2^-14 / 256: the step times 2^-22 (exact: a power of two)
@@ -198,14 +205,11 @@ if triton is not None:
                 cols = h * D + n0 + ns
                 acc = tl.load(sums_ptr + p * C + cols)[None, :] + tl.zeros([BM, BN], dtype=tl.int64)
                 for k0 in range(0, D, BK):
-                    at = row_at[:, None] + (h * D + k0 + ks)[None, :]
-                    q = tl.load(z_ptr + at, mask=live[:, None], other=0.0)
+                    q = _load_values(z_ptr, row_at[:, None] + (h * D + k0 + ks)[None, :], live, False)
                     Q = (q * 256.0).to(tl.int32) - 1
                     g0 = ((Q + 128) & 255) - 128
                     g1 = (Q - g0) >> 8
-                    r_at = ((p.to(tl.int64) * H + h) * D + k0 + ks)[:, None] * D + (n0 + ns)[None, :]
-                    r0 = tl.load(r_ptr + r_at)
-                    r1 = tl.load(r_ptr + plane_digits + r_at)
+                    r0, r1 = _digit_tiles(r_ptr, plane_digits, p, h, k0, n0, H, D, BK, BN)
                     a0 = g0.to(tl.int8)
                     a1 = g1.to(tl.int8)
                     lo = tl.dot(a0, r0, out_dtype=tl.int32) + (

@@ -187,7 +187,13 @@ def _config(grid, block):
     return c
 
 
-def _core_launch(stream, config, func, *fields):
-    from cuda.core import launch
+_LAUNCH = []
 
-    launch(stream, config, func, *fields)
+
+def _core_launch(stream, config, func, *fields):
+    """cuda.core's launch (imported on the first launch, not on every one)."""
+    if not _LAUNCH:
+        from cuda.core import launch
+
+        _LAUNCH.append(launch)
+    _LAUNCH[0](stream, config, func, *fields)
