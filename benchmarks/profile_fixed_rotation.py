@@ -87,7 +87,7 @@ def main() -> None:
         med, lo, hi = timed_ms(fn, a.repeats)
         print(f"{name:28s} {med:7.2f} ms ({lo:.2f}-{hi:.2f})  {nbytes / med / 1e6:6.1f} GB/s of bf16", flush=True)
     default = tuple(fm.ENCODE_LAUNCH.values()), tuple(fm.DECODE_LAUNCH.values())
-    configs = [default] if not a.sweep else [(c, c) for c in itertools.product((64, 128), (4, 8), (2, 3), (0, 64), (0, 1))]
+    configs = [default] if not a.sweep else [(c, c) for c in itertools.product((32, 64, 128), (4, 8), (2, 3), (32, 64, 128), (0,))]
     if a.configs:  # "rows,warps,stages,tile,split;..." for both directions
         configs = [(c, c) for c in (tuple(int(v) for v in item.split(",")) for item in a.configs.split(";"))]
     for enc_cfg, dec_cfg in configs:

@@ -12,16 +12,22 @@ digit product sums exactly in int32 (Triton's ``tl.dot`` on int8 -> int32 runs o
 units), and the digits' sums combine exactly in int64: the same integers, hence the same bits
 as the CPU's float64 product, read once and written once.
 
-Digits (all balanced, each an int8):
-  X  (|X| <= 2^20)          X = d0 + 2^7 d1 + 2^14 d2,      d0, d1 in [-64, 63], d2 in [-64, 64]
-  Rint (|R| <= 2^14)        R = r0 + 2^8 r1,                r0 in [-128, 127],   r1 in [-64, 64]
-  Q = 256 q' - 1            Q = g0 + 2^8 g1,                g0 in [-128, 127],   g1 in [-128, 127]
+Digits (all balanced, each an int8, base 2^8):
+  X  (|X| <= 2^20)          X = d0 + 2^8 d1 + 2^16 d2,      d0, d1 in [-128, 127], d2 in [-16, 16]
+  Rint (|R| <= 2^14)        R = r0 + 2^8 r1,                r0 in [-128, 127],     r1 in [-64, 64]
+  Q = 256 q' - 1            Q = g0 + 2^8 g1,                g0 in [-128, 127],     g1 in [-128, 127]
     (q' in [-127.5 + 1/256, 127.5]: 256 q' in [-32639, 32640]; the 1 taken off is added back
      as the column sums of Rint, so that no digit reaches 128)
 
-Bounds: a (digit, digit) product sums over a tile of BK <= 128 channels within 2^14 x 2^7, so
-every tile's int32 combination below stays under 2^31; the int64 sums stay under 2^50 (X) and
-2^37 x 256 (q'): exact in float64, as docs/format.md requires.
+Bounds: the products of one weight are chained on the matrix units into one int32 accumulator
+over the whole block of D channels: encoding, P0 = d0.r0 (|P0| <= D 2^14), P8 = d0.r1 + d1.r0
+(<= D (2^13 + 2^14)), P16 = d1.r1 + d2.r0 (<= D (2^13 + 2^11)), P24 = d2.r1 (<= D 2^10);
+decoding, P0 = g0.r0, P8 = g0.r1 + g1.r0, P16 = g1.r1 (<= D 2^13): inside int32 for any block
+up to 2^16 channels.  Their weighted sum P0 + 2^8 P8 + 2^16 P16 + 2^24 P24, made once per output
+in int64, is the exact product, under D 2^34 (X) and D 2^29 (Q): exact in float64 too (D <
+2^19), as docs/format.md requires.
+Four (three) accumulators of int32 rather than the six partial products and an int64 sum keep
+a program's registers within the GPU's 255 a thread (the first version spilled: ncu, 2026-12-02).
 
 Who does what: one program per (BM rows, plane); it reads its rows' largest magnitudes first
 (encoder), then for each diagonal block and BN outputs walks the block's channels BK at a time:
@@ -150,6 +156,13 @@ if triton is not None:
         return tl.load(r_ptr + r_at), tl.load(r_ptr + plane_digits + r_at)
 
     @triton.jit
+    def _nearest_integer(t):
+        """round(t) ties to even, as int32, for float32 |t| <= 2^22: t + 1.5 x 2^23 has the
+        exponent of 2^23, so its low mantissa bits are the rounded integer (no conversion
+        instruction, which the GPU issues at a quarter of its float rate)."""
+        return (t + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+
+    @triton.jit
     def _rotate_rows_kernel(x_ptr, r_ptr, y_ptr, T, n, t_first, plane_digits,
                             C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                             BN: tl.constexpr, BK: tl.constexpr, BF16_WORDS: tl.constexpr,
@@ -163,29 +176,38 @@ if triton is not None:
                                                                                                   bitcast=True)
             top = tl.maximum(top, tl.max(bits & 0x7FFFFFFF, axis=1))
         e = ((top >> 23) & 0xFF) - 126  # max |x| < 2^e (fixed_rotation.row_exponent)
-        # 2^(XB - e) and 2^(e - XB - RB), both normal float64: made from their exponent fields
-        scale = ((1023 + XB - e).to(tl.int64) << 52).to(tl.float64, bitcast=True)
+        # 2^(XB - e) as two float32 powers of two (each normal: XB - e is in [-108, 146]), so that
+        # v x scale_a x scale_b is exact in float32 (a product that would lose bits underflows,
+        # and then rounds to the integer 0 either way); 2^(e - XB - RB), normal in float64
+        sa = (XB - e) >> 1
+        scale_a = ((127 + sa) << 23).to(tl.float32, bitcast=True)
+        scale_b = ((127 + XB - e - sa) << 23).to(tl.float32, bitcast=True)
         back = ((1023 - XB - RB + e).to(tl.int64) << 52).to(tl.float64, bitcast=True)
-        big = 6755399441055744.0  # 1.5 x 2^52: (v + big) - big rounds v to an integer, ties to even
         ns = tl.arange(0, BN)
         for h in range(h_first, h_end):
             for n0 in range(0, D, BN):
-                acc = tl.zeros([BM, BN], dtype=tl.int64)
+                # the digits' products summed by their weight 2^0, 2^8, 2^16, 2^24 (exact in
+                # int32 over a whole block of at most 128 channels: see the module's bounds)
+                p0 = tl.zeros([BM, BN], dtype=tl.int32)
+                p8 = tl.zeros([BM, BN], dtype=tl.int32)
+                p16 = tl.zeros([BM, BN], dtype=tl.int32)
+                p24 = tl.zeros([BM, BN], dtype=tl.int32)
                 for k0 in range(0, D, BK):
                     v = _load_values(x_ptr, row_at[:, None] + (h * D + k0 + ks)[None, :], live, BF16_WORDS)
-                    X = ((v.to(tl.float64) * scale[:, None] + big) - big).to(tl.int32)
-                    d0 = ((X + 64) & 127) - 64
-                    X = (X - d0) >> 7
-                    d1 = ((X + 64) & 127) - 64
-                    d2 = (X - d1) >> 7
-                    r0, r1 = _digit_tiles(r_ptr, plane_digits, p, h, k0, n0, H, D, BK, BN)
+                    X = _nearest_integer((v * scale_a[:, None]) * scale_b[:, None])
+                    d0 = ((X + 128) & 255) - 128
+                    X = (X - d0) >> 8
+                    d1 = ((X + 128) & 255) - 128
+                    a2 = ((X - d1) >> 8).to(tl.int8)
                     a0 = d0.to(tl.int8)
                     a1 = d1.to(tl.int8)
-                    a2 = d2.to(tl.int8)
-                    s0 = tl.dot(a0, r0, out_dtype=tl.int32) + (tl.dot(a0, r1, out_dtype=tl.int32) << 8)
-                    s1 = tl.dot(a1, r0, out_dtype=tl.int32) + (tl.dot(a1, r1, out_dtype=tl.int32) << 8)
-                    s2 = tl.dot(a2, r0, out_dtype=tl.int32) + (tl.dot(a2, r1, out_dtype=tl.int32) << 8)
-                    acc += s0.to(tl.int64) + (s1.to(tl.int64) << 7) + (s2.to(tl.int64) << 14)
+                    r0, r1 = _digit_tiles(r_ptr, plane_digits, p, h, k0, n0, H, D, BK, BN)
+                    p0 = tl.dot(a0, r0, p0)
+                    p8 = tl.dot(a1, r0, tl.dot(a0, r1, p8))
+                    p16 = tl.dot(a2, r0, tl.dot(a1, r1, p16))
+                    p24 = tl.dot(a2, r1, p24)
+                acc = (p0.to(tl.int64) + (p8.to(tl.int64) << 8) + (p16.to(tl.int64) << 16)
+                       + (p24.to(tl.int64) << 24))
                 y = (acc.to(tl.float64) * back[:, None]).to(tl.float32)
                 out_at = row_at[:, None] + (h * D + n0 + ns)[None, :]
                 tl.store(y_ptr + out_at, y, mask=live[:, None])
@@ -203,19 +225,21 @@ if triton is not None:
         for h in range(h_first, h_end):
             for n0 in range(0, D, BN):
                 cols = h * D + n0 + ns
-                acc = tl.load(sums_ptr + p * C + cols)[None, :] + tl.zeros([BM, BN], dtype=tl.int64)
+                p0 = tl.zeros([BM, BN], dtype=tl.int32)
+                p8 = tl.zeros([BM, BN], dtype=tl.int32)
+                p16 = tl.zeros([BM, BN], dtype=tl.int32)
                 for k0 in range(0, D, BK):
                     q = _load_values(z_ptr, row_at[:, None] + (h * D + k0 + ks)[None, :], live, False)
-                    Q = (q * 256.0).to(tl.int32) - 1
+                    Q = _nearest_integer(q * 256.0) - 1  # exact: 256 q' is an integer
                     g0 = ((Q + 128) & 255) - 128
-                    g1 = (Q - g0) >> 8
-                    r0, r1 = _digit_tiles(r_ptr, plane_digits, p, h, k0, n0, H, D, BK, BN)
+                    a1 = ((Q - g0) >> 8).to(tl.int8)
                     a0 = g0.to(tl.int8)
-                    a1 = g1.to(tl.int8)
-                    lo = tl.dot(a0, r0, out_dtype=tl.int32) + (
-                        (tl.dot(a0, r1, out_dtype=tl.int32) + tl.dot(a1, r0, out_dtype=tl.int32)) << 8)
-                    hi = tl.dot(a1, r1, out_dtype=tl.int32)
-                    acc += lo.to(tl.int64) + (hi.to(tl.int64) << 16)
+                    r0, r1 = _digit_tiles(r_ptr, plane_digits, p, h, k0, n0, H, D, BK, BN)
+                    p0 = tl.dot(a0, r0, p0)
+                    p8 = tl.dot(a1, r0, tl.dot(a0, r1, p8))
+                    p16 = tl.dot(a1, r1, p16)
+                acc = (tl.load(sums_ptr + p * C + cols)[None, :] + p0.to(tl.int64) + (p8.to(tl.int64) << 8)
+                       + (p16.to(tl.int64) << 16))
                 b = tl.load(b_ptr + p * C + cols)
                 v = acc.to(tl.float64) * unit + b[None, :]
                 v = tl.minimum(tl.maximum(v, -F32_MAX), F32_MAX).to(tl.float32)
@@ -255,7 +279,7 @@ def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Te
     tile = _tile(D, go["tile"])
     grid = (triton.cdiv(n, go["rows"]), L * K, H if go["split"] else 1)
     _rotate_rows_kernel[grid](x, digits, y, T, n, t_first, digits[0].numel(), C=C, H=H, D=D, BM=go["rows"],
-                              BN=tile, BK=tile, BF16_WORDS=x.dtype == torch.int16, XB=X_BITS, RB=R_BITS,
+                              BN=tile, BK=_tile(D, 0), BF16_WORDS=x.dtype == torch.int16, XB=X_BITS, RB=R_BITS,
                               SPLIT=bool(go["split"]), num_warps=go["warps"], num_stages=go["stages"])
 
 
@@ -280,7 +304,7 @@ def unrotate_values(z: torch.Tensor, digits_t: torch.Tensor, sums: torch.Tensor,
     steps = steps.to(torch.float64).contiguous()
     b = b.to(torch.float64).contiguous()
     _unrotate_values_kernel[grid](z, digits_t, sums, steps, b, out, T, n, t_first, digits_t[0].numel(), C=C, H=H,
-                                  D=D, BM=go["rows"], BN=tile, BK=tile, BF16_OUT=out.dtype == torch.int16,
+                                  D=D, BM=go["rows"], BN=tile, BK=_tile(D, 0), BF16_OUT=out.dtype == torch.int16,
                                   F32_MAX=_F32_MAX, SPLIT=bool(go["split"]), num_warps=go["warps"], num_stages=go["stages"])
 
 
