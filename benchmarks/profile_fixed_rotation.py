@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--configs", default="", help='"rows,warps,stages,tile,split;..." (both directions)')
+    ap.add_argument("--configs", default="", help='"rows,warps,stages,tile,depth,split;..." (both directions)')
     a = ap.parse_args()
     L, C, H, T, S = 32, 1024, a.blocks, a.tokens, 1
     D = C // H
@@ -87,13 +87,13 @@ def main() -> None:
         med, lo, hi = timed_ms(fn, a.repeats)
         print(f"{name:28s} {med:7.2f} ms ({lo:.2f}-{hi:.2f})  {nbytes / med / 1e6:6.1f} GB/s of bf16", flush=True)
     default = tuple(fm.ENCODE_LAUNCH.values()), tuple(fm.DECODE_LAUNCH.values())
-    configs = [default] if not a.sweep else [(c, c) for c in itertools.product((32, 64, 128), (4, 8), (2, 3), (32, 64, 128), (0,))]
-    if a.configs:  # "rows,warps,stages,tile,split;..." for both directions
+    configs = [default] if not a.sweep else [(c, c) for c in itertools.product((32, 64, 128), (4, 8), (2,), (32, 64), (32, 64), (0,))]
+    if a.configs:  # "rows,warps,stages,tile,depth,split;..." for both directions
         configs = [(c, c) for c in (tuple(int(v) for v in item.split(",")) for item in a.configs.split(";"))]
     for enc_cfg, dec_cfg in configs:
-        names = ("rows", "warps", "stages", "tile", "split")
+        names = ("rows", "warps", "stages", "tile", "depth", "split")
         fm.ENCODE_LAUNCH, fm.DECODE_LAUNCH = dict(zip(names, enc_cfg)), dict(zip(names, dec_cfg))
-        label = f"encode {enc_cfg} decode {dec_cfg}" if enc_cfg != dec_cfg else f"rows/warps/stages/tile/split {enc_cfg}"
+        label = f"encode {enc_cfg} decode {dec_cfg}" if enc_cfg != dec_cfg else f"rows/warps/stages/tile/depth/split {enc_cfg}"
         try:
             y.fill_(1.0)
             out.fill_(7)

@@ -63,8 +63,8 @@ _F32_MAX = 3.4028234663852886e38
 #: fastest of a sweep on an H200 (benchmarks/profile_fixed_rotation.py --sweep, 2026-12-02,
 #: 8 blocks of 128: encode 3.77 ms, decode 4.15 ms for 32 x 2 x 8192 x 1024 values;
 #: docs/results/2026-12-02d_fixed_rotation_2c02488.txt).  Dicts, so that the sweep can set them.
-ENCODE_LAUNCH = {"rows": 128, "warps": 8, "stages": 2, "tile": 0, "split": 0}
-DECODE_LAUNCH = {"rows": 64, "warps": 4, "stages": 2, "tile": 0, "split": 0}
+ENCODE_LAUNCH = {"rows": 64, "warps": 4, "stages": 2, "tile": 64, "depth": 64, "split": 0}
+DECODE_LAUNCH = {"rows": 64, "warps": 4, "stages": 2, "tile": 64, "depth": 64, "split": 0}
 #: The blocks the kernels take: MIN_BLOCK channels at least (the matrix units' tiles), and at most
 #: MAX_BLOCK: one full 1024-channel block ran slower than cuBLAS's float64 product on the H200
 #: (25.0 / 22.6 ms against 21.9 / 22.0 ms, the same sweep), which then stays the way.
@@ -202,10 +202,10 @@ if triton is not None:
                     a0 = d0.to(tl.int8)
                     a1 = d1.to(tl.int8)
                     r0, r1 = _digit_tiles(r_ptr, plane_digits, p, h, k0, n0, H, D, BK, BN)
-                    p0 = tl.dot(a0, r0, p0)
-                    p8 = tl.dot(a1, r0, tl.dot(a0, r1, p8))
-                    p16 = tl.dot(a2, r0, tl.dot(a1, r1, p16))
-                    p24 = tl.dot(a2, r1, p24)
+                    p0 = tl.dot(a0, r0, p0, out_dtype=tl.int32)
+                    p8 = tl.dot(a1, r0, tl.dot(a0, r1, p8, out_dtype=tl.int32), out_dtype=tl.int32)
+                    p16 = tl.dot(a2, r0, tl.dot(a1, r1, p16, out_dtype=tl.int32), out_dtype=tl.int32)
+                    p24 = tl.dot(a2, r1, p24, out_dtype=tl.int32)
                 acc = (p0.to(tl.int64) + (p8.to(tl.int64) << 8) + (p16.to(tl.int64) << 16)
                        + (p24.to(tl.int64) << 24))
                 y = (acc.to(tl.float64) * back[:, None]).to(tl.float32)
@@ -235,9 +235,9 @@ if triton is not None:
                     a1 = ((Q - g0) >> 8).to(tl.int8)
                     a0 = g0.to(tl.int8)
                     r0, r1 = _digit_tiles(r_ptr, plane_digits, p, h, k0, n0, H, D, BK, BN)
-                    p0 = tl.dot(a0, r0, p0)
-                    p8 = tl.dot(a1, r0, tl.dot(a0, r1, p8))
-                    p16 = tl.dot(a1, r1, p16)
+                    p0 = tl.dot(a0, r0, p0, out_dtype=tl.int32)
+                    p8 = tl.dot(a1, r0, tl.dot(a0, r1, p8, out_dtype=tl.int32), out_dtype=tl.int32)
+                    p16 = tl.dot(a1, r1, p16, out_dtype=tl.int32)
                 acc = (tl.load(sums_ptr + p * C + cols)[None, :] + p0.to(tl.int64) + (p8.to(tl.int64) << 8)
                        + (p16.to(tl.int64) << 16))
                 b = tl.load(b_ptr + p * C + cols)
@@ -279,7 +279,7 @@ def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Te
     tile = _tile(D, go["tile"])
     grid = (triton.cdiv(n, go["rows"]), L * K, H if go["split"] else 1)
     _rotate_rows_kernel[grid](x, digits, y, T, n, t_first, digits[0].numel(), C=C, H=H, D=D, BM=go["rows"],
-                              BN=tile, BK=_tile(D, 0), BF16_WORDS=x.dtype == torch.int16, XB=X_BITS, RB=R_BITS,
+                              BN=tile, BK=_tile(D, go["depth"]), BF16_WORDS=x.dtype == torch.int16, XB=X_BITS, RB=R_BITS,
                               SPLIT=bool(go["split"]), num_warps=go["warps"], num_stages=go["stages"])
 
 
@@ -304,7 +304,7 @@ def unrotate_values(z: torch.Tensor, digits_t: torch.Tensor, sums: torch.Tensor,
     steps = steps.to(torch.float64).contiguous()
     b = b.to(torch.float64).contiguous()
     _unrotate_values_kernel[grid](z, digits_t, sums, steps, b, out, T, n, t_first, digits_t[0].numel(), C=C, H=H,
-                                  D=D, BM=go["rows"], BN=tile, BK=_tile(D, 0), BF16_OUT=out.dtype == torch.int16,
+                                  D=D, BM=go["rows"], BN=tile, BK=_tile(D, go["depth"]), BF16_OUT=out.dtype == torch.int16,
                                   F32_MAX=_F32_MAX, SPLIT=bool(go["split"]), num_warps=go["warps"], num_stages=go["stages"])
 
 
