@@ -25,8 +25,9 @@ from . import jit_cache  # noqa: F401  (sets the cache folder before any @njit)
 
 import numpy as np
 from numba import njit, prange, types
-from numba.extending import overload
+from numba.extending import overload, register_jitable
 
+from . import allocation
 from .cdf import codes_to_cum, counts_to_codes
 from .coding_params import PROB_BITS
 from .cpu import _FAST, INTERLEAVE, _decode_plane_streams, _encode_plane_streams, _plane_index, build_lut
@@ -1041,3 +1042,28 @@ def plane_offsets_rms(sums, sumsq, n, bf16_max, offsets_bits, offsets, rms):
                 r = sumsq[l, kv, c] - 2.0 * m * sums[l, kv, c] + fn * m * m
                 resid[c] = 0.0 if r < 0.0 else r  # np.maximum(r, 0.0): a NaN stays NaN
             rms[l, kv] = np.sqrt(_pairwise_sum(resid, 0, C) / denom)
+
+
+@register_jitable
+def _mul_plain(x, y):
+    return x * y
+
+
+_log, _exp, _allocate = allocation.make(_mul_plain)
+
+
+@njit(**_JIT)
+def allocate_steps(rel, rms, sensitivity, strength, min_step, max_step, out):
+    """methods/transform.allocate's relative steps over flat float64 [P] planes into ``out``
+    (kernels/allocation.py: the GPU's bits)."""
+    P = rel.shape[0]
+    _allocate(rel, rms, sensitivity, strength, min_step, max_step, out, np.empty(P), np.empty(max(P, 1)),
+              np.empty(64, np.int64), np.empty(64, np.int64), np.zeros(64, np.int64), np.empty(64))
+
+
+@njit(**_JIT)
+def elementary(x, out_log, out_exp):
+    """kernels/allocation.py's log and exp of each x (for tests)."""
+    for i in range(x.shape[0]):
+        out_log[i] = _log(x[i])
+        out_exp[i] = _exp(x[i])

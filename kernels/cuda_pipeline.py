@@ -59,6 +59,7 @@ from .quantize import float_from_bits16
 from . import rope as _rope
 from . import fixed_rotation as _fx
 from . import transform as _tr
+from . import allocation as _allocation
 
 import os as _os
 
@@ -587,54 +588,96 @@ def _pairwise(a, n):
 
 
 @jit_kernel
-def _plane_steps_kernel(sums, sumsq, n, bf16_max, rel, obits, offs, sbits, steps, resid, bad):
-    p = cuda.grid(1)
+def _plane_offsets_kernel(sums, sumsq, n, bf16_max, obits, offs, resid, bad):
+    """One thread per (plane, channel): the channel's offset (its mean's bfloat16) and its
+    squared residuals around it."""
+    i = cuda.grid(1)
     L, _, C = sums.shape
-    if p >= L * 2:
+    if i >= L * 2 * C:
         return
+    c = i % C
+    p = i // C
     l = p // 2
     kv = p % 2
     fn = np.float64(n)
-    denom = np.float64(max(n * C, 1))
-    row = resid[l, kv]
-    for c in range(C):
-        s1 = sums[l, kv, c]
-        s2 = sumsq[l, kv, c]
-        if not (abs(s1) <= 1.7976931348623157e308 and abs(s2) <= 1.7976931348623157e308):
-            bad[0] = 1  # a NaN or an Inf among the values: the caller raises check_finite's error
-            s1 = 0.0
-            s2 = 0.0
-        mean = s1 / fn if n > 0 else 0.0
-        mean = min(max(mean, -bf16_max), bf16_max)
-        b = _bf16_nearest(np.float32(mean)) & 0xFFFF
-        obits[l, kv, c] = b
-        mf = _bits_f32(b << 16)
-        offs[l, kv, c] = mf
-        m = np.float64(mf)
-        r = (s2 - _mul_rn(2.0 * m, s1)) + _mul_rn(fn * m, m)
-        row[c] = 0.0 if r < 0.0 else r
-    rms = math.sqrt(_pairwise(row, C) / denom)
-    step = rel[l, kv] * rms
-    if not step > 1e-30:
-        step = 1.0
-    step = min(step, 3.0e38)
-    sb = _bf16_nearest(np.float32(step)) & 0xFFFF
-    sbits[l, kv] = sb
-    steps[l, kv] = np.float64(_bits_f32(sb << 16))
+    s1 = sums[l, kv, c]
+    s2 = sumsq[l, kv, c]
+    if not (abs(s1) <= 1.7976931348623157e308 and abs(s2) <= 1.7976931348623157e308):
+        bad[0] = 1  # a NaN or an Inf among the values: the caller raises check_finite's error
+        s1 = 0.0
+        s2 = 0.0
+    mean = s1 / fn if n > 0 else 0.0
+    mean = min(max(mean, -bf16_max), bf16_max)
+    b = _bf16_nearest(np.float32(mean)) & 0xFFFF
+    obits[l, kv, c] = b
+    mf = _bits_f32(b << 16)
+    offs[l, kv, c] = mf
+    m = np.float64(mf)
+    r = (s2 - _mul_rn(2.0 * m, s1)) + _mul_rn(fn * m, m)
+    resid[l, kv, c] = 0.0 if r < 0.0 else r
 
 
-def plane_steps(sums, sumsq, n, bf16_max, rel, obits, offs, sbits, steps, resid, bad, stream=0):
-    """methods/transform.step_params without a calibration's sensitivities, on the device:
-    from sums / sumsq [L, 2, C] (transform_stats) over n tokens and the relative steps rel
-    [L, 2], obits (int32 [L, 2, C]: the offsets' bfloat16 bits), offs (float32 [L, 2, C]: their
-    values), sbits (int32 [L, 2]) and steps (float64 [L, 2]); resid: float64 [L, 2, C] scratch;
-    bad[0] (int32, zeroed by the caller) = 1 when a sum is not finite.  One thread per plane."""
-    L = sums.shape[0]
+@jit_kernel
+def _plane_rms_kernel(resid, n, rms):
+    """One thread per plane: sqrt(sum of the residuals / (n C)), the sum in numpy's order."""
+    p = cuda.grid(1)
+    L, _, C = resid.shape
+    if p >= L * 2:
+        return
+    rms[p] = math.sqrt(_pairwise(resid[p // 2, p % 2], C) / np.float64(max(n * C, 1)))
+
+
+_log_rn, _exp_rn, _allocate_rn = _allocation.make(_mul_rn)
+
+
+@jit_kernel
+def _plane_steps_kernel(rel, sensitivity, allocated, strength, min_step, max_step, scratch, sbits, steps):
+    """One thread for every plane: the relative steps (allocated by a calibration's
+    sensitivities when ``allocated``: they need every plane's RMS), then the steps and their
+    bfloat16 bits.  scratch [4, P]: the RMS, then the allocation's logs, live logs, steps."""
+    if cuda.grid(1) != 0:
+        return
+    P = rel.shape[0]
+    rms = scratch[0]
+    relp = scratch[3]
+    if allocated:
+        _allocate_rn(rel, rms, sensitivity, strength, min_step, max_step, relp, scratch[1], scratch[2],
+                     cuda.local.array(64, np.int64), cuda.local.array(64, np.int64), cuda.local.array(64, np.int64),
+                     cuda.local.array(64, np.float64))
+    for p in range(P):
+        step = (relp[p] if allocated else rel[p]) * rms[p]
+        if not step > 1e-30:
+            step = 1.0
+        step = min(step, 3.0e38)
+        sb = _bf16_nearest(np.float32(step)) & 0xFFFF
+        sbits[p] = sb
+        steps[p] = np.float64(_bits_f32(sb << 16))
+
+
+def plane_steps(sums, sumsq, n, bf16_max, rel, obits, offs, sbits, steps, resid, scratch, bad, sensitivity=None,
+                allocation=(0.0, 0.0, 0.0), stream=0):
+    """methods/transform.step_params on the device: from sums / sumsq [L, 2, C] (transform_stats)
+    over n tokens and the relative steps rel [L, 2], obits (int32 [L, 2, C]: the offsets'
+    bfloat16 bits), offs (float32 [L, 2, C]: their values), sbits (int32 [L, 2]) and steps
+    (float64 [L, 2]); with ``sensitivity`` (float64 [L, 2], a calibration's) the relative steps
+    are allocated first (methods/transform.allocate; ``allocation`` = its (strength, MIN_STEP,
+    ALLOCATION_MAX_STEP)) with kernels/allocation.py's arithmetic, the CPU's.  resid: float64
+    [L, 2, C] and scratch: float64 [4, 2 L] scratch; bad[0] (int32, zeroed by the caller) = 1
+    when a sum is not finite.  Three launches: a thread per channel, per plane, then one."""
+    L, _, C = sums.shape
     if L == 0:
         return
-    _plane_steps_kernel[(*_cfg(2 * L), stream)](as_device(sums), as_device(sumsq), np.int64(n), np.float64(bf16_max),
-                                                as_device(rel), as_device(obits), as_device(offs), as_device(sbits),
-                                                as_device(steps), as_device(resid), as_device(bad))
+    _plane_offsets_kernel[(*_cfg(2 * L * C), stream)](as_device(sums), as_device(sumsq), np.int64(n),
+                                                      np.float64(bf16_max), as_device(obits), as_device(offs),
+                                                      as_device(resid), as_device(bad))
+    _plane_rms_kernel[(*_cfg(2 * L), stream)](as_device(resid), np.int64(n), as_device(scratch[0]))
+    allocated = sensitivity is not None
+    strength, min_step, max_step = allocation
+    _plane_steps_kernel[(1, 1, stream)](as_device(rel.reshape(-1)),
+                                        as_device((sensitivity if allocated else rel).reshape(-1)),
+                                        np.int64(allocated), np.float64(strength), np.float64(min_step),
+                                        np.float64(max_step), as_device(scratch), as_device(sbits.reshape(-1)),
+                                        as_device(steps.reshape(-1)))
 
 
 # ---------------------------------------------------------------- levels and their statistics

@@ -420,16 +420,18 @@ def test_header_crc_checked_on_the_device():
     assert torch.equal(_words(_device_decode(blob).reshape(kv.shape)), _words(cg.decode(blob, device="cpu")["kv"]))
 
 
-@pytest.mark.parametrize("C, n", [(5, 7), (129, 300), (520, 4096), (300, 1), (64, 0)])
-def test_plane_steps_kernel_is_step_params(C, n):
+@pytest.mark.parametrize("C, n, allocated", [(5, 7, False), (129, 300, True), (520, 4096, False), (300, 1, True),
+                                          (64, 0, False), (16, 50, True)])
+def test_plane_steps_kernel_is_step_params(C, n, allocated):
     """kernels/cuda_pipeline.plane_steps (the steps on the device) gives methods/transform.
     step_params' bits, also where the channel sum takes numpy's pairwise stack (C > 128), for
-    a mean past bfloat16's range, a plane without spread and no tokens; a sum that is not
-    finite is flagged."""
+    a mean past bfloat16's range, a plane without spread and no tokens, and with a calibration's
+    sensitivities (the allocation's logarithms and exponentials: kernels/allocation.py); a sum
+    that is not finite is flagged."""
     from cachegen_cli.methods import transform as tc
 
     rng = np.random.default_rng(C + n)
-    L = 2
+    L = 3 if allocated else 2
     mean = rng.standard_t(3, size=(L, 2, C)) * 10.0
     sums = mean * n + rng.normal(size=mean.shape)
     sumsq = mean ** 2 * n + np.abs(rng.normal(size=mean.shape)) * max(n, 1)
@@ -437,18 +439,24 @@ def test_plane_steps_kernel_is_step_params(C, n):
     sums[1, 1] = 0.0
     sumsq[1, 1] = 0.0
     rel = rng.random((L, 2))
-    want = tc.step_params(sums, sumsq, n, rel)
+    sens = np.exp(rng.normal(size=(L, 2)) * 3) if allocated else None
+    want = tc.step_params(sums, sumsq, n, rel, sens)
     obits = np.zeros((L, 2, C), np.int32)
     offs = np.zeros((L, 2, C), np.float32)
     sbits = np.zeros((L, 2), np.int32)
     steps = np.zeros((L, 2), np.float64)
     bad = np.zeros(1, np.int32)
-    cuda_pipeline.plane_steps(sums, sumsq, n, tc.BF16_MAX, rel, obits, offs, sbits, steps, np.zeros((L, 2, C)), bad)
+    alloc = (tc.ALLOCATION_STRENGTH, tc.MIN_STEP, tc.ALLOCATION_MAX_STEP)
+    cuda_pipeline.plane_steps(sums, sumsq, n, tc.BF16_MAX, rel, obits, offs, sbits, steps, np.zeros((L, 2, C)),
+                              np.zeros((4, 2 * L)), bad, sensitivity=sens, allocation=alloc)
     assert np.array_equal(obits.astype(np.uint16), want[0]) and np.array_equal(offs, want[1].astype(np.float32))
     assert np.array_equal(sbits.astype(np.uint16), want[2]) and np.array_equal(steps.view(np.int64), want[3].view(np.int64))
+    if allocated and n > 1:
+        assert len(set(want[3].reshape(-1).tolist())) > 2, "the allocation gave the planes different steps"
     assert bad[0] == 0
     sums[1, 0, C - 1] = np.inf
-    cuda_pipeline.plane_steps(sums, sumsq, n, tc.BF16_MAX, rel, obits, offs, sbits, steps, np.zeros((L, 2, C)), bad)
+    cuda_pipeline.plane_steps(sums, sumsq, n, tc.BF16_MAX, rel, obits, offs, sbits, steps, np.zeros((L, 2, C)),
+                              np.zeros((4, 2 * L)), bad, sensitivity=sens, allocation=alloc)
     assert bad[0] == 1
 
 

@@ -115,3 +115,42 @@ def test_the_switch_turns_them_off(monkeypatch):
     monkeypatch.setenv("CACHEGEN_ROTATION_MATMUL", "1")
     other = torch.device("cuda" if DEV.type == "cpu" else "cpu")
     assert fm.runs_on(DEV) and not fm.runs_on(other)
+
+
+@pytest.mark.parametrize("launch", [
+    {"rows": 32, "warps": 4, "stages": 2, "tile": 32, "depth": 32, "split": 0},  # 4 steps into each accumulator
+    {"rows": 64, "warps": 4, "stages": 1, "tile": 64, "depth": 32, "split": 1},
+    {"rows": 32, "warps": 8, "stages": 2, "tile": 128, "depth": 128, "split": 0},
+])
+def test_every_launch_shape_gives_the_same_bits(monkeypatch, launch):
+    """Steps over a block's channels accumulate into the same int32 sums, tiles of outputs and
+    split launches cover every value: the CPU's bits whatever the launch (the sweep's shapes)."""
+    monkeypatch.setattr(fm, "ENCODE_LAUNCH", launch)
+    monkeypatch.setattr(fm, "DECODE_LAUNCH", launch)
+    rng = np.random.default_rng(11)
+    L, T, H, D, S = 1, 45, 2, 128, 1
+    C = H * D
+    x = _rows(rng, L, T, C, torch.bfloat16)
+    x[0, 0, S, :] = 1.0  # every digit at its bound in one row
+    x[0, 0, S, ::3] = -1.9999
+    rot = _rotation(rng, L, H, D)
+    rint = torch.from_numpy(fx.fixed_matrix(rot, False))
+    want = np.zeros((L, 2, T, C), np.float32)
+    fx.rotate_rows(x.to(torch.float32).numpy(), rint, S, want)
+    got = torch.zeros((L, 2, T, C), device=DEV)
+    fm.rotate_rows(x.view(torch.int16).to(DEV), fm.rotation_digits(rint.to(DEV)), S, got)
+    assert np.array_equal(got.cpu().numpy()[:, :, S:].view(np.int32), want[:, :, S:].view(np.int32))
+
+    q = (rng.integers(-127, 128, (L, 2, T, C)) + (rng.integers(0, 256, (L, 2, T, C)) - 127) / 256).astype(np.float32)
+    q[0, 1, S, :] = 127.5
+    rint_t = torch.from_numpy(fx.fixed_matrix(rot, True))
+    steps = torch.tensor([[0.25, 0.0078125]], dtype=torch.float64)
+    b = np.empty((L, 2, C))
+    fx.offset_sums(np.zeros((L, 2, C), np.float32), rint_t.numpy(), b)
+    want_v = np.zeros_like(q)
+    fx.unrotate_values(q, rint_t, steps.numpy(), b, S, want_v)
+    out = torch.zeros((L, 2, T, C), device=DEV)
+    rt = rint_t.to(DEV)
+    fm.unrotate_values(torch.from_numpy(q).to(DEV), fm.rotation_digits(rt), fm.column_sums(rt), steps.to(DEV),
+                       torch.from_numpy(b).to(DEV), S, out)
+    assert np.array_equal(out.cpu().numpy()[:, :, S:].view(np.int32), want_v[:, :, S:].view(np.int32))

@@ -139,15 +139,14 @@ def allocate(rel: np.ndarray, rms: np.ndarray, sensitivity: np.ndarray) -> np.nd
     step_i ~ (rms_i^2 s_i)^(-1/2); the codec goes ``ALLOCATION_STRENGTH`` of the way
     (the sensitivities come from other caches: an estimate).  The factors have a
     geometric mean of 1 over the planes with any spread, so the mean log step (about the
-    size) stays that of ``rel``.  Steps stay within [MIN_STEP, max(ALLOCATION_MAX_STEP, rel)]."""
-    live = rms > 1e-30
-    factor = np.ones_like(rel)
-    if live.any():
-        w = np.where(live, rms * rms * sensitivity, 1.0)
-        logw = np.log(w)
-        logw -= logw[live].mean()
-        factor = np.where(live, np.exp(-0.5 * ALLOCATION_STRENGTH * logw), 1.0)
-    return np.clip(rel * factor, MIN_STEP, np.maximum(ALLOCATION_MAX_STEP, rel))
+    size) stays that of ``rel``.  Steps stay within [MIN_STEP, max(ALLOCATION_MAX_STEP, rel)].
+    The logarithms and exponentials are kernels/allocation.py's, the GPU encoder's bits too."""
+    rel = np.ascontiguousarray(np.broadcast_to(np.asarray(rel, np.float64), np.shape(rms)))
+    out = np.empty(rel.shape, np.float64)
+    k2.allocate_steps(rel.reshape(-1), np.ascontiguousarray(rms, np.float64).reshape(-1),
+                      np.ascontiguousarray(sensitivity, np.float64).reshape(-1), float(ALLOCATION_STRENGTH),
+                      float(MIN_STEP), float(ALLOCATION_MAX_STEP), out.reshape(-1))
+    return out
 
 
 def step_params(sums: np.ndarray, sumsq: np.ndarray, n: int, rel: np.ndarray, sensitivity: np.ndarray | None = None,

@@ -342,9 +342,10 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
         _mark("statistics")
         R, bits = tc.refine_plan(cfg, T, sink)
         ref = _empty((L, 2, max(R, 1), C), torch.uint8, dev)
-        if calibration is None and rope is None:
-            # The steps on the device (kernels/cuda_pipeline.plane_steps, the CPU's arithmetic):
-            # nothing waits for them, their bits come back with the sizes (synchronisation 2).
+        if rope is None:
+            # The steps on the device (kernels/cuda_pipeline.plane_steps, the CPU's arithmetic,
+            # a calibration's allocation included): nothing waits for them, their bits come back
+            # with the sizes (synchronisation 2).
             m_d = _empty((L, 2, C), torch.float32, dev)
             steps_d = _empty((L, 2), torch.float64, dev)
             step_bits_d = _empty((L * 2 * (C + 1),), torch.int32, dev)  # steps', then offsets' bfloat16 bits
@@ -353,10 +354,15 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
             # the kernel would read one through the other (seen on the H200: rel and the scratch
             # of a 16-channel cache shared a block, and the steps came out wrong).
             rel_d = _to_device(np.asarray(cfg.steps_table(L), np.float64), dev)
+            sens = tc.plane_sensitivity(cfg, calibration)
+            sens_d = None if sens is None else _to_device(np.ascontiguousarray(sens, np.float64), dev)
             resid_d = _empty((L, 2, C), torch.float64, dev)
+            scratch_d = _empty((4, 2 * L), torch.float64, dev)
             k.plane_steps(_nb(sums[0]), _nb(sums[1]), T - sink, tc.BF16_MAX, _nb(rel_d),
                           _nb(step_bits_d[2 * L :].view(L, 2, C)), _nb(m_d), _nb(step_bits_d[: 2 * L].view(L, 2)),
-                          _nb(steps_d), _nb(resid_d), _nb(bad[L : L + 1]))
+                          _nb(steps_d), _nb(resid_d), _nb(scratch_d), _nb(bad[L : L + 1]),
+                          sensitivity=None if sens_d is None else _nb(sens_d),
+                          allocation=(tc.ALLOCATION_STRENGTH, tc.MIN_STEP, tc.ALLOCATION_MAX_STEP))
             if not checked and sink:
                 # the sink tokens, stored as they are: not in the sums (a sum not finite flags the rest)
                 bad[L + 1 :].copy_((~torch.isfinite(x[:, :, :sink])).any().reshape(1))
@@ -462,6 +468,8 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     ends = ends[: K + 1]
     if fixed is None:
         sb = bits_h.numpy().astype("<u2")
+        if rot_h.size:  # (after the work: an error path)
+            check_rotated_range(sb[: 2 * L].reshape(L, 2), sb[2 * L :].reshape(L, 2, C))
         fixed = digest + sb[: 2 * L].tobytes() + sb[2 * L :].tobytes()
     _mark("sizes to the host (sync)")
     payload = np.diff(ends[:-1], prepend=0).astype(np.int64)
