@@ -58,16 +58,21 @@ except ImportError:  # pragma: no cover - depends on the environment
 _F32_MAX = 3.4028234663852886e38
 
 #: Each direction's launch: rows per program, warps per program, software-pipelining depth,
-#: channels per tile (0: the largest power of two up to 128 dividing the block) and whether
-#: each diagonal block gets programs of its own (split; else a program walks its rows' blocks), the
-#: fastest of a sweep on an H200 (benchmarks/profile_fixed_rotation.py --sweep, 2026-12-02,
-#: 8 blocks of 128: encode 3.77 ms, decode 4.15 ms for 32 x 2 x 8192 x 1024 values;
-#: docs/results/2026-12-02d_fixed_rotation_2c02488.txt).  Dicts, so that the sweep can set them.
-ENCODE_LAUNCH = {"rows": 64, "warps": 4, "stages": 2, "tile": 64, "depth": 64, "split": 0}
-DECODE_LAUNCH = {"rows": 64, "warps": 4, "stages": 2, "tile": 64, "depth": 64, "split": 0}
+#: outputs per tile ("tile") and channels per step ("depth"; each the largest power of two up to
+#: it, 0: 128, dividing the block) and whether each diagonal block gets programs of its own
+#: (split; else a program walks its rows' blocks): the fastest of a sweep on an H200
+#: (benchmarks/profile_fixed_rotation.py --sweep, 2026-12-02 21:05 UTC, commit 058df2e, 8 blocks
+#: of 128, 32 x 2 x 8192 x 1024 values: encode 3.31 ms, decode 3.79 ms, against 7.79 / 8.01 ms
+#: for the float64 path; docs/results/2026-12-02e_fixed_rotation_058df2e.txt).  Small programs
+#: win: at 64 or 128 rows and 8 warps the accumulators spill (benchmarks/rotation_registers.py).
+#: Dicts, so that the sweep can set them.
+ENCODE_LAUNCH = {"rows": 32, "warps": 4, "stages": 2, "tile": 64, "depth": 64, "split": 0}
+DECODE_LAUNCH = {"rows": 32, "warps": 4, "stages": 2, "tile": 64, "depth": 32, "split": 0}
 #: The blocks the kernels take: MIN_BLOCK channels at least (the matrix units' tiles), and at most
 #: MAX_BLOCK: one full 1024-channel block ran slower than cuBLAS's float64 product on the H200
-#: (25.0 / 22.6 ms against 21.9 / 22.0 ms, the same sweep), which then stays the way.
+#: (the first version of these kernels: 25.0 / 22.6 ms against 21.9 / 22.0 ms,
+#: docs/results/2026-12-02d_fixed_rotation_2c02488.txt), which then stays the way; not yet
+#: measured again with the int32 accumulators.
 MIN_BLOCK = 32
 MAX_BLOCK = 128
 
