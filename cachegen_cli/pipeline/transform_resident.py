@@ -9,10 +9,12 @@ Encoding runs the stages of the CPU path as device kernels
   histogram  ->  codes and CDFs  ->  table sharing  ->  range coding  ->  the file's sections
 
 with two host synchronisations whatever the cache's size (three with the finiteness check
-that builds the cache, storage/kvio.check_finite: one kernel, one flag per layer back): the
-per-coordinate sums come back
-for the steps (the same numpy code as the CPU path computes them, so both devices pick the
-same bfloat16 steps and offsets), and the chunks' payload sizes and the tables' size come
+that builds the cache, storage/kvio.check_finite: one kernel, one flag per layer back).  The
+steps and offsets are made on the device from the per-coordinate sums, a calibration's
+allocation included (kernels/cuda_pipeline.plane_steps, with kernels/allocation.py's
+logarithms and exponentials: the CPU's bits); only keys coded without their RoPE still bring
+the sums back for the host's steps.  Then the chunks' payload sizes, the tables' size and the
+steps' bits come
 back to place the records.  Decoding parses the header, descriptor, Params block and index
 on the host (only those bytes are copied), gathers the 40-byte chunk headers, decodes and
 dequantizes on the device, and copies back one small table of check results; when a check
