@@ -654,14 +654,14 @@ def _plane_steps_kernel(rel, sensitivity, allocated, strength, min_step, max_ste
         steps[p] = np.float64(_bits_f32(sb << 16))
 
 
-def plane_steps(sums, sumsq, n, bf16_max, rel, obits, offs, sbits, steps, resid, scratch, bad, sensitivity=None,
-                allocation=(0.0, 0.0, 0.0), stream=0):
+def plane_steps(sums, sumsq, n, bf16_max, rel, obits, offs, sbits, steps, resid, scratch, bad, allocation=None,
+                stream=0):
     """methods/transform.step_params on the device: from sums / sumsq [L, 2, C] (transform_stats)
     over n tokens and the relative steps rel [L, 2], obits (int32 [L, 2, C]: the offsets'
     bfloat16 bits), offs (float32 [L, 2, C]: their values), sbits (int32 [L, 2]) and steps
-    (float64 [L, 2]); with ``sensitivity`` (float64 [L, 2], a calibration's) the relative steps
-    are allocated first (methods/transform.allocate; ``allocation`` = its (strength, MIN_STEP,
-    ALLOCATION_MAX_STEP)) with kernels/allocation.py's arithmetic, the CPU's.  resid: float64
+    (float64 [L, 2]); with ``allocation`` = (sensitivity float64 [L, 2], strength, MIN_STEP,
+    ALLOCATION_MAX_STEP) the relative steps are allocated first (methods/transform.allocate)
+    with kernels/allocation.py's arithmetic, the CPU's.  resid: float64
     [L, 2, C] and scratch: float64 [4, 2 L] scratch; bad[0] (int32, zeroed by the caller) = 1
     when a sum is not finite.  Three launches: a thread per channel, per plane, then one."""
     L, _, C = sums.shape
@@ -671,10 +671,10 @@ def plane_steps(sums, sumsq, n, bf16_max, rel, obits, offs, sbits, steps, resid,
                                                       np.float64(bf16_max), as_device(obits), as_device(offs),
                                                       as_device(resid), as_device(bad))
     _plane_rms_kernel[(*_cfg(2 * L), stream)](as_device(resid), np.int64(n), as_device(scratch[0]))
-    allocated = sensitivity is not None
-    strength, min_step, max_step = allocation
+    allocated = allocation is not None
+    sensitivity, strength, min_step, max_step = allocation if allocated else (rel, 0.0, 0.0, 0.0)
     _plane_steps_kernel[(1, 1, stream)](as_device(rel.reshape(-1)),
-                                        as_device((sensitivity if allocated else rel).reshape(-1)),
+                                        as_device(sensitivity.reshape(-1)),
                                         np.int64(allocated), np.float64(strength), np.float64(min_step),
                                         np.float64(max_step), as_device(scratch), as_device(sbits.reshape(-1)),
                                         as_device(steps.reshape(-1)))

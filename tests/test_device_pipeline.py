@@ -446,9 +446,9 @@ def test_plane_steps_kernel_is_step_params(C, n, allocated):
     sbits = np.zeros((L, 2), np.int32)
     steps = np.zeros((L, 2), np.float64)
     bad = np.zeros(1, np.int32)
-    alloc = (tc.ALLOCATION_STRENGTH, tc.MIN_STEP, tc.ALLOCATION_MAX_STEP)
+    alloc = (sens, tc.ALLOCATION_STRENGTH, tc.MIN_STEP, tc.ALLOCATION_MAX_STEP) if allocated else None
     cuda_pipeline.plane_steps(sums, sumsq, n, tc.BF16_MAX, rel, obits, offs, sbits, steps, np.zeros((L, 2, C)),
-                              np.zeros((4, 2 * L)), bad, sensitivity=sens, allocation=alloc)
+                              np.zeros((4, 2 * L)), bad, allocation=alloc)
     assert np.array_equal(obits.astype(np.uint16), want[0]) and np.array_equal(offs, want[1].astype(np.float32))
     assert np.array_equal(sbits.astype(np.uint16), want[2]) and np.array_equal(steps.view(np.int64), want[3].view(np.int64))
     if allocated and n > 1:
@@ -456,7 +456,7 @@ def test_plane_steps_kernel_is_step_params(C, n, allocated):
     assert bad[0] == 0
     sums[1, 0, C - 1] = np.inf
     cuda_pipeline.plane_steps(sums, sumsq, n, tc.BF16_MAX, rel, obits, offs, sbits, steps, np.zeros((L, 2, C)),
-                              np.zeros((4, 2 * L)), bad, sensitivity=sens, allocation=alloc)
+                              np.zeros((4, 2 * L)), bad, allocation=alloc)
     assert bad[0] == 1
 
 

@@ -363,8 +363,8 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
             k.plane_steps(_nb(sums[0]), _nb(sums[1]), T - sink, tc.BF16_MAX, _nb(rel_d),
                           _nb(step_bits_d[2 * L :].view(L, 2, C)), _nb(m_d), _nb(step_bits_d[: 2 * L].view(L, 2)),
                           _nb(steps_d), _nb(resid_d), _nb(scratch_d), _nb(bad[L : L + 1]),
-                          sensitivity=None if sens_d is None else _nb(sens_d),
-                          allocation=(tc.ALLOCATION_STRENGTH, tc.MIN_STEP, tc.ALLOCATION_MAX_STEP))
+                          allocation=None if sens_d is None else (_nb(sens_d), tc.ALLOCATION_STRENGTH, tc.MIN_STEP,
+                                                                  tc.ALLOCATION_MAX_STEP))
             if not checked and sink:
                 # the sink tokens, stored as they are: not in the sums (a sum not finite flags the rest)
                 bad[L + 1 :].copy_((~torch.isfinite(x[:, :, :sink])).any().reshape(1))
