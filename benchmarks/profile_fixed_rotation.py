@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--configs", default="", help='"rows,warps,stages,tile,depth,split;..." (both directions)')
+    ap.add_argument("--configs", default="", help='"rows,warps,stages,tile,depth,split[,resident];..." (both directions)')
     a = ap.parse_args()
     L, C, H, T, S = 32, 1024, a.blocks, a.tokens, 1
     D = C // H
@@ -82,6 +82,7 @@ def main() -> None:
         k.fixed_values(_nb(A), _nb(steps), _nb(b), S, _nb(out_ref))
 
     out = torch.zeros_like(out_ref)
+    q_words = (q.to(torch.float64) * 256 - 1).to(torch.int16)
     dec_mm = lambda: fm.unrotate_values(q, dig_t, sums, steps, b, S, out)  # noqa: E731
     for name, fn in (("encode, float64 path", enc_f64), ("decode, float64 path", dec_f64)):
         med, lo, hi = timed_ms(fn, a.repeats)
@@ -91,7 +92,7 @@ def main() -> None:
     if a.configs:  # "rows,warps,stages,tile,depth,split;..." for both directions
         configs = [(c, c) for c in (tuple(int(v) for v in item.split(",")) for item in a.configs.split(";"))]
     for enc_cfg, dec_cfg in configs:
-        names = ("rows", "warps", "stages", "tile", "depth", "split")
+        names = ("rows", "warps", "stages", "tile", "depth", "split", "resident")
         fm.ENCODE_LAUNCH, fm.DECODE_LAUNCH = dict(zip(names, enc_cfg)), dict(zip(names, dec_cfg))
         label = f"encode {enc_cfg} decode {dec_cfg}" if enc_cfg != dec_cfg else f"rows/warps/stages/tile/depth/split {enc_cfg}"
         try:
@@ -104,6 +105,11 @@ def main() -> None:
             continue
         same_e = torch.equal(y[:, :, S:].view(torch.int32), y_ref[:, :, S:].view(torch.int32))
         same_d = torch.equal(out[:, :, S:], out_ref[:, :, S:])
+        if fm.DECODE_LAUNCH.get("resident"):  # the levels as int16 words Q = 256 q' - 1
+            out.fill_(7)
+            mw = timed_ms(lambda: fm.unrotate_values(q_words, dig_t, sums, steps, b, S, out), a.repeats)
+            same_w = torch.equal(out[:, :, S:], out_ref[:, :, S:])
+            print(f"    decode from int16 levels {mw[0]:6.2f} ms ({mw[1]:.2f}-{mw[2]:.2f})  same bits {same_w}")
         print(f"{label}: encode {me[0]:6.2f} ms ({me[1]:.2f}-{me[2]:.2f}) decode {md[0]:6.2f} ms "
               f"({md[1]:.2f}-{md[2]:.2f})  {nbytes / me[0] / 1e6:6.1f} / {nbytes / md[0] / 1e6:6.1f} GB/s  "
               f"same bits {same_e}/{same_d}", flush=True)

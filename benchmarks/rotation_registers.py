@@ -3,7 +3,8 @@ without one (Triton to PTX, then its bundled ptxas -v), for each launch shape as
 
     python benchmarks/rotation_registers.py --arch 90 --configs "64,4,2,64,64;128,8,2,128,32"
 
-Each config is rows,warps,stages,tile,depth (the launch dicts' keys); blocks of --block channels in a
+Each config is rows,warps,stages,tile,depth[,resident] (the launch dicts' keys; a resident
+value above 0: the kernels that keep their digit tiles over a loop of row tiles); blocks of --block channels in a
 cache of --channels.  What ptxas reports is what the GPU would run: a kernel that spills is
 latency-bound (the first version held 255 registers and spilled: ncu, 2026-12-02).
 """
@@ -58,7 +59,22 @@ def main() -> None:
     C, D = a.channels, a.block
     H = C // D
     for item in a.configs.split(";"):
-        rows, warps, stages, tile, depth = (int(v) for v in item.split(","))
+        rows, warps, stages, tile, depth, *resident = (int(v) for v in item.split(","))
+        if resident and resident[0]:
+            common = dict(C=C, H=H, D=D, BM=rows, BN=fm._tile(D, tile))
+            enc_sig = {"x_ptr": "*i16", "e_ptr": "*i32", "r_ptr": "*i8", "y_ptr": "*fp32", "T": "i64", "n": "i64",
+                       "t_first": "i64", "plane_digits": "i64", "tiles": "i64",
+                       **{k: "constexpr" for k in (*common, "BF16_WORDS", "XB", "RB")}}
+            enc = compile_ptx(fm._rotate_rows_resident_kernel, enc_sig,
+                              dict(common, BF16_WORDS=True, XB=fx.X_BITS, RB=fx.R_BITS), a.arch, warps, stages)
+            dec_sig = {"z_ptr": "*i16", "r_ptr": "*i8", "sums_ptr": "*i64", "steps_ptr": "*fp64", "b_ptr": "*fp64",
+                       "out_ptr": "*i16", "T": "i64", "n": "i64", "t_first": "i64", "plane_digits": "i64",
+                       "tiles": "i64", **{k: "constexpr" for k in (*common, "BF16_OUT", "F32_MAX", "Z_WORDS")}}
+            dec = compile_ptx(fm._unrotate_values_resident_kernel, dec_sig,
+                              dict(common, BF16_OUT=True, F32_MAX=fm._F32_MAX, Z_WORDS=True), a.arch, warps, stages)
+            print(f"resident: rows {rows} warps {warps} stages {stages} tile {common['BN']}: encode "
+                  f"{ptxas_report(enc, a.arch)}; decode {ptxas_report(dec, a.arch)}", flush=True)
+            continue
         common = dict(C=C, H=H, D=D, BM=rows, BN=fm._tile(D, tile), BK=fm._tile(D, depth), SPLIT=False)
         enc_sig = {"x_ptr": "*i16", "r_ptr": "*i8", "y_ptr": "*fp32", "T": "i64", "n": "i64", "t_first": "i64",
                    "plane_digits": "i64", **{k: "constexpr" for k in (*common, "BF16_WORDS", "XB", "RB")}}

@@ -261,6 +261,116 @@ if triton is not None:
                     tl.store(out_ptr + out_at, v, mask=live[:, None])
 
 
+if triton is not None:
+
+    @triton.jit
+    def _row_exponents_kernel(x_ptr, e_ptr, T, n, t_first, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                              BF16_WORDS: tl.constexpr):
+        """e[p, t - t_first] with max |x| < 2^e over row t of plane p (fixed_rotation.row_exponent)."""
+        p, live, row_at, _, _ = _program_rows(T, n, t_first, C, 1, BM, False)
+        ks = tl.arange(0, BK)
+        top = tl.zeros([BM], dtype=tl.int32)
+        for c0 in range(0, C, BK):
+            bits = _load_values(x_ptr, row_at[:, None] + (c0 + ks)[None, :], live, BF16_WORDS).to(tl.int32,
+                                                                                                  bitcast=True)
+            top = tl.maximum(top, tl.max(bits & 0x7FFFFFFF, axis=1))
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        tl.store(e_ptr + p.to(tl.int64) * n + rows, ((top >> 23) & 0xFF) - 126, mask=live)
+
+    @triton.jit
+    def _resident_part(r_ptr, plane_digits, H: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):
+        """This program's plane p, diagonal block h and outputs n0 .. n0 + BN, and the [D, BN]
+        digit tiles r0, r1 of that block's columns: loaded once, kept for every row tile."""
+        NT: tl.constexpr = D // BN
+        q = tl.program_id(1)
+        n0 = (q % NT) * BN
+        h = (q // NT) % H
+        p = q // (NT * H)
+        r_at = (((p.to(tl.int64) * H + h) * D + tl.arange(0, D))[:, None] * D + (n0 + tl.arange(0, BN))[None, :])
+        return p, h, n0, tl.load(r_ptr + r_at), tl.load(r_ptr + plane_digits + r_at)
+
+    @triton.jit
+    def _rotate_rows_resident_kernel(x_ptr, e_ptr, r_ptr, y_ptr, T, n, t_first, plane_digits, tiles,
+                                     C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+                                     BN: tl.constexpr, BF16_WORDS: tl.constexpr, XB: tl.constexpr,
+                                     RB: tl.constexpr):
+        p, h, n0, r0, r1 = _resident_part(r_ptr, plane_digits, H, D, BN)
+        ks = tl.arange(0, D)
+        ns = tl.arange(0, BN)
+        for tt in range(tl.program_id(0), tiles, tl.num_programs(0)):
+            rows = tt * BM + tl.arange(0, BM)
+            live = rows < n
+            row_at = (p.to(tl.int64) * T + t_first + rows) * C
+            e = tl.load(e_ptr + p.to(tl.int64) * n + rows, mask=live, other=0)
+            sa = (XB - e) >> 1
+            scale_a = ((127 + sa) << 23).to(tl.float32, bitcast=True)
+            scale_b = ((127 + XB - e - sa) << 23).to(tl.float32, bitcast=True)
+            back = ((1023 - XB - RB + e).to(tl.int64) << 52).to(tl.float64, bitcast=True)
+            v = _load_values(x_ptr, row_at[:, None] + (h * D + ks)[None, :], live, BF16_WORDS)
+            X = _nearest_integer((v * scale_a[:, None]) * scale_b[:, None])
+            d0 = ((X + 128) & 255) - 128
+            X = (X - d0) >> 8
+            d1 = ((X + 128) & 255) - 128
+            a2 = ((X - d1) >> 8).to(tl.int8)
+            a0 = d0.to(tl.int8)
+            a1 = d1.to(tl.int8)
+            p0 = tl.dot(a0, r0, out_dtype=tl.int32)
+            p8 = tl.dot(a1, r0, tl.dot(a0, r1, out_dtype=tl.int32), out_dtype=tl.int32)
+            p16 = tl.dot(a2, r0, tl.dot(a1, r1, out_dtype=tl.int32), out_dtype=tl.int32)
+            p24 = tl.dot(a2, r1, out_dtype=tl.int32)
+            acc = (p0.to(tl.int64) + (p8.to(tl.int64) << 8) + (p16.to(tl.int64) << 16)
+                   + (p24.to(tl.int64) << 24))
+            y = (acc.to(tl.float64) * back[:, None]).to(tl.float32)
+            tl.store(y_ptr + row_at[:, None] + (h * D + n0 + ns)[None, :], y, mask=live[:, None])
+
+    @triton.jit
+    def _unrotate_values_resident_kernel(z_ptr, r_ptr, sums_ptr, steps_ptr, b_ptr, out_ptr, T, n, t_first,
+                                         plane_digits, tiles, C: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                                         BM: tl.constexpr, BN: tl.constexpr, BF16_OUT: tl.constexpr,
+                                         F32_MAX: tl.constexpr, Z_WORDS: tl.constexpr):
+        p, h, n0, r0, r1 = _resident_part(r_ptr, plane_digits, H, D, BN)
+        ks = tl.arange(0, D)
+        cols = h * D + n0 + tl.arange(0, BN)
+        unit = tl.load(steps_ptr + p) * 2.384185791015625e-07
+        sums = tl.load(sums_ptr + p * C + cols)
+        b = tl.load(b_ptr + p * C + cols)
+        for tt in range(tl.program_id(0), tiles, tl.num_programs(0)):
+            rows = tt * BM + tl.arange(0, BM)
+            live = rows < n
+            row_at = (p.to(tl.int64) * T + t_first + rows) * C
+            if Z_WORDS:  # Q = 256 q' - 1 as int16 (cuda_pipeline.dequantize's levels words)
+                Q = tl.load(z_ptr + row_at[:, None] + (h * D + ks)[None, :], mask=live[:, None], other=0).to(tl.int32)
+            else:
+                q = tl.load(z_ptr + row_at[:, None] + (h * D + ks)[None, :], mask=live[:, None], other=0.0)
+                Q = _nearest_integer(q * 256.0) - 1  # exact: 256 q' is an integer
+            g0 = ((Q + 128) & 255) - 128
+            a1 = ((Q - g0) >> 8).to(tl.int8)
+            a0 = g0.to(tl.int8)
+            p0 = tl.dot(a0, r0, out_dtype=tl.int32)
+            p8 = tl.dot(a1, r0, tl.dot(a0, r1, out_dtype=tl.int32), out_dtype=tl.int32)
+            p16 = tl.dot(a1, r1, out_dtype=tl.int32)
+            acc = sums[None, :] + p0.to(tl.int64) + (p8.to(tl.int64) << 8) + (p16.to(tl.int64) << 16)
+            v = acc.to(tl.float64) * unit + b[None, :]
+            v = tl.minimum(tl.maximum(v, -F32_MAX), F32_MAX).to(tl.float32)
+            out_at = row_at[:, None] + cols[None, :]
+            if BF16_OUT:
+                u = v.to(tl.int32, bitcast=True)
+                wb = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+                wb = tl.where((wb & 0x7FFF) == 0x7F80, wb - 1, wb)
+                wb = tl.where(wb >= 32768, wb - 65536, wb)
+                tl.store(out_ptr + out_at, wb.to(tl.int16), mask=live[:, None])
+            else:
+                tl.store(out_ptr + out_at, v, mask=live[:, None])
+
+
+def _row_programs(n: int, rows: int, parts: int, per_sm: int) -> tuple[int, int]:
+    """(row tiles, programs along the rows of each part) for a resident launch: about per_sm
+    programs a multiprocessor over all parts, none without a tile."""
+    tiles = triton.cdiv(n, rows)
+    sms = 1 if INTERPRETED else torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    return tiles, max(1, min(tiles, -(-per_sm * sms // parts)))
+
+
 def _check(t: torch.Tensor, name: str, dtypes: tuple, ndim: int) -> None:
     if t.dtype not in dtypes or t.dim() != ndim or not t.is_contiguous():
         raise ValueError(f"{name}: a contiguous {ndim}-d tensor of {dtypes}, not {t.dtype} {tuple(t.shape)}")
@@ -282,6 +392,17 @@ def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Te
         return
     go = ENCODE_LAUNCH
     tile = _tile(D, go["tile"])
+    if go.get("resident"):
+        e = torch.empty((L * K, n), dtype=torch.int32, device=x.device)
+        _row_exponents_kernel[(triton.cdiv(n, 32), L * K)](x, e, T, n, t_first, C=C, BM=32, BK=_tile(C, 128),
+                                                            BF16_WORDS=x.dtype == torch.int16, num_warps=4)
+        parts = L * K * H * (D // tile)
+        tiles, along = _row_programs(n, go["rows"], parts, go["resident"])
+        _rotate_rows_resident_kernel[(along, parts)](x, e, digits, y, T, n, t_first, digits[0].numel(), tiles, C=C,
+                                                     H=H, D=D, BM=go["rows"], BN=tile,
+                                                     BF16_WORDS=x.dtype == torch.int16, XB=X_BITS, RB=R_BITS,
+                                                     num_warps=go["warps"], num_stages=go["stages"])
+        return
     grid = (triton.cdiv(n, go["rows"]), L * K, H if go["split"] else 1)
     _rotate_rows_kernel[grid](x, digits, y, T, n, t_first, digits[0].numel(), C=C, H=H, D=D, BM=go["rows"],
                               BN=tile, BK=_tile(D, go["depth"]), BF16_WORDS=x.dtype == torch.int16, XB=X_BITS, RB=R_BITS,
@@ -294,7 +415,7 @@ def unrotate_values(z: torch.Tensor, digits_t: torch.Tensor, sums: torch.Tensor,
     unrotate_values' values): z float32 [L, 2, T, C]; digits_t: rotation_digits of the decoder's
     (transposed) blocks; sums: column_sums of those blocks; steps float64 [L, 2]; b float64
     [L, 2, C] (offset_sums); out float32, or int16 for bfloat16 words (saturating), [L, 2, T, C]."""
-    _check(z, "z", (torch.float32,), 4)
+    _check(z, "z", (torch.float32, torch.int16), 4)
     _check(out, "out", (torch.float32, torch.int16), 4)
     L, K, T, C = z.shape
     _, _, _, H, D, _ = digits_t.shape
@@ -305,9 +426,18 @@ def unrotate_values(z: torch.Tensor, digits_t: torch.Tensor, sums: torch.Tensor,
         return
     go = DECODE_LAUNCH
     tile = _tile(D, go["tile"])
-    grid = (triton.cdiv(n, go["rows"]), L * K, H if go["split"] else 1)
     steps = steps.to(torch.float64).contiguous()
     b = b.to(torch.float64).contiguous()
+    if go.get("resident"):
+        parts = L * K * H * (D // tile)
+        tiles, along = _row_programs(n, go["rows"], parts, go["resident"])
+        _unrotate_values_resident_kernel[(along, parts)](z, digits_t, sums, steps, b, out, T, n, t_first,
+                                                         digits_t[0].numel(), tiles, C=C, H=H, D=D, BM=go["rows"],
+                                                         BN=tile, BF16_OUT=out.dtype == torch.int16, F32_MAX=_F32_MAX,
+                                                         Z_WORDS=z.dtype == torch.int16, num_warps=go["warps"],
+                                                         num_stages=go["stages"])
+        return
+    grid = (triton.cdiv(n, go["rows"]), L * K, H if go["split"] else 1)
     _unrotate_values_kernel[grid](z, digits_t, sums, steps, b, out, T, n, t_first, digits_t[0].numel(), C=C, H=H,
                                   D=D, BM=go["rows"], BN=tile, BK=_tile(D, go["depth"]), BF16_OUT=out.dtype == torch.int16,
                                   F32_MAX=_F32_MAX, SPLIT=bool(go["split"]), num_warps=go["warps"], num_stages=go["stages"])

@@ -121,6 +121,8 @@ def test_the_switch_turns_them_off(monkeypatch):
     {"rows": 32, "warps": 4, "stages": 2, "tile": 32, "depth": 32, "split": 0},  # 4 steps into each accumulator
     {"rows": 64, "warps": 4, "stages": 1, "tile": 64, "depth": 32, "split": 1},
     {"rows": 32, "warps": 8, "stages": 2, "tile": 128, "depth": 128, "split": 0},
+    {"rows": 16, "warps": 4, "stages": 1, "tile": 64, "depth": 0, "split": 0, "resident": 1},  # tiles of rows looped
+    {"rows": 32, "warps": 8, "stages": 2, "tile": 128, "depth": 0, "split": 0, "resident": 4},
 ])
 def test_every_launch_shape_gives_the_same_bits(monkeypatch, launch):
     """Steps over a block's channels accumulate into the same int32 sums, tiles of outputs and
@@ -154,3 +156,9 @@ def test_every_launch_shape_gives_the_same_bits(monkeypatch, launch):
     fm.unrotate_values(torch.from_numpy(q).to(DEV), fm.rotation_digits(rt), fm.column_sums(rt), steps.to(DEV),
                        torch.from_numpy(b).to(DEV), S, out)
     assert np.array_equal(out.cpu().numpy()[:, :, S:].view(np.int32), want_v[:, :, S:].view(np.int32))
+    if launch.get("resident"):  # the levels as int16 words Q = 256 q' - 1 (dequantize's), the same values
+        words = torch.from_numpy((q.astype(np.float64) * 256 - 1).astype(np.int16)).to(DEV)
+        out.zero_()
+        fm.unrotate_values(words, fm.rotation_digits(rt), fm.column_sums(rt), steps.to(DEV),
+                           torch.from_numpy(b).to(DEV), S, out)
+        assert np.array_equal(out.cpu().numpy()[:, :, S:].view(np.int32), want_v[:, :, S:].view(np.int32))
