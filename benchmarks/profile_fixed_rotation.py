@@ -1,8 +1,9 @@
 """Time the fixed-point rotation alone, both directions, on a Llama-3.1-8B-shaped plane set (32
 layers x 2 x TOKENS x 1024 channels, bfloat16 in): the matrix-unit kernels of
 kernels/fixed_rotation_matmul.py against the float64 path they replace (fixed_rows, cuBLAS's
-float64 product, fixed_rows_out / fixed_values), checking that both give the same bits; with
---sweep, over tile shapes, warps and pipelining depths.
+float64 product, fixed_rows_out / fixed_values), checking that both give the same bits, the
+decoder from float32 levels and from int16 words; with --sweep, over tile shapes, warps and
+programs a multiprocessor.
 
     python benchmarks/profile_fixed_rotation.py --tokens 8192 --blocks 8 --sweep
 
@@ -42,7 +43,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--configs", default="", help='"rows,warps,stages,tile,depth,split[,resident];..." (both directions)')
+    ap.add_argument("--configs", default="", help='"rows,warps,stages,tile,spread;..." (both directions)')
     a = ap.parse_args()
     L, C, H, T, S = 32, 1024, a.blocks, a.tokens, 1
     D = C // H
@@ -88,13 +89,16 @@ def main() -> None:
         med, lo, hi = timed_ms(fn, a.repeats)
         print(f"{name:28s} {med:7.2f} ms ({lo:.2f}-{hi:.2f})  {nbytes / med / 1e6:6.1f} GB/s of bf16", flush=True)
     default = tuple(fm.ENCODE_LAUNCH.values()), tuple(fm.DECODE_LAUNCH.values())
-    configs = [default] if not a.sweep else [(c, c) for c in itertools.product((32, 64, 128), (4, 8), (2,), (32, 64), (32, 64), (0,))]
-    if a.configs:  # "rows,warps,stages,tile,depth,split;..." for both directions
+    configs = [default] if not a.sweep else [(c, c) for c in itertools.product((32, 64, 128), (4, 8), (2,), (64, 128), (1, 2))]
+    if a.configs:  # "rows,warps,stages,tile,spread;..." for both directions
         configs = [(c, c) for c in (tuple(int(v) for v in item.split(",")) for item in a.configs.split(";"))]
+    if not fm.supports(D):
+        print(f"blocks of {D} channels: past the matrix-unit kernels (fixed_rotation_matmul.MAX_BLOCK)")
+        configs = []
     for enc_cfg, dec_cfg in configs:
-        names = ("rows", "warps", "stages", "tile", "depth", "split", "resident")
+        names = ("rows", "warps", "stages", "tile", "spread")
         fm.ENCODE_LAUNCH, fm.DECODE_LAUNCH = dict(zip(names, enc_cfg)), dict(zip(names, dec_cfg))
-        label = f"encode {enc_cfg} decode {dec_cfg}" if enc_cfg != dec_cfg else f"rows/warps/stages/tile/depth/split {enc_cfg}"
+        label = f"encode {enc_cfg} decode {dec_cfg}" if enc_cfg != dec_cfg else f"rows/warps/stages/tile/spread {enc_cfg}"
         try:
             y.fill_(1.0)
             out.fill_(7)
@@ -105,14 +109,13 @@ def main() -> None:
             continue
         same_e = torch.equal(y[:, :, S:].view(torch.int32), y_ref[:, :, S:].view(torch.int32))
         same_d = torch.equal(out[:, :, S:], out_ref[:, :, S:])
-        if fm.DECODE_LAUNCH.get("resident"):  # the levels as int16 words Q = 256 q' - 1
-            out.fill_(7)
-            mw = timed_ms(lambda: fm.unrotate_values(q_words, dig_t, sums, steps, b, S, out), a.repeats)
-            same_w = torch.equal(out[:, :, S:], out_ref[:, :, S:])
-            print(f"    decode from int16 levels {mw[0]:6.2f} ms ({mw[1]:.2f}-{mw[2]:.2f})  same bits {same_w}")
+        out.fill_(7)  # the levels as int16 words Q = 256 q' - 1 (the pipeline's decoder)
+        mw = timed_ms(lambda: fm.unrotate_values(q_words, dig_t, sums, steps, b, S, out), a.repeats)
+        same_w = torch.equal(out[:, :, S:], out_ref[:, :, S:])
         print(f"{label}: encode {me[0]:6.2f} ms ({me[1]:.2f}-{me[2]:.2f}) decode {md[0]:6.2f} ms "
               f"({md[1]:.2f}-{md[2]:.2f})  {nbytes / me[0] / 1e6:6.1f} / {nbytes / md[0] / 1e6:6.1f} GB/s  "
-              f"same bits {same_e}/{same_d}", flush=True)
+              f"same bits {same_e}/{same_d}; decode from int16 levels {mw[0]:6.2f} ms ({mw[1]:.2f}-{mw[2]:.2f}) "
+              f"same bits {same_w}", flush=True)
 
 
 if __name__ == "__main__":

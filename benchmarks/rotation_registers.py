@@ -1,10 +1,10 @@
 """Registers and spills of kernels/fixed_rotation_matmul.py's two kernels, compiled for a GPU
 without one (Triton to PTX, then its bundled ptxas -v), for each launch shape asked:
 
-    python benchmarks/rotation_registers.py --arch 90 --configs "64,4,2,64,64;128,8,2,128,32"
+    python benchmarks/rotation_registers.py --arch 90 --configs "64,4,2,64;128,8,2,64"
 
-Each config is rows,warps,stages,tile,depth[,resident] (the launch dicts' keys; a resident
-value above 0: the kernels that keep their digit tiles over a loop of row tiles); blocks of --block channels in a
+Each config is rows,warps,stages,tile (the launch dicts' keys but spread, which changes only the
+grid); blocks of --block channels in a
 cache of --channels.  What ptxas reports is what the GPU would run: a kernel that spills is
 latency-bound (the first version held 255 registers and spilled: ncu, 2026-12-02).
 """
@@ -54,38 +54,24 @@ def main() -> None:
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--channels", type=int, default=1024)
     ap.add_argument("--block", type=int, default=128)
-    ap.add_argument("--configs", default="64,4,2,64,64;128,8,2,64,64")
+    ap.add_argument("--configs", default="64,4,2,64;128,8,2,64")
     a = ap.parse_args()
     C, D = a.channels, a.block
     H = C // D
     for item in a.configs.split(";"):
-        rows, warps, stages, tile, depth, *resident = (int(v) for v in item.split(","))
-        if resident and resident[0]:
-            common = dict(C=C, H=H, D=D, BM=rows, BN=fm._tile(D, tile))
-            enc_sig = {"x_ptr": "*i16", "e_ptr": "*i32", "r_ptr": "*i8", "y_ptr": "*fp32", "T": "i64", "n": "i64",
-                       "t_first": "i64", "plane_digits": "i64", "tiles": "i64",
-                       **{k: "constexpr" for k in (*common, "BF16_WORDS", "XB", "RB")}}
-            enc = compile_ptx(fm._rotate_rows_resident_kernel, enc_sig,
-                              dict(common, BF16_WORDS=True, XB=fx.X_BITS, RB=fx.R_BITS), a.arch, warps, stages)
-            dec_sig = {"z_ptr": "*i16", "r_ptr": "*i8", "sums_ptr": "*i64", "steps_ptr": "*fp64", "b_ptr": "*fp64",
-                       "out_ptr": "*i16", "T": "i64", "n": "i64", "t_first": "i64", "plane_digits": "i64",
-                       "tiles": "i64", **{k: "constexpr" for k in (*common, "BF16_OUT", "F32_MAX", "Z_WORDS")}}
-            dec = compile_ptx(fm._unrotate_values_resident_kernel, dec_sig,
-                              dict(common, BF16_OUT=True, F32_MAX=fm._F32_MAX, Z_WORDS=True), a.arch, warps, stages)
-            print(f"resident: rows {rows} warps {warps} stages {stages} tile {common['BN']}: encode "
-                  f"{ptxas_report(enc, a.arch)}; decode {ptxas_report(dec, a.arch)}", flush=True)
-            continue
-        common = dict(C=C, H=H, D=D, BM=rows, BN=fm._tile(D, tile), BK=fm._tile(D, depth), SPLIT=False)
-        enc_sig = {"x_ptr": "*i16", "r_ptr": "*i8", "y_ptr": "*fp32", "T": "i64", "n": "i64", "t_first": "i64",
-                   "plane_digits": "i64", **{k: "constexpr" for k in (*common, "BF16_WORDS", "XB", "RB")}}
+        rows, warps, stages, tile = (int(v) for v in item.split(",")[:4])
+        common = dict(C=C, H=H, D=D, DP=triton.next_power_of_2(D), BM=rows, BN=fm._tile(D, tile))
+        enc_sig = {"x_ptr": "*i16", "e_ptr": "*i32", "r_ptr": "*i8", "y_ptr": "*fp32", "T": "i64", "n": "i64",
+                   "t_first": "i64", "plane_digits": "i64", "tiles": "i64",
+                   **{k: "constexpr" for k in (*common, "BF16_WORDS", "XB", "RB")}}
         enc = compile_ptx(fm._rotate_rows_kernel, enc_sig, dict(common, BF16_WORDS=True, XB=fx.X_BITS, RB=fx.R_BITS),
                           a.arch, warps, stages)
-        dec_sig = {"z_ptr": "*fp32", "r_ptr": "*i8", "sums_ptr": "*i64", "steps_ptr": "*fp64", "b_ptr": "*fp64",
+        dec_sig = {"z_ptr": "*i16", "r_ptr": "*i8", "sums_ptr": "*i64", "steps_ptr": "*fp64", "b_ptr": "*fp64",
                    "out_ptr": "*i16", "T": "i64", "n": "i64", "t_first": "i64", "plane_digits": "i64",
-                   **{k: "constexpr" for k in (*common, "BF16_OUT", "F32_MAX")}}
-        dec = compile_ptx(fm._unrotate_values_kernel, dec_sig, dict(common, BF16_OUT=True, F32_MAX=fm._F32_MAX),
-                          a.arch, warps, stages)
-        print(f"rows {rows} warps {warps} stages {stages} tile {common['BN']} depth {common['BK']}: encode {ptxas_report(enc, a.arch)}; "
+                   "tiles": "i64", **{k: "constexpr" for k in (*common, "BF16_OUT", "F32_MAX", "LEVEL_WORDS")}}
+        dec = compile_ptx(fm._unrotate_values_kernel, dec_sig,
+                          dict(common, BF16_OUT=True, F32_MAX=fm._F32_MAX, LEVEL_WORDS=True), a.arch, warps, stages)
+        print(f"rows {rows} warps {warps} stages {stages} tile {common['BN']}: encode {ptxas_report(enc, a.arch)}; "
               f"decode {ptxas_report(dec, a.arch)}", flush=True)
 
 

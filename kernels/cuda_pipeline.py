@@ -1781,9 +1781,10 @@ def _raw_bits(blob, at, pos, bits):
     return v & ((np.int64(1) << bits) - 1)
 
 
-def _make_dequantize(V, OB, method2):
+def _make_dequantize(V, OB, method2, levels=False):
     """Values of V channels per thread, OB output bytes each (2: bfloat16 or 16-bit lossless
-    words; 4: float32 bits or 32-bit lossless words)."""
+    words; 4: float32 bits or 32-bit lossless words); with ``levels`` (method 2, OB 2), the
+    levels q' themselves as int16 words 256 q' - 1 (the fixed-point rotation's input)."""
     omask = (1 << (8 * OB)) - 1
     lo_level, hi_level = (-TRANSFORM_QMAX, TRANSFORM_QMAX) if method2 else (0, 255)
 
@@ -1842,11 +1843,17 @@ def _make_dequantize(V, OB, method2):
                         jj = np.int64(0)
                         if refined:
                             jj = _raw_bits(blob, raw, (((l * 2 + kv) * nk + (t - r0)) * C + c0 + j) * bits, bits)
-                        z = token_value(v, jj, refined, bits, off[j], step)
-                        if OB == 2:
+                        if levels:
+                            # 256 q' - 1, q' = v + (j - 2^(b-1) + 1) / 2^b (refined_value's,
+                            # step 1 and offset 0): an integer, as the product takes it
+                            val = 256 * v - 1
+                            if refined:
+                                val += (jj - (np.int64(1) << (bits - 1)) + 1) << (8 - bits)
+                        elif OB == 2:
+                            z = token_value(v, jj, refined, bits, off[j], step)
                             val = _bf16_nearest(z)
                         else:
-                            val = _f32_bits(z)
+                            val = _f32_bits(token_value(v, jj, refined, bits, off[j], step))
                 else:
                     val = np.int64(symbol_top_byte(v)) << shift
                     o = raw + ((((l * 2 + kv) * (t1 - t0)) + (t - t0)) * C + c0 + j) * nraw
@@ -1861,13 +1868,14 @@ def _make_dequantize(V, OB, method2):
 
 
 def dequantize(sym, modes, lo_eff, chunk_tokens, method2, sink, offsets, steps, refine_start, bits, blob, raw_at,
-               nraw, out_bytes, out, bad, stream=0):
+               nraw, out_bytes, out, bad, levels=False, stream=0):
     """Decoded symbols -> the cache: levels (symbols + lo, token deltas summed within each
     chunk: cpu_transform.symbols_to_levels), then method 2's values (token_value, refinement
     indices read from the chunks' raw sections at raw_at[k]) as bfloat16 bits (out_bytes 2)
     or float32 bits (out_bytes 4), tokens below sink left for the caller; or the lossless words
     (the top byte joined with the nraw raw low bytes).  sym: words [L, 2, T, C / V] of V
-    symbols; out: words [L, 2, T, C / V] of V values of out_bytes each; bad[0] (int64) = 1
+    symbols; out: words [L, 2, T, C / V] of V values of out_bytes each (``levels``: method 2's
+    levels q' as int16 words 256 q' - 1, out_bytes 2; offsets and steps unused); bad[0] (int64) = 1
     when a level leaves the format's range (a token delta summed past it).  Same values as
     methods/transform.decode_v2 on the CPU."""
     L, _, T, CW = sym.shape
@@ -1876,7 +1884,9 @@ def dequantize(sym, modes, lo_eff, chunk_tokens, method2, sink, offsets, steps, 
     if n == 0:
         return
     V = out.dtype.itemsize // out_bytes
-    _made(_make_dequantize, V, out_bytes, bool(method2))[(*_cfg(n), stream)](
+    if levels and not (method2 and out_bytes == 2 and bits <= 8):
+        raise ValueError("dequantize: levels words are method 2's, 2 bytes each, at most 8 refinement bits")
+    _made(_make_dequantize, V, out_bytes, bool(method2), bool(levels))[(*_cfg(n), stream)](
         as_device(sym.reshape(-1)), np.int64(L), np.int64(T), np.int64(CW), as_device(modes), as_device(lo_eff),
         np.int64(chunk_tokens), np.int64(sink), as_device(offsets), as_device(steps), np.int64(refine_start),
         np.int64(bits), as_device(blob), as_device(raw_at), np.int64(nraw), as_device(out.reshape(-1)),

@@ -29,11 +29,15 @@ in int64, is the exact product, under D 2^34 (X) and D 2^29 (Q): exact in float6
 Four (three) accumulators of int32 rather than the six partial products and an int64 sum keep
 a program's registers within the GPU's 255 a thread (the first version spilled: ncu, 2026-12-02).
 
-Who does what: one program per (BM rows, plane); it reads its rows' largest magnitudes first
-(encoder), then for each diagonal block and BN outputs walks the block's channels BK at a time:
-digits of a [BM, BK] tile times the [BK, BN] digit tiles of the block, summed exactly, then
-scaled to float32 (or, decoding, stepped, offset, saturated, and optionally rounded to bfloat16
-words).  Adjacent lanes load adjacent channels of a row.
+Who does what: a program owns one plane, one diagonal block and BN of its outputs; it loads that
+block's [D, BN] digit tiles once and keeps them in registers while it walks tiles of BM rows
+(every ``spread``-th tile of the plane): digits of the [BM, D] tile of values times the kept
+tiles, summed exactly, then scaled to float32 (or, decoding, stepped, offset, saturated, and
+optionally rounded to bfloat16 words).  The encoder's rows' exponents (their largest magnitude
+over every channel, which a program of one block does not see) come from a pass before it, one
+program per 32 rows.  Adjacent lanes load adjacent channels of a row.  (The kernels before these
+walked every block of their rows and re-read the digit tiles, 4 bytes of them a value, from
+the L2 cache: 3.49 / 4.37 ms against 2.42 / 2.46 ms, docs/results/2026-12-03_rotation_resident_8df696f.txt.)
 
 The host wrappers take torch tensors on one device; under numba's simulator the tests run the
 same kernels through Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors.
@@ -57,22 +61,19 @@ except ImportError:  # pragma: no cover - depends on the environment
 #: float32's largest finite value, and bfloat16's (the decoder's saturation)
 _F32_MAX = 3.4028234663852886e38
 
-#: Each direction's launch: rows per program, warps per program, software-pipelining depth,
-#: outputs per tile ("tile") and channels per step ("depth"; each the largest power of two up to
-#: it, 0: 128, dividing the block) and whether each diagonal block gets programs of its own
-#: (split; else a program walks its rows' blocks): the fastest of a sweep on an H200
-#: (benchmarks/profile_fixed_rotation.py --sweep, 2026-12-02 21:05 UTC, commit 058df2e, 8 blocks
-#: of 128, 32 x 2 x 8192 x 1024 values: encode 3.31 ms, decode 3.79 ms, against 7.79 / 8.01 ms
-#: for the float64 path; docs/results/2026-12-02e_fixed_rotation_058df2e.txt).  Small programs
-#: win: at 64 or 128 rows and 8 warps the accumulators spill (benchmarks/rotation_registers.py).
-#: Dicts, so that the sweep can set them.
-ENCODE_LAUNCH = {"rows": 32, "warps": 4, "stages": 2, "tile": 64, "depth": 64, "split": 0}
-DECODE_LAUNCH = {"rows": 32, "warps": 4, "stages": 2, "tile": 64, "depth": 32, "split": 0}
+#: Each direction's launch: rows per tile, warps per program, software-pipelining depth, outputs
+#: per program ("tile", the largest power of two up to it dividing the block) and programs a
+#: multiprocessor ("spread": the programs of each (plane, block, outputs) share its row tiles):
+#: the fastest of a sweep on an H200 (benchmarks/profile_fixed_rotation.py --configs, 8 blocks of
+#: 128, 32 x 2 x 8192 x 1024 values).  At 128 rows and 4 warps the accumulators spill
+#: (benchmarks/rotation_registers.py).  Dicts, so that the sweep can set them.
+ENCODE_LAUNCH = {"rows": 64, "warps": 4, "stages": 2, "tile": 64, "spread": 1}
+DECODE_LAUNCH = {"rows": 64, "warps": 4, "stages": 2, "tile": 64, "spread": 1}
 #: The blocks the kernels take: MIN_BLOCK channels at least (the matrix units' tiles), and at most
-#: MAX_BLOCK: one full 1024-channel block ran slower than cuBLAS's float64 product on the H200
-#: (the first version of these kernels: 25.0 / 22.6 ms against 21.9 / 22.0 ms,
-#: docs/results/2026-12-02d_fixed_rotation_2c02488.txt), which then stays the way; not yet
-#: measured again with the int32 accumulators.
+#: MAX_BLOCK, whose digit tiles a program holds in registers.  Past it cuBLAS's float64 product
+#: (fixed_rotation.block_product) takes the rotation; kernels that stream the digit tiles instead
+#: ran a full 1024-channel block in 17.6 / 16.2 ms against its 21.7 / 22.1 ms
+#: (docs/results/2026-12-03_rotation_block1024_8df696f.txt): not taken up yet.
 MIN_BLOCK = 32
 MAX_BLOCK = 128
 
@@ -93,13 +94,9 @@ def runs_on(device: torch.device) -> bool:
 
 def supports(block: int) -> bool:
     """True when a rotation of diagonal blocks of ``block`` channels runs here (the matrix
-    units take tiles of at least MIN_BLOCK channels; past MAX_BLOCK cuBLAS's float64 product is
-    faster)."""
-    return _can_run(block) and block <= MAX_BLOCK
-
-
-def _can_run(block: int) -> bool:
-    return triton is not None and block >= MIN_BLOCK and block % MIN_BLOCK == 0
+    units take tiles of at least MIN_BLOCK channels; a program holds a block's digit tiles in
+    registers, up to MAX_BLOCK channels)."""
+    return triton is not None and MIN_BLOCK <= block <= MAX_BLOCK and block % MIN_BLOCK == 0
 
 
 def _tile(block: int, tile: int) -> int:
@@ -130,35 +127,15 @@ def column_sums(rint_t: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _program_rows(T, n, t_first, C: tl.constexpr, H: tl.constexpr, BM: tl.constexpr, SPLIT: tl.constexpr):
-        """This program's plane, rows (t - t_first), which are live, their first words' offsets,
-        and its diagonal blocks [h_first, h_end): with SPLIT one per program (grid axis 2), else
-        every block of its rows."""
-        p = tl.program_id(1)
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        row_at = (p.to(tl.int64) * T + t_first + rows) * C
-        h_first = tl.program_id(2) if SPLIT else 0
-        h_end = h_first + 1 if SPLIT else H
-        return p, rows < n, row_at, h_first, h_end
-
-    @triton.jit
     def _load_values(x_ptr, at, live, BF16_WORDS: tl.constexpr):
         """float32 values at offsets ``at`` of the live rows (0 elsewhere): float32 words, or
         bfloat16 words widened exactly."""
         if BF16_WORDS:
-            w = tl.load(x_ptr + at, mask=live[:, None], other=0).to(tl.int32)
+            w = tl.load(x_ptr + at, mask=live, other=0).to(tl.int32)
             v = ((w & 0xFFFF) << 16).to(tl.float32, bitcast=True)
         else:
-            v = tl.load(x_ptr + at, mask=live[:, None], other=0.0)
+            v = tl.load(x_ptr + at, mask=live, other=0.0)
         return v
-
-    @triton.jit
-    def _digit_tiles(r_ptr, plane_digits, p, h, k0, n0, H: tl.constexpr, D: tl.constexpr, BK: tl.constexpr,
-                     BN: tl.constexpr):
-        """The [BK, BN] tiles of digits r0 and r1 of block h of plane p, from row k0, column n0."""
-        r_at = (((p.to(tl.int64) * H + h) * D + k0 + tl.arange(0, BK))[:, None] * D
-                + (n0 + tl.arange(0, BN))[None, :])
-        return tl.load(r_ptr + r_at), tl.load(r_ptr + plane_digits + r_at)
 
     @triton.jit
     def _nearest_integer(t):
@@ -168,145 +145,66 @@ if triton is not None:
         return (t + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
 
     @triton.jit
-    def _rotate_rows_kernel(x_ptr, r_ptr, y_ptr, T, n, t_first, plane_digits,
-                            C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
-                            BN: tl.constexpr, BK: tl.constexpr, BF16_WORDS: tl.constexpr,
-                            XB: tl.constexpr, RB: tl.constexpr, SPLIT: tl.constexpr):
-        p, live, row_at, h_first, h_end = _program_rows(T, n, t_first, C, H, BM, SPLIT)
-        ks = tl.arange(0, BK)
-        # the rows' largest magnitudes (their float32 bits), over every channel
-        top = tl.zeros([BM], dtype=tl.int32)
-        for c0 in range(0, C, BK):
-            bits = _load_values(x_ptr, row_at[:, None] + (c0 + ks)[None, :], live, BF16_WORDS).to(tl.int32,
-                                                                                                  bitcast=True)
-            top = tl.maximum(top, tl.max(bits & 0x7FFFFFFF, axis=1))
-        e = ((top >> 23) & 0xFF) - 126  # max |x| < 2^e (fixed_rotation.row_exponent)
-        # 2^(XB - e) as two float32 powers of two (each normal: XB - e is in [-108, 146]), so that
-        # v x scale_a x scale_b is exact in float32 (a product that would lose bits underflows,
-        # and then rounds to the integer 0 either way); 2^(e - XB - RB), normal in float64
-        sa = (XB - e) >> 1
-        scale_a = ((127 + sa) << 23).to(tl.float32, bitcast=True)
-        scale_b = ((127 + XB - e - sa) << 23).to(tl.float32, bitcast=True)
-        back = ((1023 - XB - RB + e).to(tl.int64) << 52).to(tl.float64, bitcast=True)
-        ns = tl.arange(0, BN)
-        for h in range(h_first, h_end):
-            for n0 in range(0, D, BN):
-                # the digits' products summed by their weight 2^0, 2^8, 2^16, 2^24 (exact in
-                # int32 over a whole block of at most 128 channels: see the module's bounds)
-                p0 = tl.zeros([BM, BN], dtype=tl.int32)
-                p8 = tl.zeros([BM, BN], dtype=tl.int32)
-                p16 = tl.zeros([BM, BN], dtype=tl.int32)
-                p24 = tl.zeros([BM, BN], dtype=tl.int32)
-                for k0 in range(0, D, BK):
-                    v = _load_values(x_ptr, row_at[:, None] + (h * D + k0 + ks)[None, :], live, BF16_WORDS)
-                    X = _nearest_integer((v * scale_a[:, None]) * scale_b[:, None])
-                    d0 = ((X + 128) & 255) - 128
-                    X = (X - d0) >> 8
-                    d1 = ((X + 128) & 255) - 128
-                    a2 = ((X - d1) >> 8).to(tl.int8)
-                    a0 = d0.to(tl.int8)
-                    a1 = d1.to(tl.int8)
-                    r0, r1 = _digit_tiles(r_ptr, plane_digits, p, h, k0, n0, H, D, BK, BN)
-                    p0 = tl.dot(a0, r0, p0, out_dtype=tl.int32)
-                    p8 = tl.dot(a1, r0, tl.dot(a0, r1, p8, out_dtype=tl.int32), out_dtype=tl.int32)
-                    p16 = tl.dot(a2, r0, tl.dot(a1, r1, p16, out_dtype=tl.int32), out_dtype=tl.int32)
-                    p24 = tl.dot(a2, r1, p24, out_dtype=tl.int32)
-                acc = (p0.to(tl.int64) + (p8.to(tl.int64) << 8) + (p16.to(tl.int64) << 16)
-                       + (p24.to(tl.int64) << 24))
-                y = (acc.to(tl.float64) * back[:, None]).to(tl.float32)
-                out_at = row_at[:, None] + (h * D + n0 + ns)[None, :]
-                tl.store(y_ptr + out_at, y, mask=live[:, None])
-
-    @triton.jit
-    def _unrotate_values_kernel(z_ptr, r_ptr, sums_ptr, steps_ptr, b_ptr, out_ptr, T, n, t_first,
-                                plane_digits, C: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                                BF16_OUT: tl.constexpr, F32_MAX: tl.constexpr, SPLIT: tl.constexpr):
-        p, live, row_at, h_first, h_end = _program_rows(T, n, t_first, C, H, BM, SPLIT)
-        ks = tl.arange(0, BK)
-        ns = tl.arange(0, BN)
-        # A x 256 x s 2^-14 / 256: the step times 2^-22 (exact: a power of two)
-        unit = tl.load(steps_ptr + p) * 2.384185791015625e-07
-        for h in range(h_first, h_end):
-            for n0 in range(0, D, BN):
-                cols = h * D + n0 + ns
-                p0 = tl.zeros([BM, BN], dtype=tl.int32)
-                p8 = tl.zeros([BM, BN], dtype=tl.int32)
-                p16 = tl.zeros([BM, BN], dtype=tl.int32)
-                for k0 in range(0, D, BK):
-                    q = _load_values(z_ptr, row_at[:, None] + (h * D + k0 + ks)[None, :], live, False)
-                    Q = _nearest_integer(q * 256.0) - 1  # exact: 256 q' is an integer
-                    g0 = ((Q + 128) & 255) - 128
-                    a1 = ((Q - g0) >> 8).to(tl.int8)
-                    a0 = g0.to(tl.int8)
-                    r0, r1 = _digit_tiles(r_ptr, plane_digits, p, h, k0, n0, H, D, BK, BN)
-                    p0 = tl.dot(a0, r0, p0, out_dtype=tl.int32)
-                    p8 = tl.dot(a1, r0, tl.dot(a0, r1, p8, out_dtype=tl.int32), out_dtype=tl.int32)
-                    p16 = tl.dot(a1, r1, p16, out_dtype=tl.int32)
-                acc = (tl.load(sums_ptr + p * C + cols)[None, :] + p0.to(tl.int64) + (p8.to(tl.int64) << 8)
-                       + (p16.to(tl.int64) << 16))
-                b = tl.load(b_ptr + p * C + cols)
-                v = acc.to(tl.float64) * unit + b[None, :]
-                v = tl.minimum(tl.maximum(v, -F32_MAX), F32_MAX).to(tl.float32)
-                out_at = row_at[:, None] + cols[None, :]
-                if BF16_OUT:
-                    # bfloat16 bits rounded to nearest even; an infinity becomes the largest
-                    # finite value (cuda_pipeline._make_fixed_values' words)
-                    u = v.to(tl.int32, bitcast=True)
-                    wb = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-                    wb = tl.where((wb & 0x7FFF) == 0x7F80, wb - 1, wb)
-                    wb = tl.where(wb >= 32768, wb - 65536, wb)
-                    tl.store(out_ptr + out_at, wb.to(tl.int16), mask=live[:, None])
-                else:
-                    tl.store(out_ptr + out_at, v, mask=live[:, None])
-
-
-if triton is not None:
-
-    @triton.jit
     def _row_exponents_kernel(x_ptr, e_ptr, T, n, t_first, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                               BF16_WORDS: tl.constexpr):
-        """e[p, t - t_first] with max |x| < 2^e over row t of plane p (fixed_rotation.row_exponent)."""
-        p, live, row_at, _, _ = _program_rows(T, n, t_first, C, 1, BM, False)
+        """e[p, t - t_first] = fixed_rotation.row_exponent of row t of plane p (max |x| < 2^e, over
+        every channel): one program per BM rows of a plane."""
+        p = tl.program_id(1)
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        live = rows < n
+        row_at = (p.to(tl.int64) * T + t_first + rows) * C
         ks = tl.arange(0, BK)
         top = tl.zeros([BM], dtype=tl.int32)
         for c0 in range(0, C, BK):
-            bits = _load_values(x_ptr, row_at[:, None] + (c0 + ks)[None, :], live, BF16_WORDS).to(tl.int32,
-                                                                                                  bitcast=True)
+            at = row_at[:, None] + (c0 + ks)[None, :]
+            bits = _load_values(x_ptr, at, live[:, None] & ((c0 + ks) < C)[None, :], BF16_WORDS).to(tl.int32,
+                                                                                                 bitcast=True)
             top = tl.maximum(top, tl.max(bits & 0x7FFFFFFF, axis=1))
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
         tl.store(e_ptr + p.to(tl.int64) * n + rows, ((top >> 23) & 0xFF) - 126, mask=live)
 
     @triton.jit
-    def _resident_part(r_ptr, plane_digits, H: tl.constexpr, D: tl.constexpr, BN: tl.constexpr):
-        """This program's plane p, diagonal block h and outputs n0 .. n0 + BN, and the [D, BN]
-        digit tiles r0, r1 of that block's columns: loaded once, kept for every row tile."""
+    def _kept_tiles(r_ptr, plane_digits, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr):
+        """This program's plane p, diagonal block h and outputs n0 .. n0 + BN, and the [DP, BN]
+        digit tiles r0, r1 of that block's columns (rows past D, when D is not a power of two,
+        are zeros): loaded once, kept for every row tile."""
         NT: tl.constexpr = D // BN
         q = tl.program_id(1)
         n0 = (q % NT) * BN
         h = (q // NT) % H
         p = q // (NT * H)
-        r_at = (((p.to(tl.int64) * H + h) * D + tl.arange(0, D))[:, None] * D + (n0 + tl.arange(0, BN))[None, :])
-        return p, h, n0, tl.load(r_ptr + r_at), tl.load(r_ptr + plane_digits + r_at)
+        ks = tl.arange(0, DP)
+        r_at = (((p.to(tl.int64) * H + h) * D + ks)[:, None] * D + (n0 + tl.arange(0, BN))[None, :])
+        inside = (ks < D)[:, None]
+        return (p, h, n0, tl.load(r_ptr + r_at, mask=inside, other=0),
+                tl.load(r_ptr + plane_digits + r_at, mask=inside, other=0))
 
     @triton.jit
-    def _rotate_rows_resident_kernel(x_ptr, e_ptr, r_ptr, y_ptr, T, n, t_first, plane_digits, tiles,
-                                     C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
-                                     BN: tl.constexpr, BF16_WORDS: tl.constexpr, XB: tl.constexpr,
-                                     RB: tl.constexpr):
-        p, h, n0, r0, r1 = _resident_part(r_ptr, plane_digits, H, D, BN)
-        ks = tl.arange(0, D)
+    def _tile_rows(p, tt, n, t_first, T, C: tl.constexpr, BM: tl.constexpr):
+        """Row tile tt of plane p: its rows (t - t_first), which are live, their first words."""
+        rows = tt * BM + tl.arange(0, BM)
+        return rows, rows < n, (p.to(tl.int64) * T + t_first + rows) * C
+
+    @triton.jit
+    def _rotate_rows_kernel(x_ptr, e_ptr, r_ptr, y_ptr, T, n, t_first, plane_digits, tiles,
+                            C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                            BM: tl.constexpr, BN: tl.constexpr, BF16_WORDS: tl.constexpr, XB: tl.constexpr,
+                            RB: tl.constexpr):
+        p, h, n0, r0, r1 = _kept_tiles(r_ptr, plane_digits, H, D, DP, BN)
+        ks = tl.arange(0, DP)
         ns = tl.arange(0, BN)
         for tt in range(tl.program_id(0), tiles, tl.num_programs(0)):
-            rows = tt * BM + tl.arange(0, BM)
-            live = rows < n
-            row_at = (p.to(tl.int64) * T + t_first + rows) * C
+            rows, live, row_at = _tile_rows(p, tt, n, t_first, T, C, BM)
             e = tl.load(e_ptr + p.to(tl.int64) * n + rows, mask=live, other=0)
+            # 2^(XB - e) as two float32 powers of two (each normal: XB - e is in [-108, 146]), so
+            # that v x scale_a x scale_b is exact in float32 (a product that would lose bits
+            # underflows, and then rounds to the integer 0 either way); 2^(e - XB - RB), normal
+            # in float64
             sa = (XB - e) >> 1
             scale_a = ((127 + sa) << 23).to(tl.float32, bitcast=True)
             scale_b = ((127 + XB - e - sa) << 23).to(tl.float32, bitcast=True)
             back = ((1023 - XB - RB + e).to(tl.int64) << 52).to(tl.float64, bitcast=True)
-            v = _load_values(x_ptr, row_at[:, None] + (h * D + ks)[None, :], live, BF16_WORDS)
+            v = _load_values(x_ptr, row_at[:, None] + (h * D + ks)[None, :], live[:, None] & (ks < D)[None, :],
+                             BF16_WORDS)
             X = _nearest_integer((v * scale_a[:, None]) * scale_b[:, None])
             d0 = ((X + 128) & 255) - 128
             X = (X - d0) >> 8
@@ -314,6 +212,8 @@ if triton is not None:
             a2 = ((X - d1) >> 8).to(tl.int8)
             a0 = d0.to(tl.int8)
             a1 = d1.to(tl.int8)
+            # the digits' products summed by their weight 2^0, 2^8, 2^16, 2^24 (exact in int32
+            # over a whole block of at most 128 channels: see the module's bounds)
             p0 = tl.dot(a0, r0, out_dtype=tl.int32)
             p8 = tl.dot(a1, r0, tl.dot(a0, r1, out_dtype=tl.int32), out_dtype=tl.int32)
             p16 = tl.dot(a2, r0, tl.dot(a1, r1, out_dtype=tl.int32), out_dtype=tl.int32)
@@ -324,36 +224,40 @@ if triton is not None:
             tl.store(y_ptr + row_at[:, None] + (h * D + n0 + ns)[None, :], y, mask=live[:, None])
 
     @triton.jit
-    def _unrotate_values_resident_kernel(z_ptr, r_ptr, sums_ptr, steps_ptr, b_ptr, out_ptr, T, n, t_first,
-                                         plane_digits, tiles, C: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                                         BM: tl.constexpr, BN: tl.constexpr, BF16_OUT: tl.constexpr,
-                                         F32_MAX: tl.constexpr, Z_WORDS: tl.constexpr):
-        p, h, n0, r0, r1 = _resident_part(r_ptr, plane_digits, H, D, BN)
-        ks = tl.arange(0, D)
+    def _unrotate_values_kernel(z_ptr, r_ptr, sums_ptr, steps_ptr, b_ptr, out_ptr, T, n, t_first, plane_digits,
+                                tiles, C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                                BM: tl.constexpr, BN: tl.constexpr, BF16_OUT: tl.constexpr, F32_MAX: tl.constexpr,
+                                LEVEL_WORDS: tl.constexpr):
+        p, h, n0, r0, r1 = _kept_tiles(r_ptr, plane_digits, H, D, DP, BN)
+        ks = tl.arange(0, DP)
         cols = h * D + n0 + tl.arange(0, BN)
+        # A x 256 x s 2^-14 / 256: the step times 2^-22 (exact: a power of two)
         unit = tl.load(steps_ptr + p) * 2.384185791015625e-07
         sums = tl.load(sums_ptr + p * C + cols)
         b = tl.load(b_ptr + p * C + cols)
         for tt in range(tl.program_id(0), tiles, tl.num_programs(0)):
-            rows = tt * BM + tl.arange(0, BM)
-            live = rows < n
-            row_at = (p.to(tl.int64) * T + t_first + rows) * C
-            if Z_WORDS:  # Q = 256 q' - 1 as int16 (cuda_pipeline.dequantize's levels words)
-                Q = tl.load(z_ptr + row_at[:, None] + (h * D + ks)[None, :], mask=live[:, None], other=0).to(tl.int32)
+            rows, live, row_at = _tile_rows(p, tt, n, t_first, T, C, BM)
+            at = row_at[:, None] + (h * D + ks)[None, :]
+            inside = live[:, None] & (ks < D)[None, :]
+            if LEVEL_WORDS:  # Q = 256 q' - 1 as int16 words (cuda_pipeline.dequantize's levels)
+                Q = tl.load(z_ptr + at, mask=inside, other=0).to(tl.int32)
             else:
-                q = tl.load(z_ptr + row_at[:, None] + (h * D + ks)[None, :], mask=live[:, None], other=0.0)
-                Q = _nearest_integer(q * 256.0) - 1  # exact: 256 q' is an integer
+                Q = _nearest_integer(tl.load(z_ptr + at, mask=inside, other=0.0) * 256.0) - 1  # exact
             g0 = ((Q + 128) & 255) - 128
             a1 = ((Q - g0) >> 8).to(tl.int8)
             a0 = g0.to(tl.int8)
             p0 = tl.dot(a0, r0, out_dtype=tl.int32)
             p8 = tl.dot(a1, r0, tl.dot(a0, r1, out_dtype=tl.int32), out_dtype=tl.int32)
             p16 = tl.dot(a1, r1, out_dtype=tl.int32)
+            # a row past D (zero digits) adds nothing; the 1 taken off each level comes back as
+            # the column sums
             acc = sums[None, :] + p0.to(tl.int64) + (p8.to(tl.int64) << 8) + (p16.to(tl.int64) << 16)
             v = acc.to(tl.float64) * unit + b[None, :]
             v = tl.minimum(tl.maximum(v, -F32_MAX), F32_MAX).to(tl.float32)
             out_at = row_at[:, None] + cols[None, :]
             if BF16_OUT:
+                # bfloat16 bits rounded to nearest even; an infinity becomes the largest finite
+                # value (cuda_pipeline._make_fixed_values' words)
                 u = v.to(tl.int32, bitcast=True)
                 wb = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
                 wb = tl.where((wb & 0x7FFF) == 0x7F80, wb - 1, wb)
@@ -363,12 +267,16 @@ if triton is not None:
                 tl.store(out_ptr + out_at, v, mask=live[:, None])
 
 
-def _row_programs(n: int, rows: int, parts: int, per_sm: int) -> tuple[int, int]:
-    """(row tiles, programs along the rows of each part) for a resident launch: about per_sm
-    programs a multiprocessor over all parts, none without a tile."""
-    tiles = triton.cdiv(n, rows)
+def _launch(n: int, D: int, parts_before: int, go: dict) -> tuple[int, int, int, int]:
+    """(BN, DP, row tiles, grid): go's outputs per program, the block padded to a power of two,
+    and programs for ``parts_before`` x blocks' tiles of outputs, about go["spread"] a
+    multiprocessor, each tile of rows taken by one of them."""
+    tile = _tile(D, go["tile"])
+    parts = parts_before * (D // tile)
+    tiles = triton.cdiv(n, go["rows"])
     sms = 1 if INTERPRETED else torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    return tiles, max(1, min(tiles, -(-per_sm * sms // parts)))
+    along = max(1, min(tiles, -(-go["spread"] * sms // parts)))
+    return tile, triton.next_power_of_2(D), tiles, (along, parts)
 
 
 def _check(t: torch.Tensor, name: str, dtypes: tuple, ndim: int) -> None:
@@ -385,61 +293,44 @@ def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Te
     _check(y, "y", (torch.float32,), 4)
     L, K, T, C = x.shape
     _, _, _, H, D, _ = digits.shape
-    if H * D != C or tuple(y.shape) != (L, K, T, C) or not _can_run(D):
+    if H * D != C or tuple(y.shape) != (L, K, T, C) or not supports(D):
         raise ValueError(f"rotate_rows: blocks {H} x {D} for {C} channels")
     n = T - t_first
     if n <= 0 or L * K == 0:
         return
+    e = torch.empty((L * K, n), dtype=torch.int32, device=x.device)
+    bf16 = x.dtype == torch.int16
+    _row_exponents_kernel[(triton.cdiv(n, 32), L * K)](x, e, T, n, t_first, C=C, BM=32,
+                                                        BK=min(128, triton.next_power_of_2(C)), BF16_WORDS=bf16,
+                                                        num_warps=4)
     go = ENCODE_LAUNCH
-    tile = _tile(D, go["tile"])
-    if go.get("resident"):
-        e = torch.empty((L * K, n), dtype=torch.int32, device=x.device)
-        _row_exponents_kernel[(triton.cdiv(n, 32), L * K)](x, e, T, n, t_first, C=C, BM=32, BK=_tile(C, 128),
-                                                            BF16_WORDS=x.dtype == torch.int16, num_warps=4)
-        parts = L * K * H * (D // tile)
-        tiles, along = _row_programs(n, go["rows"], parts, go["resident"])
-        _rotate_rows_resident_kernel[(along, parts)](x, e, digits, y, T, n, t_first, digits[0].numel(), tiles, C=C,
-                                                     H=H, D=D, BM=go["rows"], BN=tile,
-                                                     BF16_WORDS=x.dtype == torch.int16, XB=X_BITS, RB=R_BITS,
-                                                     num_warps=go["warps"], num_stages=go["stages"])
-        return
-    grid = (triton.cdiv(n, go["rows"]), L * K, H if go["split"] else 1)
-    _rotate_rows_kernel[grid](x, digits, y, T, n, t_first, digits[0].numel(), C=C, H=H, D=D, BM=go["rows"],
-                              BN=tile, BK=_tile(D, go["depth"]), BF16_WORDS=x.dtype == torch.int16, XB=X_BITS, RB=R_BITS,
-                              SPLIT=bool(go["split"]), num_warps=go["warps"], num_stages=go["stages"])
+    tile, DP, tiles, grid = _launch(n, D, L * K * H, go)
+    _rotate_rows_kernel[grid](x, e, digits, y, T, n, t_first, digits[0].numel(), tiles, C=C, H=H, D=D, DP=DP,
+                              BM=go["rows"], BN=tile, BF16_WORDS=bf16, XB=X_BITS, RB=R_BITS, num_warps=go["warps"],
+                              num_stages=go["stages"])
 
 
 def unrotate_values(z: torch.Tensor, digits_t: torch.Tensor, sums: torch.Tensor, steps: torch.Tensor,
                     b: torch.Tensor, t_first: int, out: torch.Tensor) -> None:
     """out[:, :, t] = x' of the levels q' in z[:, :, t] for t >= t_first (fixed_rotation.
-    unrotate_values' values): z float32 [L, 2, T, C]; digits_t: rotation_digits of the decoder's
+    unrotate_values' values): z float32 [L, 2, T, C], the levels q', or int16 words 256 q' - 1
+    (cuda_pipeline.dequantize's levels words); digits_t: rotation_digits of the decoder's
     (transposed) blocks; sums: column_sums of those blocks; steps float64 [L, 2]; b float64
     [L, 2, C] (offset_sums); out float32, or int16 for bfloat16 words (saturating), [L, 2, T, C]."""
     _check(z, "z", (torch.float32, torch.int16), 4)
     _check(out, "out", (torch.float32, torch.int16), 4)
     L, K, T, C = z.shape
     _, _, _, H, D, _ = digits_t.shape
-    if H * D != C or tuple(out.shape) != (L, K, T, C) or not _can_run(D):
+    if H * D != C or tuple(out.shape) != (L, K, T, C) or not supports(D):
         raise ValueError(f"unrotate_values: blocks {H} x {D} for {C} channels")
     n = T - t_first
     if n <= 0 or L * K == 0:
         return
     go = DECODE_LAUNCH
-    tile = _tile(D, go["tile"])
+    tile, DP, tiles, grid = _launch(n, D, L * K * H, go)
     steps = steps.to(torch.float64).contiguous()
     b = b.to(torch.float64).contiguous()
-    if go.get("resident"):
-        parts = L * K * H * (D // tile)
-        tiles, along = _row_programs(n, go["rows"], parts, go["resident"])
-        _unrotate_values_resident_kernel[(along, parts)](z, digits_t, sums, steps, b, out, T, n, t_first,
-                                                         digits_t[0].numel(), tiles, C=C, H=H, D=D, BM=go["rows"],
-                                                         BN=tile, BF16_OUT=out.dtype == torch.int16, F32_MAX=_F32_MAX,
-                                                         Z_WORDS=z.dtype == torch.int16, num_warps=go["warps"],
-                                                         num_stages=go["stages"])
-        return
-    grid = (triton.cdiv(n, go["rows"]), L * K, H if go["split"] else 1)
-    _unrotate_values_kernel[grid](z, digits_t, sums, steps, b, out, T, n, t_first, digits_t[0].numel(), C=C, H=H,
-                                  D=D, BM=go["rows"], BN=tile, BK=_tile(D, go["depth"]), BF16_OUT=out.dtype == torch.int16,
-                                  F32_MAX=_F32_MAX, SPLIT=bool(go["split"]), num_warps=go["warps"], num_stages=go["stages"])
-
-
+    _unrotate_values_kernel[grid](z, digits_t, sums, steps, b, out, T, n, t_first, digits_t[0].numel(), tiles, C=C,
+                                  H=H, D=D, DP=DP, BM=go["rows"], BN=tile, BF16_OUT=out.dtype == torch.int16,
+                                  F32_MAX=_F32_MAX, LEVEL_WORDS=z.dtype == torch.int16, num_warps=go["warps"],
+                                  num_stages=go["stages"])

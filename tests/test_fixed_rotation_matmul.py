@@ -33,6 +33,7 @@ def _rows(rng, L, T, C, dtype):
 
 @pytest.mark.parametrize("L, T, H, D, S, dtype, seed", [
     (2, 70, 2, 32, 3, torch.float32, 1), (1, 130, 1, 64, 0, torch.bfloat16, 2), (1, 40, 4, 32, 5, torch.bfloat16, 3),
+    (1, 30, 2, 96, 1, torch.bfloat16, 4),  # a block of 96: the kernels pad it to 128 with zero digits
 ])
 def test_encoder_rows_are_the_cpu_bits(L, T, H, D, S, dtype, seed):
     rng = np.random.default_rng(seed)
@@ -57,10 +58,10 @@ def test_encoder_rows_are_the_cpu_bits(L, T, H, D, S, dtype, seed):
     assert (got[:, :, :S] == 7.0).all(), "rows before t_first are not written"
 
 
-@pytest.mark.parametrize("bf16_out", [False, True])
-def test_decoder_values_are_the_cpu_bits_at_the_levels_bounds(bf16_out):
+@pytest.mark.parametrize("bf16_out, D", [(False, 32), (True, 32), (False, 96)])
+def test_decoder_values_are_the_cpu_bits_at_the_levels_bounds(bf16_out, D):
     rng = np.random.default_rng(7)
-    L, T, H, D, S = 2, 67, 2, 32, 2
+    L, T, H, S = 2, 67, 2, 2
     C = H * D
     n = 256  # 8 refinement bits: q' = q + (j - 127) / 256, j in 0..255
     q = rng.integers(-127, 128, (L, 2, T, C)) + (rng.integers(0, n, (L, 2, T, C)) - n / 2 + 1) / n
@@ -103,7 +104,7 @@ def test_digits_rebuild_the_integers():
 
 def test_blocks_the_kernels_take_and_the_switch():
     assert fm.supports(32) and fm.supports(128) and fm.supports(96)
-    assert not fm.supports(16) and not fm.supports(40) and not fm.supports(1024)  # 1024: cuBLAS float64 is faster
+    assert not fm.supports(16) and not fm.supports(40) and not fm.supports(1024)  # 1024: past the registers
     with pytest.raises(ValueError, match="blocks"):
         fm.rotate_rows(torch.zeros(1, 2, 4, 16, device=DEV), torch.zeros(2, 1, 2, 1, 16, 16, dtype=torch.int8,
                        device=DEV), 0, torch.zeros(1, 2, 4, 16, device=DEV))
@@ -118,15 +119,13 @@ def test_the_switch_turns_them_off(monkeypatch):
 
 
 @pytest.mark.parametrize("launch", [
-    {"rows": 32, "warps": 4, "stages": 2, "tile": 32, "depth": 32, "split": 0},  # 4 steps into each accumulator
-    {"rows": 64, "warps": 4, "stages": 1, "tile": 64, "depth": 32, "split": 1},
-    {"rows": 32, "warps": 8, "stages": 2, "tile": 128, "depth": 128, "split": 0},
-    {"rows": 16, "warps": 4, "stages": 1, "tile": 64, "depth": 0, "split": 0, "resident": 1},  # tiles of rows looped
-    {"rows": 32, "warps": 8, "stages": 2, "tile": 128, "depth": 0, "split": 0, "resident": 4},
+    {"rows": 16, "warps": 4, "stages": 1, "tile": 32, "spread": 1},  # one program a part: 3 row tiles each
+    {"rows": 32, "warps": 4, "stages": 2, "tile": 64, "spread": 2},
+    {"rows": 64, "warps": 8, "stages": 2, "tile": 128, "spread": 64},  # more programs than row tiles
 ])
 def test_every_launch_shape_gives_the_same_bits(monkeypatch, launch):
-    """Steps over a block's channels accumulate into the same int32 sums, tiles of outputs and
-    split launches cover every value: the CPU's bits whatever the launch (the sweep's shapes)."""
+    """Tiles of outputs and of rows, shared by one or many programs, cover every value: the
+    CPU's bits whatever the launch (the sweep's shapes), from float32 levels or int16 words."""
     monkeypatch.setattr(fm, "ENCODE_LAUNCH", launch)
     monkeypatch.setattr(fm, "DECODE_LAUNCH", launch)
     rng = np.random.default_rng(11)
@@ -156,9 +155,9 @@ def test_every_launch_shape_gives_the_same_bits(monkeypatch, launch):
     fm.unrotate_values(torch.from_numpy(q).to(DEV), fm.rotation_digits(rt), fm.column_sums(rt), steps.to(DEV),
                        torch.from_numpy(b).to(DEV), S, out)
     assert np.array_equal(out.cpu().numpy()[:, :, S:].view(np.int32), want_v[:, :, S:].view(np.int32))
-    if launch.get("resident"):  # the levels as int16 words Q = 256 q' - 1 (dequantize's), the same values
-        words = torch.from_numpy((q.astype(np.float64) * 256 - 1).astype(np.int16)).to(DEV)
-        out.zero_()
-        fm.unrotate_values(words, fm.rotation_digits(rt), fm.column_sums(rt), steps.to(DEV),
-                           torch.from_numpy(b).to(DEV), S, out)
-        assert np.array_equal(out.cpu().numpy()[:, :, S:].view(np.int32), want_v[:, :, S:].view(np.int32))
+    # the levels as int16 words Q = 256 q' - 1 (dequantize's): the same values
+    words = torch.from_numpy((q.astype(np.float64) * 256 - 1).astype(np.int16)).to(DEV)
+    out.zero_()
+    fm.unrotate_values(words, fm.rotation_digits(rt), fm.column_sums(rt), steps.to(DEV), torch.from_numpy(b).to(DEV),
+                       S, out)
+    assert np.array_equal(out.cpu().numpy()[:, :, S:].view(np.int32), want_v[:, :, S:].view(np.int32))

@@ -678,8 +678,11 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
     nraw = h.raw_bytes_per_value
     rotated = rot_t is not None
     rope = None if lossless else p.rope
-    if lossless or (dtype == torch.bfloat16 and not rotated and rope is None):
-        words = _empty((L, 2, T, C), torch.int16 if ITEMSIZE[h.dtype] == 2 else torch.int32, dev)
+    # the levels q' as int16 words 256 q' - 1 for the matrix units' product (half the bytes of
+    # float32 levels, written once and read once)
+    level_words = rotated and h.fixed_rotation and digits is not None
+    if lossless or level_words or (dtype == torch.bfloat16 and not rotated and rope is None):
+        words = _empty((L, 2, T, C), torch.int16 if level_words or ITEMSIZE[h.dtype] == 2 else torch.int32, dev)
     else:
         # float32 bits; float16 files are cast after, rotated ones rotated back first
         words = _empty((L, 2, T, C), torch.int32, dev)
@@ -700,7 +703,7 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
         steps_f = torch.ones_like(file_steps)
     k.dequantize(_nb(sym.view(_TORCH_WORD[V])), _nb(modes_d), _nb(lo_eff), ct, not lossless, S, _nb(offsets_f),
                  _nb(steps_f), r0, bits, blob_nb, _nb(raw_at_d), nraw, out_bytes,
-                 _nb(words.view(_TORCH_WORD[V * out_bytes])), _nb(tables_bad[1:]))
+                 _nb(words.view(_TORCH_WORD[V * out_bytes])), _nb(tables_bad[1:]), levels=level_words)
     if lossless:
         data = words.view(dtype)
     elif rotated or rope is not None:
@@ -715,7 +718,7 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
             if digits is not None:
                 from ..kernels import fixed_rotation_matmul as fm
 
-                fm.unrotate_values(words.view(torch.float32), digits[0], digits[1], file_steps, b_d, S, data)
+                fm.unrotate_values(words, digits[0], digits[1], file_steps, b_d, S, data)
                 del words
             else:
                 from ..kernels.fixed_rotation import block_product
