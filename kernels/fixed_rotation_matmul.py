@@ -31,13 +31,13 @@ a program's registers within the GPU's 255 a thread (the first version spilled: 
 
 Who does what: a program owns one plane, one diagonal block and BN of its outputs; it loads that
 block's [D, BN] digit tiles once and keeps them in registers while it walks tiles of BM rows
-(every ``spread``-th tile of the plane): digits of the [BM, D] tile of values times the kept
+(tiles i, i + P, i + 2P, ... of the plane, P the programs that share them): digits of the [BM, D] tile of values times the kept
 tiles, summed exactly, then scaled to float32 (or, decoding, stepped, offset, saturated, and
 optionally rounded to bfloat16 words).  The encoder's rows' exponents (their largest magnitude
 over every channel, which a program of one block does not see) come from a pass before it, one
 program per 32 rows.  Adjacent lanes load adjacent channels of a row.  (The kernels before these
 walked every block of their rows and re-read the digit tiles, 4 bytes of them a value, from
-the L2 cache: 3.49 / 4.37 ms against 2.42 / 2.46 ms, docs/results/2026-12-03_rotation_resident_8df696f.txt.)
+the L2 cache: 3.49 / 4.37 ms against 2.42 / 2.46 ms on an H200, docs/results/2026-12-03_rotation_resident_8df696f.txt.)
 
 The host wrappers take torch tensors on one device; under numba's simulator the tests run the
 same kernels through Triton's interpreter (TRITON_INTERPRET=1) on CPU tensors.
@@ -64,11 +64,14 @@ _F32_MAX = 3.4028234663852886e38
 #: Each direction's launch: rows per tile, warps per program, software-pipelining depth, outputs
 #: per program ("tile", the largest power of two up to it dividing the block) and programs a
 #: multiprocessor ("spread": the programs of each (plane, block, outputs) share its row tiles):
-#: the fastest of a sweep on an H200 (benchmarks/profile_fixed_rotation.py --configs, 8 blocks of
-#: 128, 32 x 2 x 8192 x 1024 values).  At 128 rows and 4 warps the accumulators spill
-#: (benchmarks/rotation_registers.py).  Dicts, so that the sweep can set them.
-ENCODE_LAUNCH = {"rows": 64, "warps": 4, "stages": 2, "tile": 64, "spread": 1}
-DECODE_LAUNCH = {"rows": 64, "warps": 4, "stages": 2, "tile": 64, "spread": 1}
+#: the fastest of a sweep on an H200 (benchmarks/profile_fixed_rotation.py --configs, 2026-12-03
+#: ~07:40 UTC, commit 0c7de16, 8 blocks of 128, 32 x 2 x 8192 x 1024 values: encode 2.11 ms with
+#: the exponents' pass, decode 2.13 ms from int16 levels, against 7.84 / 8.07 ms for the float64
+#: path; docs/results/2026-12-03_rotation_sweep_0c7de16.txt).  At 128 rows and 4 warps the
+#: accumulators spill, and 8 warps ran slower (benchmarks/rotation_registers.py).  Dicts, so that
+#: the sweep can set them.
+ENCODE_LAUNCH = {"rows": 64, "warps": 4, "stages": 3, "tile": 64, "spread": 1}
+DECODE_LAUNCH = {"rows": 64, "warps": 4, "stages": 3, "tile": 64, "spread": 1}
 #: The blocks the kernels take: MIN_BLOCK channels at least (the matrix units' tiles), and at most
 #: MAX_BLOCK, whose digit tiles a program holds in registers.  Past it cuBLAS's float64 product
 #: (fixed_rotation.block_product) takes the rotation; kernels that stream the digit tiles instead
