@@ -65,7 +65,7 @@ _F32_MAX = 3.4028234663852886e38
 #: per program ("tile", the largest power of two up to it dividing the block) and programs a
 #: multiprocessor ("spread": the programs of each (plane, block, outputs) share its row tiles):
 #: the fastest of a sweep on an H200 (benchmarks/profile_fixed_rotation.py --configs, 2026-12-03
-#: ~07:40 UTC, commit 0c7de16, 8 blocks of 128, 32 x 2 x 8192 x 1024 values: encode 2.11 ms with
+#: ~07:12 UTC, commit 0c7de16, 8 blocks of 128, 32 x 2 x 8192 x 1024 values: encode 2.11 ms with
 #: the exponents' pass, decode 2.13 ms from int16 levels, against 7.84 / 8.07 ms for the float64
 #: path; docs/results/2026-12-03_rotation_sweep_0c7de16.txt).  At 128 rows and 4 warps the
 #: accumulators spill, and 8 warps ran slower (benchmarks/rotation_registers.py).  Dicts, so that
