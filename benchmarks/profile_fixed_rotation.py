@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--configs", default="", help='"rows,warps,stages,tile,spread;..." (both directions)')
+    ap.add_argument("--configs", default="", help='"rows,warps,stages,tile,spread;..." (both directions; past RESIDENT_BLOCK: rows,warps,stages,tile,depth)')
     a = ap.parse_args()
     L, C, H, T, S = 32, 1024, a.blocks, a.tokens, 1
     D = C // H
@@ -92,13 +92,20 @@ def main() -> None:
     configs = [default] if not a.sweep else [(c, c) for c in itertools.product((32, 64, 128), (4, 8), (2,), (64, 128), (1, 2))]
     if a.configs:  # "rows,warps,stages,tile,spread;..." for both directions
         configs = [(c, c) for c in (tuple(int(v) for v in item.split(",")) for item in a.configs.split(";"))]
+    streaming = D > fm.RESIDENT_BLOCK  # the streaming kernels: configs "rows,warps,stages,tile,depth"
+    if streaming and not a.configs:
+        configs = [(tuple(fm.STREAM_ENCODE_LAUNCH.values()), tuple(fm.STREAM_DECODE_LAUNCH.values()))]
     if not fm.supports(D):
         print(f"blocks of {D} channels: past the matrix-unit kernels (fixed_rotation_matmul.MAX_BLOCK)")
         configs = []
     for enc_cfg, dec_cfg in configs:
-        names = ("rows", "warps", "stages", "tile", "spread")
-        fm.ENCODE_LAUNCH, fm.DECODE_LAUNCH = dict(zip(names, enc_cfg)), dict(zip(names, dec_cfg))
-        label = f"encode {enc_cfg} decode {dec_cfg}" if enc_cfg != dec_cfg else f"rows/warps/stages/tile/spread {enc_cfg}"
+        names = ("rows", "warps", "stages", "tile", "depth" if streaming else "spread")
+        if streaming:
+            fm.STREAM_ENCODE_LAUNCH, fm.STREAM_DECODE_LAUNCH = dict(zip(names, enc_cfg)), dict(zip(names, dec_cfg))
+        else:
+            fm.ENCODE_LAUNCH, fm.DECODE_LAUNCH = dict(zip(names, enc_cfg)), dict(zip(names, dec_cfg))
+        label = (f"encode {enc_cfg} decode {dec_cfg}" if enc_cfg != dec_cfg
+                 else f"rows/warps/stages/tile/{names[-1]} {enc_cfg}")
         try:
             y.fill_(1.0)
             out.fill_(7)

@@ -35,7 +35,9 @@ block's [D, BN] digit tiles once and keeps them in registers while it walks tile
 tiles, summed exactly, then scaled to float32 (or, decoding, stepped, offset, saturated, and
 optionally rounded to bfloat16 words).  The encoder's rows' exponents (their largest magnitude
 over every channel, which a program of one block does not see) come from a pass before it, one
-program per 32 rows.  Adjacent lanes load adjacent channels of a row.  (The kernels before these
+program per 32 rows.  Blocks past RESIDENT_BLOCK (a full rotation) do not fit: there one
+program per BM rows walks every block, BN outputs at a time and BK channels a step, reading the
+digit tiles from the L2 cache as it goes.  Adjacent lanes load adjacent channels of a row.  (The kernels before these
 walked every block of their rows and re-read the digit tiles, 4 bytes of them a value, from
 the L2 cache: 3.49 / 4.37 ms against 2.42 / 2.46 ms on an H200, docs/results/2026-12-03_rotation_resident_8df696f.txt.)
 
@@ -72,13 +74,17 @@ _F32_MAX = 3.4028234663852886e38
 #: the sweep can set them.
 ENCODE_LAUNCH = {"rows": 64, "warps": 4, "stages": 3, "tile": 64, "spread": 1}
 DECODE_LAUNCH = {"rows": 64, "warps": 4, "stages": 3, "tile": 64, "spread": 1}
-#: The blocks the kernels take: MIN_BLOCK channels at least (the matrix units' tiles), and at most
-#: MAX_BLOCK, whose digit tiles a program holds in registers.  Past it cuBLAS's float64 product
-#: (fixed_rotation.block_product) takes the rotation; kernels that stream the digit tiles instead
-#: ran a full 1024-channel block in 17.6 / 16.2 ms against its 21.7 / 22.1 ms
-#: (docs/results/2026-12-03_rotation_block1024_8df696f.txt): not taken up yet.
+#: The blocks the kernels take: MIN_BLOCK channels at least (the matrix units' tiles), at most
+#: MAX_BLOCK (a full rotation of a 1024-channel cache; the int32 sums stay exact to 2^16).  Up to
+#: RESIDENT_BLOCK a program holds its block's digit tiles in registers; past it the streaming
+#: kernels read them from the L2 cache as they go (STREAM_ENCODE_LAUNCH / STREAM_DECODE_LAUNCH:
+#: one 1024-channel block in 17.6 / 16.2 ms on an H200 against cuBLAS's float64 product's 21.7 /
+#: 22.1 ms, the best launch each way of docs/results/2026-12-03_rotation_block1024_8df696f.txt).
 MIN_BLOCK = 32
-MAX_BLOCK = 128
+RESIDENT_BLOCK = 128
+MAX_BLOCK = 1024
+STREAM_ENCODE_LAUNCH = {"rows": 32, "warps": 4, "stages": 2, "tile": 64, "depth": 64}
+STREAM_DECODE_LAUNCH = {"rows": 32, "warps": 4, "stages": 2, "tile": 128, "depth": 64}
 
 
 #: Triton's interpreter (numpy, on CPU tensors) is on: what the simulator's tests run.  Triton
@@ -97,8 +103,8 @@ def runs_on(device: torch.device) -> bool:
 
 def supports(block: int) -> bool:
     """True when a rotation of diagonal blocks of ``block`` channels runs here (the matrix
-    units take tiles of at least MIN_BLOCK channels; a program holds a block's digit tiles in
-    registers, up to MAX_BLOCK channels)."""
+    units take tiles of at least MIN_BLOCK channels; MAX_BLOCK: the blocks measured faster than
+    cuBLAS's float64 product)."""
     return triton is not None and MIN_BLOCK <= block <= MAX_BLOCK and block % MIN_BLOCK == 0
 
 
@@ -146,6 +152,20 @@ if triton is not None:
         exponent of 2^23, so its low mantissa bits are the rounded integer (no conversion
         instruction, which the GPU issues at a quarter of its float rate)."""
         return (t + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+
+    @triton.jit
+    def _store_values(out_ptr, at, live, v, BF16_OUT: tl.constexpr):
+        """The decoder's float32 values v (saturated) at ``at``: as float32, or as bfloat16 bits
+        rounded to nearest even, an infinity becoming the largest finite value
+        (cuda_pipeline._make_fixed_values' words)."""
+        if BF16_OUT:
+            u = v.to(tl.int32, bitcast=True)
+            wb = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+            wb = tl.where((wb & 0x7FFF) == 0x7F80, wb - 1, wb)
+            wb = tl.where(wb >= 32768, wb - 65536, wb)
+            tl.store(out_ptr + at, wb.to(tl.int16), mask=live)
+        else:
+            tl.store(out_ptr + at, v, mask=live)
 
     @triton.jit
     def _row_exponents_kernel(x_ptr, e_ptr, T, n, t_first, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
@@ -256,18 +276,94 @@ if triton is not None:
             # the column sums
             acc = sums[None, :] + p0.to(tl.int64) + (p8.to(tl.int64) << 8) + (p16.to(tl.int64) << 16)
             v = acc.to(tl.float64) * unit + b[None, :]
-            v = tl.minimum(tl.maximum(v, -F32_MAX), F32_MAX).to(tl.float32)
-            out_at = row_at[:, None] + cols[None, :]
-            if BF16_OUT:
-                # bfloat16 bits rounded to nearest even; an infinity becomes the largest finite
-                # value (cuda_pipeline._make_fixed_values' words)
-                u = v.to(tl.int32, bitcast=True)
-                wb = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-                wb = tl.where((wb & 0x7FFF) == 0x7F80, wb - 1, wb)
-                wb = tl.where(wb >= 32768, wb - 65536, wb)
-                tl.store(out_ptr + out_at, wb.to(tl.int16), mask=live[:, None])
-            else:
-                tl.store(out_ptr + out_at, v, mask=live[:, None])
+            _store_values(out_ptr, row_at[:, None] + cols[None, :], live[:, None],
+                          tl.minimum(tl.maximum(v, -F32_MAX), F32_MAX).to(tl.float32), BF16_OUT)
+
+    @triton.jit
+    def _digit_tiles(r_ptr, plane_digits, p, h, k0, n0, D: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
+                     H: tl.constexpr):
+        """The [BK, BN] tiles of digits r0 and r1 of block h of plane p, from row k0, column n0."""
+        r_at = (((p.to(tl.int64) * H + h) * D + k0 + tl.arange(0, BK))[:, None] * D
+                + (n0 + tl.arange(0, BN))[None, :])
+        return tl.load(r_ptr + r_at), tl.load(r_ptr + plane_digits + r_at)
+
+    @triton.jit
+    def _rotate_rows_streaming_kernel(x_ptr, e_ptr, r_ptr, y_ptr, T, n, t_first, plane_digits,
+                                      C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+                                      BN: tl.constexpr, BK: tl.constexpr, BF16_WORDS: tl.constexpr,
+                                      XB: tl.constexpr, RB: tl.constexpr):
+        """_rotate_rows_kernel for blocks past RESIDENT_BLOCK: one program per BM rows of a plane
+        walks every block, BN outputs at a time, BK channels a step, reading the digit tiles as
+        it goes (the int32 sums chained over the whole block, as there)."""
+        p = tl.program_id(1)
+        rows, live, row_at = _tile_rows(p, tl.program_id(0), n, t_first, T, C, BM)
+        e = tl.load(e_ptr + p.to(tl.int64) * n + rows, mask=live, other=0)
+        sa = (XB - e) >> 1
+        scale_a = ((127 + sa) << 23).to(tl.float32, bitcast=True)
+        scale_b = ((127 + XB - e - sa) << 23).to(tl.float32, bitcast=True)
+        back = ((1023 - XB - RB + e).to(tl.int64) << 52).to(tl.float64, bitcast=True)
+        ks = tl.arange(0, BK)
+        ns = tl.arange(0, BN)
+        for h in range(0, H):
+            for n0 in range(0, D, BN):
+                p0 = tl.zeros([BM, BN], dtype=tl.int32)
+                p8 = tl.zeros([BM, BN], dtype=tl.int32)
+                p16 = tl.zeros([BM, BN], dtype=tl.int32)
+                p24 = tl.zeros([BM, BN], dtype=tl.int32)
+                for k0 in range(0, D, BK):
+                    v = _load_values(x_ptr, row_at[:, None] + (h * D + k0 + ks)[None, :], live[:, None], BF16_WORDS)
+                    X = _nearest_integer((v * scale_a[:, None]) * scale_b[:, None])
+                    d0 = ((X + 128) & 255) - 128
+                    X = (X - d0) >> 8
+                    d1 = ((X + 128) & 255) - 128
+                    a2 = ((X - d1) >> 8).to(tl.int8)
+                    a0 = d0.to(tl.int8)
+                    a1 = d1.to(tl.int8)
+                    r0, r1 = _digit_tiles(r_ptr, plane_digits, p, h, k0, n0, D, BK, BN, H)
+                    p0 = tl.dot(a0, r0, p0, out_dtype=tl.int32)
+                    p8 = tl.dot(a1, r0, tl.dot(a0, r1, p8, out_dtype=tl.int32), out_dtype=tl.int32)
+                    p16 = tl.dot(a2, r0, tl.dot(a1, r1, p16, out_dtype=tl.int32), out_dtype=tl.int32)
+                    p24 = tl.dot(a2, r1, p24, out_dtype=tl.int32)
+                acc = (p0.to(tl.int64) + (p8.to(tl.int64) << 8) + (p16.to(tl.int64) << 16)
+                       + (p24.to(tl.int64) << 24))
+                y = (acc.to(tl.float64) * back[:, None]).to(tl.float32)
+                tl.store(y_ptr + row_at[:, None] + (h * D + n0 + ns)[None, :], y, mask=live[:, None])
+
+    @triton.jit
+    def _unrotate_values_streaming_kernel(z_ptr, r_ptr, sums_ptr, steps_ptr, b_ptr, out_ptr, T, n, t_first,
+                                          plane_digits, C: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
+                                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                                          BF16_OUT: tl.constexpr, F32_MAX: tl.constexpr, LEVEL_WORDS: tl.constexpr):
+        """_unrotate_values_kernel for blocks past RESIDENT_BLOCK, walked as the streaming encoder."""
+        p = tl.program_id(1)
+        rows, live, row_at = _tile_rows(p, tl.program_id(0), n, t_first, T, C, BM)
+        unit = tl.load(steps_ptr + p) * 2.384185791015625e-07
+        ks = tl.arange(0, BK)
+        ns = tl.arange(0, BN)
+        for h in range(0, H):
+            for n0 in range(0, D, BN):
+                cols = h * D + n0 + ns
+                p0 = tl.zeros([BM, BN], dtype=tl.int32)
+                p8 = tl.zeros([BM, BN], dtype=tl.int32)
+                p16 = tl.zeros([BM, BN], dtype=tl.int32)
+                for k0 in range(0, D, BK):
+                    at = row_at[:, None] + (h * D + k0 + ks)[None, :]
+                    if LEVEL_WORDS:
+                        Q = tl.load(z_ptr + at, mask=live[:, None], other=0).to(tl.int32)
+                    else:
+                        Q = _nearest_integer(tl.load(z_ptr + at, mask=live[:, None], other=0.0) * 256.0) - 1
+                    g0 = ((Q + 128) & 255) - 128
+                    a1 = ((Q - g0) >> 8).to(tl.int8)
+                    a0 = g0.to(tl.int8)
+                    r0, r1 = _digit_tiles(r_ptr, plane_digits, p, h, k0, n0, D, BK, BN, H)
+                    p0 = tl.dot(a0, r0, p0, out_dtype=tl.int32)
+                    p8 = tl.dot(a1, r0, tl.dot(a0, r1, p8, out_dtype=tl.int32), out_dtype=tl.int32)
+                    p16 = tl.dot(a1, r1, p16, out_dtype=tl.int32)
+                acc = (tl.load(sums_ptr + p * C + cols)[None, :] + p0.to(tl.int64) + (p8.to(tl.int64) << 8)
+                       + (p16.to(tl.int64) << 16))
+                v = acc.to(tl.float64) * unit + tl.load(b_ptr + p * C + cols)[None, :]
+                _store_values(out_ptr, row_at[:, None] + cols[None, :], live[:, None],
+                              tl.minimum(tl.maximum(v, -F32_MAX), F32_MAX).to(tl.float32), BF16_OUT)
 
 
 def _launch(n: int, D: int, parts_before: int, go: dict) -> tuple[int, int, int, int]:
@@ -306,6 +402,13 @@ def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Te
     _row_exponents_kernel[(triton.cdiv(n, 32), L * K)](x, e, T, n, t_first, C=C, BM=32,
                                                         BK=min(128, triton.next_power_of_2(C)), BF16_WORDS=bf16,
                                                         num_warps=4)
+    if D > RESIDENT_BLOCK:
+        go = STREAM_ENCODE_LAUNCH
+        _rotate_rows_streaming_kernel[(triton.cdiv(n, go["rows"]), L * K)](
+            x, e, digits, y, T, n, t_first, digits[0].numel(), C=C, H=H, D=D, BM=go["rows"], BN=_tile(D, go["tile"]),
+            BK=_tile(D, go["depth"]), BF16_WORDS=bf16, XB=X_BITS, RB=R_BITS, num_warps=go["warps"],
+            num_stages=go["stages"])
+        return
     go = ENCODE_LAUNCH
     tile, DP, tiles, grid = _launch(n, D, L * K * H, go)
     _rotate_rows_kernel[grid](x, e, digits, y, T, n, t_first, digits[0].numel(), tiles, C=C, H=H, D=D, DP=DP,
@@ -329,11 +432,19 @@ def unrotate_values(z: torch.Tensor, digits_t: torch.Tensor, sums: torch.Tensor,
     n = T - t_first
     if n <= 0 or L * K == 0:
         return
-    go = DECODE_LAUNCH
-    tile, DP, tiles, grid = _launch(n, D, L * K * H, go)
     steps = steps.to(torch.float64).contiguous()
     b = b.to(torch.float64).contiguous()
+    words = z.dtype == torch.int16
+    bf16 = out.dtype == torch.int16
+    if D > RESIDENT_BLOCK:
+        go = STREAM_DECODE_LAUNCH
+        _unrotate_values_streaming_kernel[(triton.cdiv(n, go["rows"]), L * K)](
+            z, digits_t, sums, steps, b, out, T, n, t_first, digits_t[0].numel(), C=C, H=H, D=D, BM=go["rows"],
+            BN=_tile(D, go["tile"]), BK=_tile(D, go["depth"]), BF16_OUT=bf16, F32_MAX=_F32_MAX, LEVEL_WORDS=words,
+            num_warps=go["warps"], num_stages=go["stages"])
+        return
+    go = DECODE_LAUNCH
+    tile, DP, tiles, grid = _launch(n, D, L * K * H, go)
     _unrotate_values_kernel[grid](z, digits_t, sums, steps, b, out, T, n, t_first, digits_t[0].numel(), tiles, C=C,
-                                  H=H, D=D, DP=DP, BM=go["rows"], BN=tile, BF16_OUT=out.dtype == torch.int16,
-                                  F32_MAX=_F32_MAX, LEVEL_WORDS=z.dtype == torch.int16, num_warps=go["warps"],
-                                  num_stages=go["stages"])
+                                  H=H, D=D, DP=DP, BM=go["rows"], BN=tile, BF16_OUT=bf16, F32_MAX=_F32_MAX,
+                                  LEVEL_WORDS=words, num_warps=go["warps"], num_stages=go["stages"])

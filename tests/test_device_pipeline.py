@@ -69,6 +69,7 @@ def _check(kv, quality=None, chunk_tokens=8, quantization=None, calibration=None
     # blocks the matrix-unit kernels take (kernels/fixed_rotation_matmul: Triton's interpreter here)
     (torch.bfloat16, "high", 2, 32), (torch.bfloat16, "balanced", 1, 32), (torch.float16, "small", 2, 64),
     (torch.float32, "high", 1, 48),
+    (torch.bfloat16, "high", 1, 128),  # one block of 256: the streaming kernels
 ])
 def test_rotated_same_bytes_and_values_as_the_cpu(dtype, quality, blocks, head_dim, monkeypatch):
     """A calibration's rotation (one full block, or one per head; blocks wider than the

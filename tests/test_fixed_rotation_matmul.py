@@ -104,7 +104,7 @@ def test_digits_rebuild_the_integers():
 
 def test_blocks_the_kernels_take_and_the_switch():
     assert fm.supports(32) and fm.supports(128) and fm.supports(96)
-    assert not fm.supports(16) and not fm.supports(40) and not fm.supports(1024)  # 1024: past the registers
+    assert fm.supports(1024) and not fm.supports(16) and not fm.supports(40) and not fm.supports(2048)
     with pytest.raises(ValueError, match="blocks"):
         fm.rotate_rows(torch.zeros(1, 2, 4, 16, device=DEV), torch.zeros(2, 1, 2, 1, 16, 16, dtype=torch.int8,
                        device=DEV), 0, torch.zeros(1, 2, 4, 16, device=DEV))
@@ -161,3 +161,39 @@ def test_every_launch_shape_gives_the_same_bits(monkeypatch, launch):
     fm.unrotate_values(words, fm.rotation_digits(rt), fm.column_sums(rt), steps.to(DEV), torch.from_numpy(b).to(DEV),
                        S, out)
     assert np.array_equal(out.cpu().numpy()[:, :, S:].view(np.int32), want_v[:, :, S:].view(np.int32))
+
+
+@pytest.mark.parametrize("H, D", [(2, 256), (1, 1024)])
+def test_blocks_past_the_registers_stream_their_digits(H, D):
+    """Blocks wider than RESIDENT_BLOCK go through the streaming kernels: the CPU's bits both
+    ways, from float32 levels and int16 words."""
+    assert D > fm.RESIDENT_BLOCK and fm.supports(D)
+    rng = np.random.default_rng(D)
+    L, T, S = 1, 35, 2
+    C = H * D
+    x = _rows(rng, L, T, C, torch.bfloat16)
+    x[0, 1, S, :] = 1.0
+    x[0, 1, S, ::5] = -1.9999
+    rot = _rotation(rng, L, H, D)
+    rint = torch.from_numpy(fx.fixed_matrix(rot, False))
+    want = np.zeros((L, 2, T, C), np.float32)
+    fx.rotate_rows(x.to(torch.float32).numpy(), rint, S, want)
+    got = torch.zeros((L, 2, T, C), device=DEV)
+    fm.rotate_rows(x.view(torch.int16).to(DEV), fm.rotation_digits(rint.to(DEV)), S, got)
+    assert np.array_equal(got.cpu().numpy()[:, :, S:].view(np.int32), want[:, :, S:].view(np.int32))
+
+    q = (rng.integers(-127, 128, (L, 2, T, C)) + (rng.integers(0, 256, (L, 2, T, C)) - 127) / 256).astype(np.float32)
+    q[0, 0, S, :] = 127.5
+    rint_t = torch.from_numpy(fx.fixed_matrix(rot, True))
+    steps = torch.tensor([[0.5, 0.0078125]], dtype=torch.float64)
+    b = np.empty((L, 2, C))
+    fx.offset_sums(rng.standard_normal((L, 2, C)).astype(np.float32), rint_t.numpy(), b)
+    want_v = np.zeros_like(q)
+    fx.unrotate_values(q, rint_t, steps.numpy(), b, S, want_v)
+    rt = rint_t.to(DEV)
+    for levels in (torch.from_numpy(q), torch.from_numpy((q.astype(np.float64) * 256 - 1).astype(np.int16))):
+        out = torch.zeros((L, 2, T, C), dtype=torch.int16, device=DEV)  # bfloat16 words
+        fm.unrotate_values(levels.to(DEV), fm.rotation_digits(rt), fm.column_sums(rt), steps.to(DEV),
+                           torch.from_numpy(b).to(DEV), S, out)
+        ref = torch.from_numpy(want_v).to(torch.bfloat16).view(torch.int16)
+        assert torch.equal(out.cpu()[:, :, S:], ref[:, :, S:])
