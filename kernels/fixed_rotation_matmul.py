@@ -77,13 +77,15 @@ DECODE_LAUNCH = {"rows": 64, "warps": 4, "stages": 3, "tile": 64, "spread": 1}
 #: The blocks the kernels take: MIN_BLOCK channels at least (the matrix units' tiles), at most
 #: MAX_BLOCK (a full rotation of a 1024-channel cache; the int32 sums stay exact to 2^16).  Up to
 #: RESIDENT_BLOCK a program holds its block's digit tiles in registers; past it the streaming
-#: kernels read them from the L2 cache as they go (STREAM_ENCODE_LAUNCH / STREAM_DECODE_LAUNCH:
-#: one 1024-channel block in 17.6 / 16.2 ms on an H200 against cuBLAS's float64 product's 21.7 /
-#: 22.1 ms, the best launch each way of docs/results/2026-12-03_rotation_block1024_8df696f.txt).
+#: kernels read them from the L2 cache as they go (STREAM_ENCODE_LAUNCH / STREAM_DECODE_LAUNCH,
+#: the fastest of a sweep on an H200, 2026-12-03 ~07:39 UTC, commit 62b07d9: one 1024-channel
+#: block in 20.6 ms / 14.3 ms from int16 levels, against cuBLAS's float64 product's 21.8 / 22.0
+#: ms; docs/results/2026-12-03_rotation_block1024_sweep_62b07d9.txt).  Both spill registers
+#: (benchmarks/rotation_registers.py); launches that do not ran slower.
 MIN_BLOCK = 32
 RESIDENT_BLOCK = 128
 MAX_BLOCK = 1024
-STREAM_ENCODE_LAUNCH = {"rows": 32, "warps": 4, "stages": 2, "tile": 64, "depth": 64}
+STREAM_ENCODE_LAUNCH = {"rows": 32, "warps": 4, "stages": 2, "tile": 128, "depth": 64}
 STREAM_DECODE_LAUNCH = {"rows": 32, "warps": 4, "stages": 2, "tile": 128, "depth": 64}
 
 
