@@ -170,6 +170,33 @@ if triton is not None:
             tl.store(out_ptr + at, v, mask=live)
 
     @triton.jit
+    def _row_scales(e, XB: tl.constexpr, RB: tl.constexpr):
+        """For rows with max |x| < 2^e: 2^(XB - e) as two float32 powers of two (each normal: XB -
+        e is in [-108, 146]), so that v x scale_a x scale_b is exact in float32 (a product that
+        would lose bits underflows, and then rounds to the integer 0 either way); and 2^(e - XB -
+        RB), normal in float64, that takes the product back."""
+        sa = (XB - e) >> 1
+        scale_a = ((127 + sa) << 23).to(tl.float32, bitcast=True)
+        scale_b = ((127 + XB - e - sa) << 23).to(tl.float32, bitcast=True)
+        back = ((1023 - XB - RB + e).to(tl.int64) << 52).to(tl.float64, bitcast=True)
+        return scale_a[:, None], scale_b[:, None], back[:, None]
+
+    @triton.jit
+    def _row_digits(v, scale_a, scale_b):
+        """X = round(v 2^(XB - e)) as its int8 digits d0 + 2^8 d1 + 2^16 d2 (the module's bounds)."""
+        X = _nearest_integer((v * scale_a) * scale_b)
+        d0 = ((X + 128) & 255) - 128
+        X = (X - d0) >> 8
+        d1 = ((X + 128) & 255) - 128
+        return d0.to(tl.int8), d1.to(tl.int8), ((X - d1) >> 8).to(tl.int8)
+
+    @triton.jit
+    def _level_digits(Q):
+        """Q = 256 q' - 1 as its int8 digits g0 + 2^8 g1 (the module's bounds)."""
+        g0 = ((Q + 128) & 255) - 128
+        return g0.to(tl.int8), ((Q - g0) >> 8).to(tl.int8)
+
+    @triton.jit
     def _row_exponents_kernel(x_ptr, e_ptr, T, n, t_first, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                               BF16_WORDS: tl.constexpr):
         """e[p, t - t_first] = fixed_rotation.row_exponent of row t of plane p (max |x| < 2^e, over
@@ -220,23 +247,10 @@ if triton is not None:
         for tt in range(tl.program_id(0), tiles, tl.num_programs(0)):
             rows, live, row_at = _tile_rows(p, tt, n, t_first, T, C, BM)
             e = tl.load(e_ptr + p.to(tl.int64) * n + rows, mask=live, other=0)
-            # 2^(XB - e) as two float32 powers of two (each normal: XB - e is in [-108, 146]), so
-            # that v x scale_a x scale_b is exact in float32 (a product that would lose bits
-            # underflows, and then rounds to the integer 0 either way); 2^(e - XB - RB), normal
-            # in float64
-            sa = (XB - e) >> 1
-            scale_a = ((127 + sa) << 23).to(tl.float32, bitcast=True)
-            scale_b = ((127 + XB - e - sa) << 23).to(tl.float32, bitcast=True)
-            back = ((1023 - XB - RB + e).to(tl.int64) << 52).to(tl.float64, bitcast=True)
+            scale_a, scale_b, back = _row_scales(e, XB, RB)
             v = _load_values(x_ptr, row_at[:, None] + (h * D + ks)[None, :], live[:, None] & (ks < D)[None, :],
                              BF16_WORDS)
-            X = _nearest_integer((v * scale_a[:, None]) * scale_b[:, None])
-            d0 = ((X + 128) & 255) - 128
-            X = (X - d0) >> 8
-            d1 = ((X + 128) & 255) - 128
-            a2 = ((X - d1) >> 8).to(tl.int8)
-            a0 = d0.to(tl.int8)
-            a1 = d1.to(tl.int8)
+            a0, a1, a2 = _row_digits(v, scale_a, scale_b)
             # the digits' products summed by their weight 2^0, 2^8, 2^16, 2^24 (exact in int32
             # over a whole block of at most 128 channels: see the module's bounds)
             p0 = tl.dot(a0, r0, out_dtype=tl.int32)
@@ -245,7 +259,7 @@ if triton is not None:
             p24 = tl.dot(a2, r1, out_dtype=tl.int32)
             acc = (p0.to(tl.int64) + (p8.to(tl.int64) << 8) + (p16.to(tl.int64) << 16)
                    + (p24.to(tl.int64) << 24))
-            y = (acc.to(tl.float64) * back[:, None]).to(tl.float32)
+            y = (acc.to(tl.float64) * back).to(tl.float32)
             tl.store(y_ptr + row_at[:, None] + (h * D + n0 + ns)[None, :], y, mask=live[:, None])
 
     @triton.jit
@@ -268,9 +282,7 @@ if triton is not None:
                 Q = tl.load(z_ptr + at, mask=inside, other=0).to(tl.int32)
             else:
                 Q = _nearest_integer(tl.load(z_ptr + at, mask=inside, other=0.0) * 256.0) - 1  # exact
-            g0 = ((Q + 128) & 255) - 128
-            a1 = ((Q - g0) >> 8).to(tl.int8)
-            a0 = g0.to(tl.int8)
+            a0, a1 = _level_digits(Q)
             p0 = tl.dot(a0, r0, out_dtype=tl.int32)
             p8 = tl.dot(a1, r0, tl.dot(a0, r1, out_dtype=tl.int32), out_dtype=tl.int32)
             p16 = tl.dot(a1, r1, out_dtype=tl.int32)
@@ -300,10 +312,7 @@ if triton is not None:
         p = tl.program_id(1)
         rows, live, row_at = _tile_rows(p, tl.program_id(0), n, t_first, T, C, BM)
         e = tl.load(e_ptr + p.to(tl.int64) * n + rows, mask=live, other=0)
-        sa = (XB - e) >> 1
-        scale_a = ((127 + sa) << 23).to(tl.float32, bitcast=True)
-        scale_b = ((127 + XB - e - sa) << 23).to(tl.float32, bitcast=True)
-        back = ((1023 - XB - RB + e).to(tl.int64) << 52).to(tl.float64, bitcast=True)
+        scale_a, scale_b, back = _row_scales(e, XB, RB)
         ks = tl.arange(0, BK)
         ns = tl.arange(0, BN)
         for h in range(0, H):
@@ -314,13 +323,7 @@ if triton is not None:
                 p24 = tl.zeros([BM, BN], dtype=tl.int32)
                 for k0 in range(0, D, BK):
                     v = _load_values(x_ptr, row_at[:, None] + (h * D + k0 + ks)[None, :], live[:, None], BF16_WORDS)
-                    X = _nearest_integer((v * scale_a[:, None]) * scale_b[:, None])
-                    d0 = ((X + 128) & 255) - 128
-                    X = (X - d0) >> 8
-                    d1 = ((X + 128) & 255) - 128
-                    a2 = ((X - d1) >> 8).to(tl.int8)
-                    a0 = d0.to(tl.int8)
-                    a1 = d1.to(tl.int8)
+                    a0, a1, a2 = _row_digits(v, scale_a, scale_b)
                     r0, r1 = _digit_tiles(r_ptr, plane_digits, p, h, k0, n0, D, BK, BN, H)
                     p0 = tl.dot(a0, r0, p0, out_dtype=tl.int32)
                     p8 = tl.dot(a1, r0, tl.dot(a0, r1, p8, out_dtype=tl.int32), out_dtype=tl.int32)
@@ -328,7 +331,7 @@ if triton is not None:
                     p24 = tl.dot(a2, r1, p24, out_dtype=tl.int32)
                 acc = (p0.to(tl.int64) + (p8.to(tl.int64) << 8) + (p16.to(tl.int64) << 16)
                        + (p24.to(tl.int64) << 24))
-                y = (acc.to(tl.float64) * back[:, None]).to(tl.float32)
+                y = (acc.to(tl.float64) * back).to(tl.float32)
                 tl.store(y_ptr + row_at[:, None] + (h * D + n0 + ns)[None, :], y, mask=live[:, None])
 
     @triton.jit
@@ -354,9 +357,7 @@ if triton is not None:
                         Q = tl.load(z_ptr + at, mask=live[:, None], other=0).to(tl.int32)
                     else:
                         Q = _nearest_integer(tl.load(z_ptr + at, mask=live[:, None], other=0.0) * 256.0) - 1
-                    g0 = ((Q + 128) & 255) - 128
-                    a1 = ((Q - g0) >> 8).to(tl.int8)
-                    a0 = g0.to(tl.int8)
+                    a0, a1 = _level_digits(Q)
                     r0, r1 = _digit_tiles(r_ptr, plane_digits, p, h, k0, n0, D, BK, BN, H)
                     p0 = tl.dot(a0, r0, p0, out_dtype=tl.int32)
                     p8 = tl.dot(a1, r0, tl.dot(a0, r1, p8, out_dtype=tl.int32), out_dtype=tl.int32)

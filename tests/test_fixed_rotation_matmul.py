@@ -31,6 +31,16 @@ def _rows(rng, L, T, C, dtype):
     return x
 
 
+def _assert_rows_are_the_cpu_bits(x, rot, S):
+    """fm.rotate_rows of bfloat16 rows x (as their words) gives fx.rotate_rows' float32 bits."""
+    rint = torch.from_numpy(fx.fixed_matrix(rot, False))
+    want = np.zeros(x.shape, np.float32)
+    fx.rotate_rows(x.to(torch.float32).numpy(), rint, S, want)
+    got = torch.zeros(x.shape, device=DEV)
+    fm.rotate_rows(x.view(torch.int16).to(DEV), fm.rotation_digits(rint.to(DEV)), S, got)
+    assert np.array_equal(got.cpu().numpy()[:, :, S:].view(np.int32), want[:, :, S:].view(np.int32))
+
+
 @pytest.mark.parametrize("L, T, H, D, S, dtype, seed", [
     (2, 70, 2, 32, 3, torch.float32, 1), (1, 130, 1, 64, 0, torch.bfloat16, 2), (1, 40, 4, 32, 5, torch.bfloat16, 3),
     (1, 30, 2, 96, 1, torch.bfloat16, 4),  # a block of 96: the kernels pad it to 128 with zero digits
@@ -135,12 +145,7 @@ def test_every_launch_shape_gives_the_same_bits(monkeypatch, launch):
     x[0, 0, S, :] = 1.0  # every digit at its bound in one row
     x[0, 0, S, ::3] = -1.9999
     rot = _rotation(rng, L, H, D)
-    rint = torch.from_numpy(fx.fixed_matrix(rot, False))
-    want = np.zeros((L, 2, T, C), np.float32)
-    fx.rotate_rows(x.to(torch.float32).numpy(), rint, S, want)
-    got = torch.zeros((L, 2, T, C), device=DEV)
-    fm.rotate_rows(x.view(torch.int16).to(DEV), fm.rotation_digits(rint.to(DEV)), S, got)
-    assert np.array_equal(got.cpu().numpy()[:, :, S:].view(np.int32), want[:, :, S:].view(np.int32))
+    _assert_rows_are_the_cpu_bits(x, rot, S)
 
     q = (rng.integers(-127, 128, (L, 2, T, C)) + (rng.integers(0, 256, (L, 2, T, C)) - 127) / 256).astype(np.float32)
     q[0, 1, S, :] = 127.5
@@ -175,12 +180,7 @@ def test_blocks_past_the_registers_stream_their_digits(H, D):
     x[0, 1, S, :] = 1.0
     x[0, 1, S, ::5] = -1.9999
     rot = _rotation(rng, L, H, D)
-    rint = torch.from_numpy(fx.fixed_matrix(rot, False))
-    want = np.zeros((L, 2, T, C), np.float32)
-    fx.rotate_rows(x.to(torch.float32).numpy(), rint, S, want)
-    got = torch.zeros((L, 2, T, C), device=DEV)
-    fm.rotate_rows(x.view(torch.int16).to(DEV), fm.rotation_digits(rint.to(DEV)), S, got)
-    assert np.array_equal(got.cpu().numpy()[:, :, S:].view(np.int32), want[:, :, S:].view(np.int32))
+    _assert_rows_are_the_cpu_bits(x, rot, S)
 
     q = (rng.integers(-127, 128, (L, 2, T, C)) + (rng.integers(0, 256, (L, 2, T, C)) - 127) / 256).astype(np.float32)
     q[0, 0, S, :] = 127.5
