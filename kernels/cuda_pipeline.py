@@ -84,8 +84,8 @@ def _jit(role: str):
 
 from .range_coder import _add_carry, flush_stream
 from .tables import COST_ONE, SHARE_SPAN, STAT_EMPTY, choose_table, table_bytes
-from .transform import (MODE_DELTA, STATS_BLOCK, TRANSFORM_QMAX, refine_index, step_level, symbol_top_byte,
-                        token_level, token_value, top_byte_symbol)
+from .transform import (MODE_DELTA, STATS_BLOCK, TRANSFORM_QMAX, fast_level32, refine_index, step_level,
+                        symbol_top_byte, token_level, token_value, top_byte_symbol)
 
 #: Histogram blocks: 32 channels (lanes) x HIST_SLICES chunk slices (one under the simulator,
 #: which runs every thread in Python).
@@ -720,14 +720,26 @@ def _fast_level(y, off, step, inv, threshold):
     return np.int64(step_level(y, off, step, TRANSFORM_QMAX, threshold))
 
 
-def _make_quantize(V, B, lossless):
+#: fast_level32 serves planes whose step lies within 2^+-STEP32_RANGE (its reciprocal a normal
+#: float32 with room for the products); other planes take the float64 path throughout.
+STEP32_RANGE = 2.0 ** 60
+
+
+def _make_quantize(V, B, lossless, fmt):
     """Levels of V channels per thread: method 2's (token_level, refine_index), or the lossless
-    method's top-byte symbols (then shift = 8 x the raw bytes per value)."""
+    method's top-byte symbols (then shift = 8 x the raw bytes per value).  fmt (FMT_*) is a
+    constant of the kernel: no per-value branch on it.  The levels come from fast_level32
+    where float32 decides them (about all), else _fast_level's float64: the same integers as
+    step_level either way; the per-channel state is int32 (levels within +-255, a chunk's sums
+    of |levels| within 255 x MAX_CHUNK_TOKENS)."""
+    if V > 4:
+        raise ValueError("quantize: at most 4 values a thread (levels packed in 32 bits)")
     vmask = _value_mask(B)
+    try32 = not lossless and fmt != FMT_FLOAT64  # a float64 row's value is not a float32
 
     @_jit("quantize")
-    def kernel(wf, L, T, CW, fmt, sink, offsets, steps, threshold, t_ref, bits, chunk_tokens, shift, qf, ref, stats,
-               emask, bad):
+    def kernel(wf, L, T, CW, sink, offsets, steps, threshold, thr32, t_ref, bits, chunk_tokens, shift, qf, ref,
+               stats, emask, bad):
         i = cuda.grid(1)
         K = stats.shape[2]
         if i >= L * 2 * K * CW:
@@ -741,9 +753,10 @@ def _make_quantize(V, B, lossless):
         if not lossless:
             step = steps[l, kv]
         inv = 1.0 / step
-        off = cuda.local.array(V, np.float64)
-        # the per-channel state in 32 bits (levels are within +-255, a chunk's sums of |levels|
-        # within 255 x MAX_CHUNK_TOKENS): half the registers of int64, so more threads run
+        use32 = try32 and step > 1.0 / STEP32_RANGE and step < STEP32_RANGE
+        inv32 = np.float32(inv)
+        off = cuda.local.array(V, np.float32)
+        lv = cuda.local.array(V, np.int32)  # a token's levels
         prev = cuda.local.array(V, np.int32)
         mn = cuda.local.array(V, np.int32)
         mx = cuda.local.array(V, np.int32)
@@ -752,15 +765,16 @@ def _make_quantize(V, B, lossless):
         dmx = cuda.local.array(V, np.int32)
         dab = cuda.local.array(V, np.int32)
         for j in range(V):
-            off[j] = 0.0
+            off[j] = np.float32(0.0)
             if not lossless:
                 off[j] = offsets[l, kv, c0 + j]
             prev[j] = 0
-            mn[j] = 0
-            mx[j] = 0
+            # a chunk has at least one token: these give way to its first level
+            mn[j] = np.int32(1 << 30)
+            mx[j] = np.int32(-(1 << 30))
             ab[j] = 0
-            dmn[j] = 0
-            dmx[j] = 0
+            dmn[j] = np.int32(1 << 30)
+            dmx[j] = np.int32(-(1 << 30))
             dab[j] = 0
         at = (p * T + t0) * CW + cw
         w = np.int64(0)
@@ -772,42 +786,51 @@ def _make_quantize(V, B, lossless):
         for t in range(t0, t1):
             wn = np.int64(0)
             if t + 2 < t1:  # the loads of the next two tokens in flight while this one is quantized
-                wn = np.int64(wf[at + 2 * CW])
-            refined = bits > 0 and t >= t_ref
-            qw = np.int64(0)
-            for j in range(V):
-                x = (w >> (B * j)) & vmask
-                v = np.int64(0)
-                if lossless:
-                    v = np.int64(top_byte_symbol(x >> shift))
+                wn = np.int64(wf[np.uint64(at + 2 * CW)])  # unsigned: no negative-index wrap code
+            # which case a token is does not depend on the lane: a warp takes one branch
+            if lossless:
+                for j in range(V):
+                    x = (w >> (B * j)) & vmask
+                    lv[j] = np.int32(top_byte_symbol(x >> shift))
                     if emask != 0 and (x & emask) == emask:  # NaN or Inf: the caller raises
                         bad[l] = 1
-                elif t >= sink:
-                    y = _word_value64(x, fmt)
-                    if refined:
-                        v = np.int64(token_level(y, off[j], step, TRANSFORM_QMAX, threshold, True, bits))
-                        ref[l, kv, t - t_ref, c0 + j] = refine_index(y, off[j], step, v, bits)
-                    else:
-                        v = _fast_level(y, off[j], step, inv, threshold)
-                qw |= (v & 0xFF) << (8 * j)
-                d = v - prev[j]
+            elif t < sink:
+                for j in range(V):
+                    lv[j] = 0
+            elif bits > 0 and t >= t_ref:  # refined
+                for j in range(V):
+                    y = _word_value64((w >> (B * j)) & vmask, fmt)
+                    v = np.int32(token_level(y, np.float64(off[j]), step, TRANSFORM_QMAX, threshold, True, bits))
+                    ref[l, kv, t - t_ref, c0 + j] = refine_index(y, np.float64(off[j]), step, v, bits)
+                    lv[j] = v
+            else:
+                for j in range(V):
+                    x = (w >> (B * j)) & vmask
+                    done = False
+                    if use32:
+                        v, done = fast_level32(_word_value(x, fmt), off[j], inv32, thr32)
+                    if not done:
+                        v = np.int32(_fast_level(_word_value64(x, fmt), np.float64(off[j]), step, inv, threshold))
+                    lv[j] = v
+            qw = np.int64(0)
+            for j in range(V):
+                v = lv[j]
+                qw |= np.int64(v & 0xFF) << (8 * j)
+                d = np.int32(v - prev[j])
                 prev[j] = v
-                if t == t0:
-                    mn[j] = v
-                    mx[j] = v
-                    dmn[j] = d
-                    dmx[j] = d
                 mn[j] = min(mn[j], v)
                 mx[j] = max(mx[j], v)
-                ab[j] += abs(v)
+                ab[j] = np.int32(ab[j] + abs(v))
                 dmn[j] = min(dmn[j], d)
                 dmx[j] = max(dmx[j], d)
-                dab[j] += abs(d)
-            qf[at] = _signed_word(qw, V)
+                dab[j] = np.int32(dab[j] + abs(d))
+            qf[np.uint64(at)] = _signed_word(qw, V)
             w = wa
             wa = wn
             at += CW
         for j in range(V):
+            if t0 >= t1:  # no token (none is ever launched so): the statistics of nothing
+                mn[j] = mx[j] = dmn[j] = dmx[j] = 0
             if lossless:  # no deltas: their statistics are the levels' (split_words')
                 _put_stats(stats, l, kv, k, c0 + j, mn[j], mx[j], ab[j], mn[j], mx[j], ab[j])
             else:
@@ -851,9 +874,9 @@ def _levels(lossless, words, itemsize, fmt, sink, offsets, steps, threshold, t_r
         bad = np.zeros(1, np.int32) if SIM else _placeholder((1,), np.int32)
     V = C // CW
     T = words.shape[2]
-    _made(_make_quantize, V, 8 * itemsize, lossless)[(*_cfg(n), stream)](
-        as_device(words.reshape(-1)), np.int64(L), np.int64(T), np.int64(CW), np.int64(fmt), np.int64(sink),
-        as_device(offsets), as_device(steps), np.float64(threshold), np.int64(t_ref), np.int64(bits),
+    _made(_make_quantize, V, 8 * itemsize, lossless, int(fmt))[(*_cfg(n), stream)](
+        as_device(words.reshape(-1)), np.int64(L), np.int64(T), np.int64(CW), np.int64(sink),
+        as_device(offsets), as_device(steps), np.float64(threshold), np.float32(threshold), np.int64(t_ref), np.int64(bits),
         np.int64(chunk_tokens), np.int64(shift), as_device(q.reshape(-1)), as_device(ref), as_device(stats),
         np.int64(exponent_mask), as_device(bad))
 

@@ -254,6 +254,87 @@ def test_fast_level_is_step_level():
     assert out.tolist() == want
 
 
+def _decision_point_cases(seed: int, per_case: int):
+    """y, off, step, thr: values on, and a few float32 steps either side of, every kind of
+    decision point of a level (integers, n +- threshold, the clamp, zero) and random ones,
+    over bfloat16-valued steps from tiny to huge and several thresholds."""
+    from cachegen_cli.kernels.transform import TRANSFORM_QMAX
+
+    rng = np.random.default_rng(seed)
+    steps = np.array([2.0 ** -40, 0.0078125, 0.01171875, 0.3359375, 1.0, 3.0, 96.0, 2.0 ** 50], np.float64)
+    ys, offs, sts, thrs = [], [], [], []
+    for step in steps:
+        for thr in (0.5, 0.55, 0.6, 0.75, 0.9):
+            off = np.float32(rng.normal() * step * 10)
+            kq = rng.integers(-TRANSFORM_QMAX - 3, TRANSFORM_QMAX + 4, per_case)
+            frac = rng.choice([0.0, thr, -thr, 1.0 - thr, 0.5, 1e-7, -1e-7], per_case)
+            base = (off + (kq + frac) * step).astype(np.float32)
+            ulps = rng.integers(-40, 41, per_case).astype(np.float32)
+            y = (base + ulps * np.spacing(base)).astype(np.float32)
+            y = np.concatenate([y, (rng.normal(size=per_case) * step * 60).astype(np.float32),
+                                np.array([off, 3e38, -3e38, 0.0], np.float32)])
+            ys.append(y)
+            offs.append(np.full(y.shape, off, np.float32))
+            sts.append(np.full(y.shape, step))
+            thrs.append(np.full(y.shape, thr))
+    return (np.concatenate(ys), np.concatenate(offs), np.concatenate(sts), np.concatenate(thrs))
+
+
+def test_fast_level32_decides_only_what_step_level_decides():
+    """The float32 first try of the quantize kernel (transform.fast_level32), run by numba on
+    the CPU (the same IEEE float32 operations as the device: no product is followed by a sum,
+    so nothing contracts): wherever it says it decided, its level is step_level's; near the
+    decision points it declines, and on random values it nearly never does."""
+    from numba import njit
+
+    from cachegen_cli.kernels.transform import TRANSFORM_QMAX, fast_level32, step_level
+
+    @njit(cache=False)
+    def both(y, off, step, thr, got, decided, want):
+        for i in range(y.shape[0]):
+            q, ok = fast_level32(y[i], off[i], np.float32(1.0 / step[i]), np.float32(thr[i]))
+            got[i] = q
+            decided[i] = ok
+            want[i] = step_level(np.float64(y[i]), np.float64(off[i]), step[i], TRANSFORM_QMAX, thr[i])
+
+    y, off, step, thr = _decision_point_cases(1, 20000)
+    got, want = np.zeros(len(y), np.int64), np.zeros(len(y), np.int64)
+    decided = np.zeros(len(y), np.bool_)
+    both(y, off, step, thr, got, decided, want)
+    assert np.array_equal(got[decided], want[decided])
+    assert 0.2 < decided.mean() < 0.999  # the near cases are declined, the others decided
+    rand = np.random.default_rng(2).normal(size=200000).astype(np.float32) * np.float32(3.0)
+    r_got, r_want = np.zeros(len(rand), np.int64), np.zeros(len(rand), np.int64)
+    r_dec = np.zeros(len(rand), np.bool_)
+    both(rand, np.full(len(rand), np.float32(0.1)), np.full(len(rand), 0.0625), np.full(len(rand), 0.55),
+         r_got, r_dec, r_want)
+    assert np.array_equal(r_got[r_dec], r_want[r_dec])
+    assert r_dec.mean() > 0.999
+
+
+@cuda.jit
+def _levels32_then64(y, off, step, thr, out):
+    i = cuda.grid(1)
+    if i < y.shape[0]:
+        q, ok = cuda_pipeline.fast_level32(y[i], off[i], np.float32(1.0 / step[i]), np.float32(thr[i]))
+        if not ok:
+            q = cuda_pipeline._fast_level(np.float64(y[i]), off[i], step[i], 1.0 / step[i], thr[i])
+        out[i] = q
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the simulator's +-3e38 x 1/step: inf, clamped
+def test_quantize_kernel_level_is_step_level_at_decision_points():
+    """The quantize kernel's whole level computation (fast_level32, else _fast_level) on the
+    device equals step_level at and around every decision point."""
+    from cachegen_cli.kernels.transform import TRANSFORM_QMAX, step_level
+
+    y, off, step, thr = _decision_point_cases(3, 40 if cuda_pipeline.SIM else 4000)
+    out = np.zeros(len(y), np.int64)
+    _levels32_then64[(len(y) + 127) // 128, 128](y, off, step, thr, out)
+    want = [step_level(np.float64(a), np.float64(b), c, TRANSFORM_QMAX, d) for a, b, c, d in zip(y, off, step, thr)]
+    assert out.tolist() == want
+
+
 @cuda.jit
 def _code_one_stream(symbols, entries, out, length):
     out32 = out.view(np.uint32)
