@@ -84,8 +84,8 @@ def _jit(role: str):
 
 from .range_coder import _add_carry, flush_stream
 from .tables import COST_ONE, SHARE_SPAN, STAT_EMPTY, choose_table, table_bytes
-from .transform import (MODE_DELTA, STATS_BLOCK, TRANSFORM_QMAX, fast_level32, refine_index, step_level,
-                        symbol_top_byte, token_level, token_value, top_byte_symbol)
+from .transform import (MODE_DELTA, STATS_BLOCK, TRANSFORM_QMAX, fast_level32, level_value, refine_index,
+                        step_level, symbol_top_byte, token_level, token_value, top_byte_symbol)
 
 #: Histogram blocks: 32 channels (lanes) x HIST_SLICES chunk slices (one under the simulator,
 #: which runs every thread in Python).
@@ -1794,6 +1794,15 @@ def _bf16_nearest(v):
 
 
 @cuda.jit(device=True)
+def _bf16_bits(v):
+    """_bf16_nearest's bits as an unsigned 16-bit number (what a word packs): all in 32 bits."""
+    u = np.uint32(_f32_bits(v))
+    # every sum truncated to 32 bits (a NaN's carry out is dropped): the compiler keeps them 32-bit
+    b = np.uint32(np.uint32(u + np.uint32(0x7FFF)) + np.uint32((u >> np.uint32(16)) & np.uint32(1)))
+    return np.int64(b >> np.uint32(16))
+
+
+@cuda.jit(device=True)
 def _raw_bits(blob, at, pos, bits):
     """``bits`` bits (<= 8) of the bit string at blob[at:], from bit pos, least significant first."""
     o = at + (pos >> 3)
@@ -1804,10 +1813,23 @@ def _raw_bits(blob, at, pos, bits):
     return v & ((np.int64(1) << bits) - 1)
 
 
+#: The dequantize kernel's float32 products serve steps below this (q x step stays finite).
+STEP32_PRODUCT_LIMIT = 2.0 ** 120
+
+
 def _make_dequantize(V, OB, method2, levels=False):
     """Values of V channels per thread, OB output bytes each (2: bfloat16 or 16-bit lossless
     words; 4: float32 bits or 32-bit lossless words); with ``levels`` (method 2, OB 2), the
-    levels q' themselves as int16 words 256 q' - 1 (the fixed-point rotation's input)."""
+    levels q' themselves as int16 words 256 q' - 1 (the fixed-point rotation's input).
+
+    level_value's float32 value float32(q x step + offset), summed in float64, is computed
+    in float32 where that is the same number: a level (|q| <= 255) times a bfloat16 step has at
+    most 16 significant bits, so the float32 product is exact, and the float32 sum of it and
+    the (float32) offset is the correctly rounded exact sum, as is float32 of the float64 sum
+    (that sum is exact, or one term is below 2^-29 of the other, and both roundings give the
+    larger term).  A step that is not a bfloat16 value, or so large that the product
+    could overflow, takes the float64 path for its whole plane.  Levels and their token deltas
+    are int32 (within +-2^31 for any valid or corrupt symbol stream: 255 x MAX_CHUNK_TOKENS)."""
     omask = (1 << (8 * OB)) - 1
     lo_level, hi_level = (-TRANSFORM_QMAX, TRANSFORM_QMAX) if method2 else (0, 255)
 
@@ -1824,13 +1846,14 @@ def _make_dequantize(V, OB, method2, levels=False):
         c0 = cw * V
         t0 = k * chunk_tokens
         t1 = min(T, t0 + chunk_tokens)
-        base = cuda.local.array(V, np.int64)
-        delta = cuda.local.array(V, np.int64)
+        base = cuda.local.array(V, np.int32)
+        delta = cuda.local.array(V, np.int32)  # all ones (token delta) or zero: a mask of prev
         off = cuda.local.array(V, np.float32)
-        prev = cuda.local.array(V, np.int64)
+        prev = cuda.local.array(V, np.int32)
+        lv = cuda.local.array(V, np.int32)  # a token's levels
         for j in range(V):
             base[j] = lo_eff[l, kv, c0 + j]
-            delta[j] = 1 if modes[l, kv, c0 + j] == MODE_DELTA else 0
+            delta[j] = -1 if modes[l, kv, c0 + j] == MODE_DELTA else 0
             off[j] = 0.0
             if method2:
                 off[j] = offsets[l, kv, c0 + j]
@@ -1838,11 +1861,13 @@ def _make_dequantize(V, OB, method2, levels=False):
         step = 0.0
         if method2:
             step = steps[l, kv]
+        step32 = np.float32(step)
+        use32 = (np.float64(step32) == step and (_f32_bits(step32) & 0xFFFF) == 0
+                 and abs(step) < STEP32_PRODUCT_LIMIT)
         r0 = max(t0, refine_start)
         nk = t1 - r0
         raw = raw_at[k]
         shift = 8 * nraw
-        width = 8 * (nraw + 1)
         at = (p * T + t0) * CW + cw
         w = np.int64(0)
         if t0 < t1:
@@ -1850,40 +1875,54 @@ def _make_dequantize(V, OB, method2, levels=False):
         for t in range(t0, t1):
             wn = np.int64(0)
             if t + 1 < t1:
-                wn = np.int64(symf[at + CW])
-            refined = bits > 0 and t >= refine_start
-            ow = np.int64(0)
+                wn = np.int64(symf[np.uint64(at + CW)])  # unsigned: no negative-index wrap code
+            first = t == t0
             for j in range(V):
-                v = ((w >> (8 * j)) & 0xFF) + base[j]
-                if delta[j] != 0 and t > t0:
-                    v += prev[j]
+                v = np.int32(np.int32((w >> (8 * j)) & 0xFF) + base[j])
+                if not first:
+                    v = np.int32(v + (prev[j] & delta[j]))
                 prev[j] = v
                 if v < lo_level or v > hi_level:  # docs/format.md: levels stay in range
                     bad[0] = 1
-                val = np.int64(0)
-                if method2:
-                    if t >= sink:  # tokens below sink: the sink words, written afterwards
-                        jj = np.int64(0)
-                        if refined:
-                            jj = _raw_bits(blob, raw, (((l * 2 + kv) * nk + (t - r0)) * C + c0 + j) * bits, bits)
-                        if levels:
-                            # 256 q' - 1, q' = v + (j - 2^(b-1) + 1) / 2^b (refined_value's,
-                            # step 1 and offset 0): an integer, as the product takes it
-                            val = 256 * v - 1
-                            if refined:
-                                val += (jj - (np.int64(1) << (bits - 1)) + 1) << (8 - bits)
-                        elif OB == 2:
-                            z = token_value(v, jj, refined, bits, off[j], step)
-                            val = _bf16_nearest(z)
-                        else:
-                            val = _f32_bits(token_value(v, jj, refined, bits, off[j], step))
-                else:
-                    val = np.int64(symbol_top_byte(v)) << shift
+                lv[j] = v
+            ow = np.int64(0)
+            # which case a token is does not depend on the lane: a warp takes one branch
+            if not method2:
+                for j in range(V):
+                    val = np.int64(symbol_top_byte(lv[j])) << shift
                     o = raw + ((((l * 2 + kv) * (t1 - t0)) + (t - t0)) * C + c0 + j) * nraw
                     for b in range(nraw):
                         val |= np.int64(blob[o + b]) << (8 * b)
-                ow |= (val & omask) << (8 * OB * j)
-            outf[at] = _signed_word(ow, V * OB)
+                    ow |= (val & omask) << (8 * OB * j)
+            elif t < sink:  # tokens below sink: the sink words, written afterwards
+                ow = np.int64(0)
+            elif bits > 0 and t >= refine_start:  # refined
+                for j in range(V):
+                    jj = _raw_bits(blob, raw, (((l * 2 + kv) * nk + (t - r0)) * C + c0 + j) * bits, bits)
+                    val = np.int64(0)
+                    if levels:
+                        # 256 q' - 1, q' = v + (j - 2^(b-1) + 1) / 2^b (refined_value's, step 1
+                        # and offset 0): an integer, as the product takes it
+                        val = 256 * np.int64(lv[j]) - 1 + ((jj - (np.int64(1) << (bits - 1)) + 1) << (8 - bits))
+                    elif OB == 2:
+                        val = _bf16_nearest(token_value(lv[j], jj, True, bits, off[j], step))
+                    else:
+                        val = _f32_bits(token_value(lv[j], jj, True, bits, off[j], step))
+                    ow |= (val & omask) << (8 * OB * j)
+            elif levels:
+                for j in range(V):
+                    ow |= ((256 * np.int64(lv[j]) - 1) & omask) << (8 * OB * j)
+            elif use32:  # a plane's choice: a warp takes one branch
+                for j in range(V):
+                    z = np.float32(lv[j]) * step32 + off[j]  # an exact product, one rounding
+                    val = _bf16_bits(z) if OB == 2 else _f32_bits(z) & MASK32
+                    ow |= val << (8 * OB * j)
+            else:
+                for j in range(V):
+                    z = level_value(lv[j], off[j], step)
+                    val = _bf16_bits(z) if OB == 2 else _f32_bits(z) & MASK32
+                    ow |= val << (8 * OB * j)
+            outf[np.uint64(at)] = _signed_word(ow, V * OB)
             w = wn
             at += CW
 
