@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,6 +28,8 @@ from cachegen_cli.errors import CacheGenError, ChecksumError, SizeError
 from cachegen_cli.kernels import cuda_pipeline
 from cachegen_cli.kernels.cuda import cuda
 from conftest import per_layer, realistic_kv
+
+SAMPLE = Path(__file__).resolve().parent.parent / "sample_data" / "smollm2_pydoc_520.safetensors"
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -310,6 +313,14 @@ def test_fast_level32_decides_only_what_step_level_decides():
          r_got, r_dec, r_want)
     assert np.array_equal(r_got[r_dec], r_want[r_dec])
     assert r_dec.mean() > 0.999
+    # a real cache's bfloat16 values at the steps of its levels: almost never declined
+    real = kvio.read_safetensors(SAMPLE).data.float().numpy().reshape(-1)
+    for step in (0.0078125, 0.03125, 0.125):
+        n = len(real)
+        s_got, s_want, s_dec = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.bool_)
+        both(real, np.full(n, np.float32(0.013)), np.full(n, step), np.full(n, 0.55), s_got, s_dec, s_want)
+        assert np.array_equal(s_got[s_dec], s_want[s_dec])
+        assert s_dec.mean() > 1 - 1e-4, step
 
 
 @cuda.jit
