@@ -1358,17 +1358,14 @@ def _encode_kernel(qf, q64f, words8, lob, dmb, lob64, dmb64, tabf, W, L, T, C, c
         for t in range(t0, t1):
             w = w_next
             if t + 1 < t1:
-                w_next = np.int64(q64f[np.uint64(at + stride)])
+                w_next = np.int64(q64f[at + stride])
             at += stride
             pm = prev & dm
-            tb = trow0  # channel c0 + 4 half + j's table row: one addition a symbol
             for half in range(2):
                 sh = 32 * half
                 sw = _sub_bytes(_sub_bytes((w >> sh) & MASK32, (pm >> sh) & MASK32), (lw >> sh) & MASK32)
                 for j in range(4):
-                    # unsigned: the index is never negative, and no wrap-around code is made for it
-                    entry = np.int64(tabf[np.uint64(tb + ((sw >> (8 * j)) & 0xFF))])
-                    tb += W
+                    entry = np.int64(tabf[trow0 + (4 * half + j) * W + ((sw >> (8 * j)) & 0xFF)])
                     low, rng, n, acc, p, f = _code_symbol(low, rng, n, acc, p, f, out, out32, entry)
             prev = w
         t1 = t0  # done: the general loop below runs no token
