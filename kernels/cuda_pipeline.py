@@ -608,7 +608,7 @@ def _plane_offsets_kernel(sums, sumsq, n, bf16_max, obits, offs, resid, bad):
         s2 = 0.0
     mean = s1 / fn if n > 0 else 0.0
     mean = min(max(mean, -bf16_max), bf16_max)
-    b = _bf16_nearest(np.float32(mean)) & 0xFFFF
+    b = _bf16_bits(np.float32(mean))
     obits[l, kv, c] = b
     mf = _bits_f32(b << 16)
     offs[l, kv, c] = mf
@@ -649,7 +649,7 @@ def _plane_steps_kernel(rel, sensitivity, allocated, strength, min_step, max_ste
         if not step > 1e-30:
             step = 1.0
         step = min(step, 3.0e38)
-        sb = _bf16_nearest(np.float32(step)) & 0xFFFF
+        sb = _bf16_bits(np.float32(step))
         sbits[p] = sb
         steps[p] = np.float64(_bits_f32(sb << 16))
 
@@ -876,9 +876,9 @@ def _levels(lossless, words, itemsize, fmt, sink, offsets, steps, threshold, t_r
     T = words.shape[2]
     _made(_make_quantize, V, 8 * itemsize, lossless, int(fmt))[(*_cfg(n), stream)](
         as_device(words.reshape(-1)), np.int64(L), np.int64(T), np.int64(CW), np.int64(sink),
-        as_device(offsets), as_device(steps), np.float64(threshold), np.float32(threshold), np.int64(t_ref), np.int64(bits),
-        np.int64(chunk_tokens), np.int64(shift), as_device(q.reshape(-1)), as_device(ref), as_device(stats),
-        np.int64(exponent_mask), as_device(bad))
+        as_device(offsets), as_device(steps), np.float64(threshold), np.float32(threshold), np.int64(t_ref),
+        np.int64(bits), np.int64(chunk_tokens), np.int64(shift), as_device(q.reshape(-1)), as_device(ref),
+        as_device(stats), np.int64(exponent_mask), as_device(bad))
 
 
 # ---------------------------------------------------------------- tables
@@ -1784,22 +1784,22 @@ def span_crc(data, words, start, size, crc_head, acc, value, stream=0):
 
 
 @cuda.jit(device=True)
-def _bf16_nearest(v):
-    """bfloat16 bits of a float32 value, rounded to nearest even (as torch casts; no NaN here)."""
-    u = _f32_bits(v) & MASK32
-    b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
-    if b >= 32768:
-        b -= 65536
-    return b
-
-
-@cuda.jit(device=True)
 def _bf16_bits(v):
-    """_bf16_nearest's bits as an unsigned 16-bit number (what a word packs): all in 32 bits."""
+    """bfloat16 bits (0 .. 65535) of a float32 value, rounded to nearest even (as torch casts;
+    no NaN here)."""
     u = np.uint32(_f32_bits(v))
     # every sum truncated to 32 bits (a NaN's carry out is dropped): the compiler keeps them 32-bit
     b = np.uint32(np.uint32(u + np.uint32(0x7FFF)) + np.uint32((u >> np.uint32(16)) & np.uint32(1)))
     return np.int64(b >> np.uint32(16))
+
+
+@cuda.jit(device=True)
+def _bf16_nearest(v):
+    """_bf16_bits as a signed 16-bit number (what an int16 array holds)."""
+    b = _bf16_bits(v)
+    if b >= 32768:
+        b -= 65536
+    return b
 
 
 @cuda.jit(device=True)
@@ -1904,15 +1904,14 @@ def _make_dequantize(V, OB, method2, levels=False):
                         # 256 q' - 1, q' = v + (j - 2^(b-1) + 1) / 2^b (refined_value's, step 1
                         # and offset 0): an integer, as the product takes it
                         val = 256 * np.int64(lv[j]) - 1 + ((jj - (np.int64(1) << (bits - 1)) + 1) << (8 - bits))
-                    elif OB == 2:
-                        val = _bf16_nearest(token_value(lv[j], jj, True, bits, off[j], step))
                     else:
-                        val = _f32_bits(token_value(lv[j], jj, True, bits, off[j], step))
+                        z = token_value(lv[j], jj, True, bits, off[j], step)
+                        val = _bf16_bits(z) if OB == 2 else _f32_bits(z) & MASK32
                     ow |= (val & omask) << (8 * OB * j)
             elif levels:
                 for j in range(V):
                     ow |= ((256 * np.int64(lv[j]) - 1) & omask) << (8 * OB * j)
-            elif use32:  # a plane's choice: a warp takes one branch
+            elif use32:  # a plane's choice, one branch (a choice per value had both paths computed)
                 for j in range(V):
                     z = np.float32(lv[j]) * step32 + off[j]  # an exact product, one rounding
                     val = _bf16_bits(z) if OB == 2 else _f32_bits(z) & MASK32
