@@ -118,8 +118,9 @@ def fast_level32(y, off, inv, thr):
     a float32 quotient farther than its error bound (LEVEL32_EPS) from every one of them is on
     the same side of each as step_level's float64 quotient, so gives its level.  Few values
     are that near (fewer than 1 in 10^4 of a real cache's: tests/test_device_pipeline.py), and
-    a quotient past LEVEL32_CLAMP clamps whatever it is.  On a GPU this takes about a third of
-    the instructions of the float64 path (no 64-bit conversions, no float64 arithmetic)."""
+    a quotient past LEVEL32_CLAMP clamps whatever it is.  On a GPU this takes far fewer
+    instructions than the float64 path (no 64-bit conversions, no float64 arithmetic:
+    benchmarks/kernel_sass.py shows the quantize kernel's)."""
     v = (y - off) * inv
     a = abs(v)
     if a < np.float32(LEVEL32_CLAMP):
