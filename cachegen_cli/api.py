@@ -22,7 +22,7 @@ from .storage import kvio
 from .methods.calibration import Calibration
 from .methods.config import DEFAULT_CHUNK_TOKENS, QuantizationConfig, TransformConfig, resolve_quantization
 from .errors import FormatError
-from .format.container import check_decoded_size
+from .format.container import FORMAT_VERSION_2, check_decoded_size
 from .storage.outputs import atomic_output, check_input, check_output
 
 __all__ = ["encode", "encode_to_device", "decode", "encode_file", "decode_file", "default_encoded_path", "default_decoded_path",
@@ -274,7 +274,8 @@ def _decode_tensors(data, device: str, calibration, max_output_size):
     if max_output_size is not None:  # host-side, also for bytes on the GPU: 64 bytes copied
         head = bytes(data[:64].cpu().numpy()) if isinstance(data, torch.Tensor) else bytes(memoryview(data)[:64])
         check_decoded_size(head, max_output_size)
-    if _version(data) == 3:  # a multi-part file: its groups decode through the paths below
+    version = _version(data)  # (a tensor on the GPU: one copy of 10 bytes, one wait)
+    if version == 3:  # a multi-part file: its groups decode through the paths below
         from .pipeline import parts as parts_codec
 
         buf = memoryview(data.cpu().numpy()) if isinstance(data, torch.Tensor) else data
@@ -289,7 +290,7 @@ def _decode_tensors(data, device: str, calibration, max_output_size):
 
         if gpu_codec.torch_cuda_ok():  # checked and decoded on the GPU, from a device copy of the bytes
             blob = gpu_codec.device_bytes(data)
-            if _is_v2(data):
+            if version == FORMAT_VERSION_2:
                 from .pipeline import transform_resident as device_pipeline
 
                 header, offsets, size = device_pipeline.read_header(blob)
@@ -352,17 +353,6 @@ def _check_limit(max_output_size) -> None:
         from .errors import ConfigError
 
         raise ConfigError(f"max_output_size must be a non-negative number of bytes or None, not {max_output_size!r}")
-
-
-def _is_v2(data) -> bool:
-    """True when the bytes announce format version 2 (the GPU decodes them with the
-    device-resident pipeline when it can, the CPU kernels otherwise)."""
-    import struct
-
-    from .format.container import FORMAT_VERSION_2, MAGIC
-
-    head = bytes(data[:10].cpu().numpy()) if isinstance(data, torch.Tensor) else bytes(memoryview(data)[:10])
-    return len(head) == 10 and head[:8] == MAGIC and struct.unpack_from("<H", head, 8)[0] == FORMAT_VERSION_2
 
 
 def _close_quietly(closer) -> None:

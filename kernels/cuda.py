@@ -67,6 +67,36 @@ def as_device(array):
     return array
 
 
+def flat(array):
+    """array.reshape(-1), kept on the array for the next call: a numba device array's reshape
+    (or item) is a new array object, typed and packed again by every launch that takes it
+    (tens of microseconds each, ~15 a call; the pipelines' own views are cached objects:
+    pipeline/transform_resident._nb).  Host and simulator arrays are reshaped as they are."""
+    f = getattr(array, "_cg_flat", None)
+    if f is None:
+        f = array.reshape(-1)
+        try:
+            array._cg_flat = f
+        except AttributeError:  # a numpy array (simulator): a reshape is cheap there
+            pass
+    return f
+
+
+def item(array, i: int):
+    """array[i] for a leading index, kept on the array as flat keeps its reshape."""
+    items = getattr(array, "_cg_items", None)
+    if items is None:
+        items = {}
+        try:
+            array._cg_items = items
+        except AttributeError:
+            return array[i]
+    f = items.get(i)
+    if f is None:
+        f = items[i] = array[i]
+    return f
+
+
 def _grid(n: int, block: int = BLOCK) -> int:
     return max(1, (n + block - 1) // block)
 

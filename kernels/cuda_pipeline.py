@@ -51,7 +51,7 @@ import math
 import numpy as np
 
 from .launch import jit_kernel
-from .cuda import BLOCK, SIM, _bits_f32, _bits_f64, _block_max, _crc_span, _f32_bits, _fast_div, _fill_crc_slices, _grid, _placeholder, as_device, cuda  # noqa: F401
+from .cuda import BLOCK, SIM, _bits_f32, _bits_f64, _block_max, _crc_span, _f32_bits, _fast_div, _fill_crc_slices, _grid, _placeholder, as_device, cuda, flat, item  # noqa: F401
 from .cdf import codes_to_cum, counts_to_codes
 from .coding_params import MASK32, PROB_BITS, PROB_TOTAL, RANGE_INIT, RANGE_TOP
 from .crc import multmodp, x8nmodp
@@ -553,7 +553,7 @@ def transform_stats(words, itemsize, fmt, sink, part1, part2, sums, sumsq, strea
     if L * 2 * NB * CW:
         T = words.shape[2]
         _made(_make_stats_partial, V, 8 * itemsize)[(*_cfg(L * 2 * NB * CW), stream)](
-            as_device(words.reshape(-1)), np.int64(L), np.int64(T), np.int64(CW), np.int64(fmt), np.int64(sink),
+            as_device(flat(words)), np.int64(L), np.int64(T), np.int64(CW), np.int64(fmt), np.int64(sink),
             as_device(part1), as_device(part2))
     _stats_reduce_kernel[(*_cfg(L * 2 * C), stream)](as_device(part1), as_device(part2), as_device(sums),
                                                       as_device(sumsq))
@@ -670,14 +670,14 @@ def plane_steps(sums, sumsq, n, bf16_max, rel, obits, offs, sbits, steps, resid,
     _plane_offsets_kernel[(*_cfg(2 * L * C), stream)](as_device(sums), as_device(sumsq), np.int64(n),
                                                       np.float64(bf16_max), as_device(obits), as_device(offs),
                                                       as_device(resid), as_device(bad))
-    _plane_rms_kernel[(*_cfg(2 * L), stream)](as_device(resid), np.int64(n), as_device(scratch[0]))
+    _plane_rms_kernel[(*_cfg(2 * L), stream)](as_device(resid), np.int64(n), as_device(item(scratch, 0)))
     allocated = allocation is not None
     sensitivity, strength, min_step, max_step = allocation if allocated else (rel, 0.0, 0.0, 0.0)
-    _plane_steps_kernel[(1, 1, stream)](as_device(rel.reshape(-1)),
-                                        as_device(sensitivity.reshape(-1)),
+    _plane_steps_kernel[(1, 1, stream)](as_device(flat(rel)),
+                                        as_device(flat(sensitivity)),
                                         np.int64(allocated), np.float64(strength), np.float64(min_step),
-                                        np.float64(max_step), as_device(scratch), as_device(sbits.reshape(-1)),
-                                        as_device(steps.reshape(-1)))
+                                        np.float64(max_step), as_device(scratch), as_device(flat(sbits)),
+                                        as_device(flat(steps)))
 
 
 # ---------------------------------------------------------------- levels and their statistics
@@ -875,9 +875,9 @@ def _levels(lossless, words, itemsize, fmt, sink, offsets, steps, threshold, t_r
     V = C // CW
     T = words.shape[2]
     _made(_make_quantize, V, 8 * itemsize, lossless, int(fmt))[(*_cfg(n), stream)](
-        as_device(words.reshape(-1)), np.int64(L), np.int64(T), np.int64(CW), np.int64(sink),
+        as_device(flat(words)), np.int64(L), np.int64(T), np.int64(CW), np.int64(sink),
         as_device(offsets), as_device(steps), np.float64(threshold), np.float32(threshold), np.int64(t_ref),
-        np.int64(bits), np.int64(chunk_tokens), np.int64(shift), as_device(q.reshape(-1)), as_device(ref),
+        np.int64(bits), np.int64(chunk_tokens), np.int64(shift), as_device(flat(q)), as_device(ref),
         as_device(stats), np.int64(exponent_mask), as_device(bad))
 
 
@@ -988,7 +988,7 @@ def histogram(q, lob, dmb, chunk_tokens, counts, stream=0):
     V = C // CW
     blocks = L * 2 * ((C + 31) // 32)
     threads = (32 // V) * (1 if SIM else 8 * V)
-    _made(_make_histogram, V)[blocks, threads, stream](as_device(q.reshape(-1)), np.int64(L), np.int64(T),
+    _made(_make_histogram, V)[blocks, threads, stream](as_device(flat(q)), np.int64(L), np.int64(T),
                                                         np.int64(CW), as_device(lob), as_device(dmb),
                                                         np.int64(chunk_tokens), as_device(counts))
 
@@ -1217,6 +1217,61 @@ def read_tables(blob, params_at, starts, source, method2, tab, lut, modes, lo_ef
                                             as_device(alphabet_eff), as_device(bad))
 
 
+#: Threads of a stream_starts block (one block a chunk).
+STARTS_BLOCK = 64
+
+
+@jit_kernel
+def _stream_starts_kernel(blob, lengths_at, payload_at, per, lens, starts, lens_c):
+    # Block k: chunk k.  Thread t sums the lengths of its run of the chunk's streams, thread 0
+    # turns the runs' sums into their first offsets (exclusive prefix sums, in shared memory),
+    # then each thread writes its run's starts.
+    k = cuda.blockIdx.x
+    t = cuda.threadIdx.x
+    size = blob.shape[0]
+    run = (per + STARTS_BLOCK - 1) // STARTS_BLOCK
+    s0 = min(per, t * run)
+    s1 = min(per, s0 + run)
+    base = k * per
+    part = cuda.shared.array(STARTS_BLOCK, np.int64)
+    total = np.int64(0)
+    for s in range(s0, s1):
+        a = lengths_at[k] + 2 * s
+        v = np.int64(0)
+        if a >= 0 and a + 1 < size:  # a corrupt index is checked after; reads stay in the file
+            v = np.int64(blob[a]) | (np.int64(blob[a + 1]) << 8)
+        lens[base + s] = v
+        total += v
+    part[t] = total
+    cuda.syncthreads()
+    if t == 0:
+        acc = np.int64(0)
+        for i in range(STARTS_BLOCK):
+            v = part[i]
+            part[i] = acc
+            acc += v
+    cuda.syncthreads()
+    o = payload_at[k] + part[t]
+    for s in range(s0, s1):
+        st = min(o, size)
+        lens_c[base + s] = max(np.int64(0), min(lens[base + s], size - st))
+        starts[base + s] = st
+        o += lens[base + s]
+
+
+def stream_starts(blob, lengths_at, payload_at, per, lens, starts, lens_c, stream=0):
+    """Every stream's length and start from the chunks' lengths sections: lens[k * per + s] =
+    the u16 LE at blob[lengths_at[k] + 2 s] (0 where that is past the file), starts = payload_at[k]
+    + the lengths before it in its chunk, capped at the file's size, lens_c = lens cut at the
+    file's end (what the range decoder may read)."""
+    K = lengths_at.shape[0]
+    if K == 0 or per == 0:
+        return
+    _stream_starts_kernel[(K, STARTS_BLOCK, stream)](as_device(blob), as_device(lengths_at), as_device(payload_at),
+                                                     np.int64(per), as_device(lens), as_device(starts),
+                                                     as_device(lens_c))
+
+
 # ---------------------------------------------------------------- the range coder
 #
 # One thread per stream, threads numbered (layer, K/V, group, chunk), chunk fastest: the
@@ -1358,14 +1413,17 @@ def _encode_kernel(qf, q64f, words8, lob, dmb, lob64, dmb64, tabf, W, L, T, C, c
         for t in range(t0, t1):
             w = w_next
             if t + 1 < t1:
-                w_next = np.int64(q64f[at + stride])
+                w_next = np.int64(q64f[np.uint64(at + stride)])
             at += stride
             pm = prev & dm
+            tb = trow0  # channel c0 + 4 half + j's table row: one addition a symbol
             for half in range(2):
                 sh = 32 * half
                 sw = _sub_bytes(_sub_bytes((w >> sh) & MASK32, (pm >> sh) & MASK32), (lw >> sh) & MASK32)
                 for j in range(4):
-                    entry = np.int64(tabf[trow0 + (4 * half + j) * W + ((sw >> (8 * j)) & 0xFF)])
+                    # unsigned: the index is never negative, and no wrap-around code is made for it
+                    entry = np.int64(tabf[np.uint64(tb + ((sw >> (8 * j)) & 0xFF))])
+                    tb += W
                     low, rng, n, acc, p, f = _code_symbol(low, rng, n, acc, p, f, out, out32, entry)
             prev = w
         t1 = t0  # done: the general loop below runs no token
@@ -1420,9 +1478,9 @@ def encode_streams(q, q64, lob, dmb, lob64, dmb64, tab, chunk_tokens, group, slo
     words8 = group % 8 == 0 and C % 8 == 0
     W = tab.shape[3]
     _encode_kernel[(*_cfg(n), stream)](
-        as_device(q.reshape(-1)), as_device(q64.reshape(-1)), np.int64(words8), as_device(lob.reshape(-1)),
-        as_device(dmb.reshape(-1)), as_device(lob64.reshape(-1)), as_device(dmb64.reshape(-1)),
-        as_device(tab.reshape(-1)), np.int64(W), np.int64(L), np.int64(T), np.int64(C), np.int64(chunk_tokens),
+        as_device(flat(q)), as_device(flat(q64)), np.int64(words8), as_device(flat(lob)),
+        as_device(flat(dmb)), as_device(flat(lob64)), as_device(flat(dmb64)),
+        as_device(flat(tab)), np.int64(W), np.int64(L), np.int64(T), np.int64(C), np.int64(chunk_tokens),
         np.int64(group), as_device(slots), as_device(lengths))
 
 
@@ -1559,10 +1617,10 @@ def decode_streams(blob, blob64, starts, lens, tab, lut, chunk_tokens, group, sy
         blob64 = np.zeros(1, np.int64) if SIM else _placeholder((1,), np.int64)
     words8 = group % 8 == 0 and C % 8 == 0
     _decode_kernel[(*_cfg(n), stream)](as_device(blob), as_device(blob64), np.int64(n64), as_device(starts),
-                                       as_device(lens), as_device(tab.reshape(-1)), np.int64(tab.shape[3]),
-                                       as_device(lut.reshape(-1)), np.int64(L), np.int64(T), np.int64(C),
-                                       np.int64(chunk_tokens), np.int64(group), as_device(sym.reshape(-1)),
-                                       as_device(sym64.reshape(-1)), np.int64(words8))
+                                       as_device(lens), as_device(flat(tab)), np.int64(tab.shape[3]),
+                                       as_device(flat(lut)), np.int64(L), np.int64(T), np.int64(C),
+                                       np.int64(chunk_tokens), np.int64(group), as_device(flat(sym)),
+                                       as_device(flat(sym64)), np.int64(words8))
 
 
 # ---------------------------------------------------------------- the file's sections
@@ -1699,6 +1757,26 @@ def _make_low_bytes(V, B):
     return kernel
 
 
+@jit_kernel
+def _scatter_kernel(out, src, src_first, dst_at):
+    i = cuda.grid(1)
+    if i >= src_first[src_first.shape[0] - 1]:
+        return
+    s = _chunk_of(i, src_first)
+    out[dst_at[s] + i - src_first[s]] = src[i]
+
+
+def scatter_bytes(out, src, src_first, dst_at, total, stream=0):
+    """out[dst_at[s] + j] = src[src_first[s] + j] for every byte j of segment s of src
+    (src_first: S + 1 non-decreasing offsets, total = src_first[S]): the bytes a file's host
+    side made (header, index and trailer, chunk headers) put in place in one launch, a
+    thread a byte."""
+    if total == 0:
+        return
+    _scatter_kernel[(*_cfg(total), stream)](as_device(out), as_device(src), as_device(src_first),
+                                            as_device(dst_at))
+
+
 def write_raw(out, raw_at, raw_first, chunk_tokens, refine_start, bits, ref, words, itemsize, nraw, total, stream=0):
     """The chunks' raw sections: lossless low bytes (nraw > 0, from the cache's words) or the
     refinement indices (params.pack_refinement of ref [L, 2, R, C], tokens refine_start..);
@@ -1710,7 +1788,7 @@ def write_raw(out, raw_at, raw_first, chunk_tokens, refine_start, bits, ref, wor
     V = words.dtype.itemsize // itemsize
     if nraw > 0:
         _made(_make_low_bytes, V, 8 * itemsize)[L * 2 * T, min(BLOCK, max(32, -(-CW // 32) * 32)), stream](
-            as_device(out), as_device(raw_at), as_device(words.reshape(-1)), np.int64(T), np.int64(CW),
+            as_device(out), as_device(raw_at), as_device(flat(words)), np.int64(T), np.int64(CW),
             np.int64(chunk_tokens), np.int64(nraw))
         return
     _raw_kernel[(*_cfg(total), stream)](as_device(out), as_device(raw_at), as_device(raw_first),
@@ -1948,9 +2026,9 @@ def dequantize(sym, modes, lo_eff, chunk_tokens, method2, sink, offsets, steps, 
     if levels and not (method2 and out_bytes == 2 and bits <= 8):
         raise ValueError("dequantize: levels words are method 2's, 2 bytes each, at most 8 refinement bits")
     _made(_make_dequantize, V, out_bytes, bool(method2), bool(levels))[(*_cfg(n), stream)](
-        as_device(sym.reshape(-1)), np.int64(L), np.int64(T), np.int64(CW), as_device(modes), as_device(lo_eff),
+        as_device(flat(sym)), np.int64(L), np.int64(T), np.int64(CW), as_device(modes), as_device(lo_eff),
         np.int64(chunk_tokens), np.int64(sink), as_device(offsets), as_device(steps), np.int64(refine_start),
-        np.int64(bits), as_device(blob), as_device(raw_at), np.int64(nraw), as_device(out.reshape(-1)),
+        np.int64(bits), as_device(blob), as_device(raw_at), np.int64(nraw), as_device(flat(out)),
         as_device(bad))
 
 
@@ -1996,6 +2074,6 @@ def turn_keys(x, freq, rope, t_first, sink, forward, stream=0):
     if n == 0:
         return
     _turn_keys_kernel[_grid(n), BLOCK, stream](
-        as_device(x.reshape(-1)), np.int64(L), np.int64(T), np.int64(C), as_device(freq.reshape(-1)),
+        as_device(flat(x)), np.int64(L), np.int64(T), np.int64(C), as_device(flat(freq)),
         np.int64(rope.inv_freq.shape[0]), np.int64(F), np.int64(rope.style), np.int64(rope.rotary_dim),
         np.int64(rope.head_dim), np.int64(rope.position_start), np.int64(t_first), np.int64(sink), bool(forward))

@@ -299,7 +299,8 @@ def _check_dims(header_size, desc_size, num_tokens, num_layers, num_channels, ch
 def load_capped_json(raw: bytes, what: str):
     """The UTF-8 JSON of a descriptor or manifest, its nesting depth checked before parsing;
     SizeError otherwise."""
-    depth = _json_depth(raw)
+    # (no deeper than its count of opening brackets: a descriptor with few needs no scan)
+    depth = _json_depth(raw) if raw.count(b"[") + raw.count(b"{") > MAX_DESCRIPTOR_DEPTH else 0
     if depth > MAX_DESCRIPTOR_DEPTH:
         raise SizeError(f"{what} nests arrays and objects {depth} deep (at most {MAX_DESCRIPTOR_DEPTH})")
     try:

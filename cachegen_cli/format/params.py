@@ -254,7 +254,7 @@ def parse_params(raw: bytes, method: int, num_layers: int, num_channels: int, si
         raise SizeError("the RoPE flag is set on a lossless file")
     if defer_tables:
         # each entry's table: its own, or the nearest preceding own one (a plane's first entry is own)
-        starts, heads, source = walk_table_entries(raw, o, L * 2 * C, C)
+        starts, heads, source = walk_table_entries(raw, o, L * 2 * C, C, np.int32)  # (< MAX_PARAMS_BYTES)
         shared = heads == MODE_SAME
         return Params(method, None, None, None, None, calibration, steps, offsets, sink, shared.reshape(L, 2, C),
                       refine_tokens, refine_bits, rope, starts, source)
@@ -267,17 +267,19 @@ def parse_params(raw: bytes, method: int, num_layers: int, num_channels: int, si
     return Params(method, *arrays, calibration, steps, offsets, sink, shared, refine_tokens, refine_bits, rope)
 
 
-def walk_table_entries(raw: bytes, start: int, count: int, per_plane: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def walk_table_entries(raw: bytes, start: int, count: int, per_plane: int,
+                       index_dtype=np.int64) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(starts, heads, source): where each of ``count`` table entries from ``start`` has its
     codes, its first byte, and the entry whose table it uses (itself, or for a "same" entry the
     nearest preceding one with its own table); the entries checked to fit and to end exactly
-    at the end of ``raw``."""
+    at the end of ``raw``.  ``index_dtype``: of starts and source (int32: half the bytes to
+    copy to a device; a Params block is under 2^31 bytes)."""
     from ..kernels.cpu_transform import walk_tables
 
     buf = np.frombuffer(raw, np.uint8)
-    starts = np.empty(count, np.int64)
+    starts = np.empty(count, index_dtype)
     heads = np.zeros(count, np.uint8)
-    source = np.empty(count, np.int64)
+    source = np.empty(count, index_dtype)
     end = walk_tables(buf, start, count, per_plane, starts, heads, source)
     if end == -(1 << 40):
         raise SizeError("the first table of a (layer, K/V) cannot refer to a previous one")

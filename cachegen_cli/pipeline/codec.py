@@ -131,7 +131,13 @@ def saturates(h: FileHeader) -> bool:
     from ..format.params import bf16_values
 
     p = h.params
-    top = 128.0 * float(bf16_values(p.steps).max(initial=0.0)) + float(np.abs(bf16_values(p.offsets)).max(initial=0.0))
+
+    def largest(bits) -> float:
+        # |value| of finite bfloat16 bits grows with (bits & 0x7FFF): one value converted, not all
+        m = np.bitwise_and(np.asarray(bits, np.uint16), 0x7FFF).max(initial=0)
+        return float(bf16_values(np.asarray([m], np.uint16))[0])
+
+    top = 128.0 * largest(p.steps) + largest(p.offsets)
     if h.rotated:  # an orthonormal rotation: |x'| <= ||z|| <= sqrt(C) max |z|
         top *= float(np.sqrt(h.num_channels))
     return top >= float(torch.finfo(DTYPE_BY_NAME[h.dtype]).max)

@@ -57,6 +57,29 @@ class UploadRing:
         self._head = a0 + need
         return a0
 
+    def upload_arrays(self, arrays: list[np.ndarray], dev: torch.device) -> list[torch.Tensor]:
+        """Host arrays of any shapes and dtypes on ``dev`` in one copy (each on a 256-byte
+        boundary of one device buffer), as views of their shapes and dtypes."""
+        arrays = [np.ascontiguousarray(a) for a in arrays]
+        dtypes = [torch.from_numpy(np.empty(0, a.dtype)).dtype for a in arrays]
+        if dev.type != "cuda":
+            return [torch.from_numpy(a.copy()) for a in arrays]
+        at, total = [], 0
+        for a in arrays:
+            at.append(total)
+            total += -(-max(a.nbytes, 1) // _ALIGN) * _ALIGN
+        out = torch.empty(total, dtype=torch.uint8, device=dev)
+        with self._lock:
+            a0 = self._reserve(total)
+            host = self._buf[a0 : a0 + total].numpy()
+            for a, o in zip(arrays, at):
+                host[o : o + a.nbytes] = a.reshape(-1).view(np.uint8)
+            out.copy_(self._buf[a0 : a0 + total], non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(dev))
+            self._pending.append((a0, a0 + total, ev))
+        return [out[o : o + a.nbytes].view(dt).reshape(a.shape) for a, o, dt in zip(arrays, at, dtypes)]
+
     def upload(self, a: np.ndarray, dev: torch.device) -> torch.Tensor:
         """``a`` (any shape and dtype numpy has a torch twin for) as a tensor on ``dev``; the copy
         is queued on dev's current stream.  A CPU ``dev`` (numba's simulator) gets a copy."""
@@ -85,6 +108,11 @@ _RING = UploadRing()
 def to_device(a: np.ndarray, dev: torch.device) -> torch.Tensor:
     """A host array on ``dev``, the copy queued (the shared ring of this module)."""
     return _RING.upload(a, dev)
+
+
+def upload_arrays(arrays: list[np.ndarray], dev: torch.device) -> list[torch.Tensor]:
+    """Host arrays (any shapes and dtypes) on ``dev`` in one queued copy; returns views."""
+    return _RING.upload_arrays(arrays, dev)
 
 
 def upload_int64(parts: list[np.ndarray], dev: torch.device) -> list[torch.Tensor]:

@@ -208,6 +208,11 @@ def _upload(parts: list[np.ndarray], dev: torch.device) -> list[torch.Tensor]:
     return staging.upload_int64(parts, dev)
 
 
+def _upload_arrays(parts: list[np.ndarray], dev: torch.device) -> list[torch.Tensor]:
+    """Host arrays of any dtypes to the device in one copy, as views of their shapes."""
+    return staging.upload_arrays(parts, dev)
+
+
 # ---------------------------------------------------------------- encoding
 
 
@@ -355,9 +360,11 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
             # the launch is queued can be handed to the next allocation (here the scratch), so
             # the kernel would read one through the other (seen on the H200: rel and the scratch
             # of a 16-channel cache shared a block, and the steps came out wrong).
-            rel_d = _to_device(np.asarray(cfg.steps_table(L), np.float64), dev)
             sens = tc.plane_sensitivity(cfg, calibration)
-            sens_d = None if sens is None else _to_device(np.ascontiguousarray(sens, np.float64), dev)
+            rel_d, sens_d = _upload_arrays([np.asarray(cfg.steps_table(L), np.float64),
+                                            np.zeros(0) if sens is None else np.asarray(sens, np.float64)], dev)
+            if sens is None:
+                sens_d = None
             resid_d = _empty((L, 2, C), torch.float64, dev)
             scratch_d = _empty((4, 2 * L), torch.float64, dev)
             k.plane_steps(_nb(sums[0]), _nb(sums[1]), T - sink, tc.BF16_MAX, _nb(rel_d),
@@ -505,19 +512,16 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     assert index_at + len(tail) == total
     heads["payload_size"] = payload
     head_bytes = head60 + bytes(4) + desc + fixed
+    # the host's bytes in place by one kernel: header .. fixed Params, the refinement record,
+    # index + trailer, then each chunk's header
     host = np.frombuffer(head_bytes + refine + tail + heads.tobytes(), np.uint8)
-    up = _to_device(host, dev)
-    o = len(head_bytes)
-    out[:o] = up[:o]
+    src_first = np.concatenate([[0], np.cumsum([len(head_bytes), len(refine), len(tail)] + [hb] * K)]).astype(np.int64)
+    dst_at = np.concatenate([[0, len(head_bytes) + sink_bytes, index_at], rec_at]).astype(np.int64)
+    host_d, src_first_d, dst_at_d = _upload_arrays([host, src_first, dst_at], dev)
+    k.scatter_bytes(out_nb, _nb(host_d), _nb(src_first_d), _nb(dst_at_d), int(src_first[-1]))
     if sink:
+        o = len(head_bytes)
         out[o : o + sink_bytes] = x[:, :, :sink].contiguous().view(torch.uint8).reshape(-1)
-    if refine:
-        out[o + sink_bytes : tables_at] = up[o : o + len(refine)]
-    o += len(refine)
-    out[index_at:] = up[o : o + len(tail)]
-    o += len(tail)
-    at = (rec_at_d[:, None] + torch.arange(hb, device=dev)[None, :]).reshape(-1)
-    out[at] = up[o:]
     _mark("layout + sections")
     k1 = _k1()
     crc = torch.zeros(K, dtype=torch.int64, device=dev)
@@ -565,6 +569,8 @@ def read_header(blob: torch.Tensor) -> tuple[FileHeader, list[int], int]:
     # the Params block's CRC-32 is summed on the device (_decode), not on the host
     h, header_end = container.read_file_header(reader, size, defer_tables=True, defer_crc=True)
     offsets = container.read_index(reader, h, header_end, size)
+    if offsets:
+        _DeviceReader.note_header_end(offsets[0])
     return h, offsets, size
 
 
@@ -621,45 +627,37 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
     n = K * per
     dtype = DTYPE_BY_NAME[h.dtype]
     _mark("start")
+    # First what the range decoder needs, so its launch is queued as early as the host can:
+    # where each chunk's lengths and payload are (the records' sizes come from the index: they
+    # are contiguous up to it), the tables' entries; one copy to the device.  The chunk
+    # headers, sizes and padding are checked after the launch, while the device decodes
+    # (every kernel stays inside the file whatever they hold: starts and lengths are clamped).
     offsets = np.asarray(offsets_l, np.int64)
     hb = container.CHUNK_HEADER.size
-    # The records' sizes come from the index (they are contiguous, up to the index): nothing
-    # waits for the chunk headers, whose fields are checked with the rest in the one copy back
-    # at the end (their bytes gathered on the device now, while it decodes).
-    at = _to_device((offsets[:, None] + np.arange(hb, dtype=np.int64)[None, :]).reshape(-1), dev)
-    head_bytes_d = blob[at]
     kk = np.arange(K, dtype=np.int64)
     tks = np.minimum(ct, T - kk * ct)
     refined = h.flags & container.FLAG_REFINED
     bits = p.refine_bits if refined else 0
     raw = raw_sizes(L, C, T, ct, h.raw_bytes_per_value, p.refine_tokens if refined else 0, bits)
-    index_offset = size - container.TRAILER.size - (12 + 8 * K)
-    ends = np.append(offsets[1:], index_offset)
-    rec_sizes = ends - offsets
-    payload = rec_sizes - (hb + raw + 2 * per)
-    if not ((payload >= 0) & (payload <= per * (2 * tks * G + 8)) & (ends <= index_offset)).all():
-        return None, True
     raw_at = offsets + hb
     lengths_at = raw_at + raw
     payload_at = lengths_at + 2 * per
-    seg_first = k1.chunk_crc_segments(offsets, rec_sizes)
-    r0 = h.refine_start
-    # where each refined chunk's padding bits are: the last byte of its raw section
-    used = (L * 2 * np.maximum(0, kk * ct + tks - np.maximum(kk * ct, r0)) * C * max(bits, 1)) % 8
-    pad_mask = np.where((raw > 0) & (used > 0) & (h.method == METHOD_TRANSFORM), (0xFF << used) & 0xFF, 0)
-    pad_at = raw_at + np.maximum(raw - 1, 0)
-    (offsets_d, rec_sizes_d, raw_at_d, lengths_at_d, payload_at_d, seg_first_d, pad_mask_d, pad_at_d,
-     tks_d) = _upload([offsets, rec_sizes, raw_at, lengths_at, payload_at, seg_first, pad_mask, pad_at, tks], dev)
-    _mark("chunk headers (host)")
+    lossless = h.method == METHOD_LOSSLESS
+    host_parts = [lengths_at, payload_at, p.table_starts, p.table_source]
+    if not lossless:
+        # bfloat16 bits << 16 are their float32 values (exactly)
+        host_parts += [(np.asarray(p.offsets, np.uint32) << 16).view(np.float32),
+                       np.asarray(bf16_values(p.steps), np.float64)]
+    up = _upload_arrays(host_parts, dev)
+    lengths_at_d, payload_at_d, starts_d, source_d = up[:4]
+    _mark("chunk positions (host)")
     # stream lengths and starts, from the lengths sections
-    li = (lengths_at_d[:, None] + 2 * torch.arange(per, device=dev)[None, :]).reshape(-1)
-    lens = blob[li].to(torch.int64) | (blob[li + 1].to(torch.int64) << 8)
+    lens = _empty((n,), torch.int64, dev)
+    starts = _empty((n,), torch.int64, dev)
+    lens_c = _empty((n,), torch.int64, dev)
+    k.stream_starts(_nb(blob), _nb(lengths_at_d), _nb(payload_at_d), per, _nb(lens), _nb(starts), _nb(lens_c))
     by_chunk = lens.view(K, per)
-    starts = (payload_at_d[:, None] + torch.cumsum(by_chunk, 1) - by_chunk).reshape(-1)
-    starts = torch.clamp(starts, max=size)
-    lens_c = torch.minimum(lens, size - starts)  # a corrupt table never reads past the file
     # the tables, read and checked on the device straight from the Params block
-    starts_d, source_d = _upload([p.table_starts, p.table_source], dev)
     tab = _empty((L, 2, C, 257), torch.int32, dev)
     lut = _empty((L, 2, C, k.LUT_SIZE), torch.uint8, dev)
     modes_d = _empty((L, 2, C), torch.uint8, dev)
@@ -673,8 +671,25 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
     blob_nb = _nb(blob)
     k.decode_streams(blob_nb, _words64(blob), _nb(starts), _nb(lens_c), _nb(tab), _nb(lut), ct, G, _nb(sym),
                      _nb(_int64_view(sym, C)))
+    # The checks' host side, while the device decodes: the records' sizes, the CRC segments,
+    # where each refined chunk's padding bits are (the last byte of its raw section), the
+    # chunk headers' bytes gathered on the device.
+    index_offset = size - container.TRAILER.size - (12 + 8 * K)
+    ends = np.append(offsets[1:], index_offset)
+    rec_sizes = ends - offsets
+    payload = rec_sizes - (hb + raw + 2 * per)
+    if not ((payload >= 0) & (payload <= per * (2 * tks * G + 8)) & (ends <= index_offset)).all():
+        return None, True  # (the kernels queued read inside the file; nothing else is launched)
+    seg_first = k1.chunk_crc_segments(offsets, rec_sizes)
+    r0 = h.refine_start
+    used = (L * 2 * np.maximum(0, kk * ct + tks - np.maximum(kk * ct, r0)) * C * max(bits, 1)) % 8
+    pad_mask = np.where((raw > 0) & (used > 0) & (h.method == METHOD_TRANSFORM), (0xFF << used) & 0xFF, 0)
+    pad_at = raw_at + np.maximum(raw - 1, 0)
+    head_at = (offsets[:, None] + np.arange(hb, dtype=np.int64)[None, :]).reshape(-1)
+    (offsets_d, rec_sizes_d, raw_at_d, seg_first_d, pad_mask_d, pad_at_d, tks_d, head_at_d) = _upload(
+        [offsets, rec_sizes, raw_at, seg_first, pad_mask, pad_at, tks, head_at], dev)
+    head_bytes_d = blob[head_at_d]
     _mark("range decoding")
-    lossless = h.method == METHOD_LOSSLESS
     nraw = h.raw_bytes_per_value
     rotated = rot_t is not None
     rope = None if lossless else p.rope
@@ -693,8 +708,7 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
         offsets_f = torch.zeros((1, 1, 1), dtype=torch.float32, device=dev)
         steps_f = torch.zeros((1, 1), dtype=torch.float64, device=dev)
     else:
-        offsets_f = _to_device(np.asarray(bf16_values(p.offsets), np.float32), dev)
-        steps_f = _to_device(np.asarray(bf16_values(p.steps), np.float64), dev)
+        offsets_f, steps_f = up[4:6]
     fixed = rotated and h.fixed_rotation
     if fixed:
         # the levels q' alone (step 1, offset 0: exact), for the integer product below
