@@ -1,0 +1,105 @@
+"""The pieces that keep the GPU-resident pipelines' host side short, each against a plain
+reference: the stream-starts and byte-scatter kernels (under numba's simulator here, on the
+GPU in the device run), the header reader's prefetch sized by the last header, the uploads
+of several arrays in one copy, and the cached reshapes of kernel arguments."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from cachegen_cli.kernels import cuda as cuda_kernels
+from cachegen_cli.kernels import cuda_pipeline as k
+from cachegen_cli.pipeline import staging
+from cachegen_cli.pipeline.lmcache_device import _DeviceReader
+
+
+def _starts_reference(blob: np.ndarray, lengths_at, payload_at, per):
+    size = blob.size
+    lens, starts, lens_c = [], [], []
+    for la, pa in zip(lengths_at, payload_at):
+        o = pa
+        for s in range(per):
+            a = la + 2 * s
+            v = int(blob[a]) | int(blob[a + 1]) << 8 if 0 <= a and a + 1 < size else 0
+            st = min(o, size)
+            lens.append(v)
+            starts.append(st)
+            lens_c.append(max(0, min(v, size - st)))
+            o += v
+    return [np.asarray(x, np.int64) for x in (lens, starts, lens_c)]
+
+
+@pytest.mark.parametrize("per, seed", [(1, 0), (5, 1), (70, 2), (130, 3)])
+def test_stream_starts_match_the_sums_and_stay_inside_the_file(per, seed):
+    rng = np.random.default_rng(seed)
+    K = 3
+    size = 2 * per * K + 400
+    blob = rng.integers(0, 256, size, dtype=np.uint8)
+    blob[1::2] = rng.integers(0, 2, blob[1::2].size)  # lengths up to ~511: some starts run past the end
+    lengths_at = np.array([0, 2 * per, size - per], np.int64)  # the last chunk's lengths cut by the file's end
+    payload_at = np.array([2 * per * K, 2 * per * K + 50, size - 10], np.int64)
+    lens = np.full(K * per, -1, np.int64)
+    starts = np.full(K * per, -1, np.int64)
+    lens_c = np.full(K * per, -1, np.int64)
+    k.stream_starts(blob, lengths_at, payload_at, per, lens, starts, lens_c)
+    want = _starts_reference(blob, lengths_at, payload_at, per)
+    for got, ref in zip((lens, starts, lens_c), want):
+        np.testing.assert_array_equal(got, ref)
+    assert (starts <= size).all() and (starts + lens_c <= size).all()
+
+
+def test_scatter_bytes_puts_every_segment_in_place():
+    rng = np.random.default_rng(7)
+    sizes = [5, 0, 3, 9, 1]
+    src = rng.integers(0, 256, sum(sizes), dtype=np.uint8)
+    src_first = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    dst_at = np.array([40, 2, 10, 20, 0], np.int64)
+    out = np.zeros(64, np.uint8)
+    k.scatter_bytes(out, src, src_first, dst_at, int(src_first[-1]))
+    want = np.zeros(64, np.uint8)
+    for s, n in enumerate(sizes):
+        want[dst_at[s] : dst_at[s] + n] = src[src_first[s] : src_first[s] + n]
+    np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("hint", [0, 100, 5000, 1 << 30])
+def test_device_reader_gives_the_same_bytes_whatever_the_prefetch(hint, monkeypatch):
+    data = np.random.default_rng(3).integers(0, 256, 3 * _DeviceReader.PREFETCH + 12345, dtype=np.uint8)
+    monkeypatch.setattr(_DeviceReader, "header_hint", hint)
+    r = _DeviceReader(torch.from_numpy(data))
+    raw = data.tobytes()
+    for at, n in [(0, 64), (60, 200_000), (len(raw) - 30, 30), (70_000, 1), (len(raw) - 100, 500)]:
+        r.seek(at)
+        assert r.read(n) == raw[at : at + n]
+    _DeviceReader.note_header_end(hint)
+    assert _DeviceReader.header_hint == min(hint, _DeviceReader.HEADER_HINT_CAP)
+
+
+def test_upload_arrays_keeps_shapes_dtypes_and_values():
+    parts = [np.arange(7, dtype=np.int64), np.zeros(0, np.float64), np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3),
+             np.array([1, 2, 255], np.uint8), np.array([[1 << 40]], np.int64)]
+    out = staging.upload_arrays(parts, torch.device("cpu"))
+    for a, t in zip(parts, out):
+        assert tuple(t.shape) == a.shape and t.numpy().dtype == a.dtype
+        np.testing.assert_array_equal(t.numpy(), a)
+
+
+def test_flat_and_item_are_the_reshape_and_the_row():
+    a = np.arange(24).reshape(2, 3, 4)
+    np.testing.assert_array_equal(cuda_kernels.flat(a), a.reshape(-1))
+    np.testing.assert_array_equal(cuda_kernels.item(a, 1), a[1])
+
+    class Holder:  # an object that takes attributes, as numba's device arrays do
+        def __init__(self, x):
+            self.x = x
+            self.calls = 0
+
+        def reshape(self, *shape):
+            self.calls += 1
+            return self.x.reshape(*shape)
+
+    h = Holder(a)
+    first = cuda_kernels.flat(h)
+    assert cuda_kernels.flat(h) is first and h.calls == 1
