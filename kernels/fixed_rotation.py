@@ -202,6 +202,33 @@ def fixed_values(A, steps, b, t_first, out):
             dst[c] = fixed_value(src[c], unit, bl[c])
 
 
+@njit(parallel=True, **_JIT)
+def fixed_values_bf16(A, steps, b, t_first, out, t_out):
+    """out[l, kv, t_out + t_first + t] (uint16: bfloat16 bits) = fixed_values' x' rounded to
+    nearest even, an overflow to infinity kept at the largest finite value (rope.store_values'
+    KIND_BFLOAT16 rule, docs/format.md "Casting to the source dtype"): the two passes in one,
+    without the float32 array between them."""
+    L, K, n, C = A.shape
+    for job in prange(L * K * n):
+        l = job // (K * n)
+        kv = (job // n) % K
+        t = job % n
+        unit = math.ldexp(steps[l, kv], -R_BITS)
+        src = A[l, kv, t]
+        dst = out[l, kv, t_out + t_first + t]
+        bl = b[l, kv]
+        row = np.empty(C, np.float32)
+        for c in range(C):
+            row[c] = fixed_value(src[c], unit, bl[c])
+        bits = row.view(np.uint32)
+        for c in range(C):
+            u = bits[c]
+            w = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+            if (w & np.uint32(0x7FFF)) == np.uint32(0x7F80):  # rounded up to an infinity
+                w -= np.uint32(1)
+            dst[c] = w
+
+
 def block_product(X, rint, out=None):
     """Y = X R per (layer, K/V), R block-diagonal with rint's blocks: torch tensors X float64 [L,
     K, T', C] (integer-valued, or multiples of 1/256) and rint float64 [L, K, H, D, D], on any
@@ -252,10 +279,12 @@ def rotate_rows(x, rint, t_first, y):
             fixed_rows_out(Y, e, t_first, y[l : l + 1, kv : kv + 1])
 
 
-def unrotate_values(z, rint_t, steps, b, t_first, out):
+def unrotate_values(z, rint_t, steps, b, t_first, out, t_out=None):
     """out[:, :, t] = x' of the levels q' in z[:, :, t] (block_product with the transposed blocks,
     fixed_values) for t >= t_first; z, out float32 [L, 2, T, C] numpy (may be the same array);
-    rint_t: torch float64 [L, 2, H, D, D]; steps float64 [L, 2]; b float64 [L, 2, C] (offset_sums)."""
+    rint_t: torch float64 [L, 2, H, D, D]; steps float64 [L, 2]; b float64 [L, 2, C] (offset_sums).
+    With ``t_out`` (an int), out is uint16 bfloat16 words and gets x' rounded as
+    rope.store_values does, at out[:, :, t_out + t] (fixed_values_bf16)."""
     import torch
 
     L, _, T, C = z.shape
@@ -269,5 +298,9 @@ def unrotate_values(z, rint_t, steps, b, t_first, out):
         for kv in range(2):
             Q[0, 0] = z[l, kv, t_first:]  # q', exact in float64
             block_product(Qt, rint_t[l : l + 1, kv : kv + 1], At)
-            fixed_values(A, steps[l : l + 1, kv : kv + 1], b[l : l + 1, kv : kv + 1], t_first,
-                         out[l : l + 1, kv : kv + 1])
+            if t_out is None:
+                fixed_values(A, steps[l : l + 1, kv : kv + 1], b[l : l + 1, kv : kv + 1], t_first,
+                             out[l : l + 1, kv : kv + 1])
+            else:
+                fixed_values_bf16(A, steps[l : l + 1, kv : kv + 1], b[l : l + 1, kv : kv + 1], t_first,
+                                  out[l : l + 1, kv : kv + 1], t_out)

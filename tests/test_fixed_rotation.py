@@ -170,3 +170,30 @@ def test_stats_names_the_fixed_point_rotation(tmp_path):
     (tmp_path / "b.cgen").write_bytes(older)
     assert file_stats(tmp_path / "a.cgen")["method"] == "transform + rotation (fixed-point)"
     assert file_stats(tmp_path / "b.cgen")["method"] == "transform + rotation"
+
+
+def test_fixed_values_bf16_is_fixed_values_then_store_values():
+    """The decoder's fused pass (x' straight to bfloat16 words) gives the bits of the two passes
+    it replaces, on ordinary values, ties, and values past bfloat16's largest finite one (kept
+    at it, not rounded to an infinity)."""
+    from cachegen_cli.kernels import rope as rope_kernels
+
+    rng = np.random.default_rng(11)
+    L, K, n, C, t_first, t_out = 2, 2, 7, 12, 3, 5
+    A = np.round(rng.standard_normal((L, K, n, C)) * 2.0 ** rng.integers(0, 40, (L, K, n, C)))
+    steps = np.ldexp(1.0, rng.integers(-20, 4, (L, K))).astype(np.float64)
+    b = rng.standard_normal((L, K, C)) * 3.0
+    b[0, 0, :4] = [3.3961e38, -3.3961e38, 3.39e38, 1.0e39]  # past bfloat16's largest finite value (~3.3895e38)
+    A[0, 0, :, :4] = 0.0
+    A[1, 1, 0, 0] = 2.0 ** fr.R_BITS * 1.00390625  # (1 + 2^-8) x 2^R_BITS: a tie at bfloat16's precision
+    steps[1, 1] = 1.0
+    b[1, 1, 0] = 0.0
+    f32 = np.zeros((L, K, t_first + n, C), np.float32)
+    fr.fixed_values(A, steps, b, t_first, f32)
+    want = np.zeros((L, K, t_out + t_first + n, C), np.uint16)
+    rope_kernels.store_values(f32, t_first, want[:, :, t_out:], 0, rope_kernels.KIND_BFLOAT16)
+    got = np.zeros_like(want)
+    fr.fixed_values_bf16(A, steps, b, t_first, got, t_out)
+    np.testing.assert_array_equal(got, want)
+    assert not ((got & 0x7FFF) == 0x7F80).any()  # no infinity
+    assert got[1, 1, t_out + t_first, 0] == 0x3F80  # the tie went to the even neighbour, 1.0

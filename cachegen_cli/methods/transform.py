@@ -752,7 +752,12 @@ class V2SlabDecoder:
             args += (_NO_ROTATION, sink, self.unit_offsets, self.unit_steps, first_refined, p.refine_bits, ref)
         else:
             args += (self.rot_t, sink, self.offsets, self.steps, first_refined, p.refine_bits, ref)
-        if fixed or p.rope is not None:
+        if fixed and p.rope is None and h.dtype == "bfloat16":
+            # x' straight to bfloat16 words (the rounding of _store, in the same pass)
+            tmp = self.buf.get("f32", (L, 2, Ts, C), np.float32)
+            k2.decode_transform_planes(*args, tmp, 0, False)
+            fixed_kernels.unrotate_values(tmp, self.fixed_t, self.steps, self.fixed_b, sink, out, t_out)
+        elif fixed or p.rope is not None:
             # float32 values (x' through the fixed-point rotation; the keys turned back by their
             # RoPE), then the source dtype, saturating
             tmp = self.buf.get("f32", (L, 2, Ts, C), np.float32)
