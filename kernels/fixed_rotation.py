@@ -30,6 +30,8 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import register_jitable
 
+from .rope import bf16_bits_saturating
+
 _JIT = dict(cache=True, nogil=True)
 
 #: Bits of a row's integers: X = round(x 2^(X_BITS - e)), |X| <= 2^X_BITS (the encoder's
@@ -222,11 +224,7 @@ def fixed_values_bf16(A, steps, b, t_first, out, t_out):
             row[c] = fixed_value(src[c], unit, bl[c])
         bits = row.view(np.uint32)
         for c in range(C):
-            u = bits[c]
-            w = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-            if (w & np.uint32(0x7FFF)) == np.uint32(0x7F80):  # rounded up to an infinity
-                w -= np.uint32(1)
-            dst[c] = w
+            dst[c] = bf16_bits_saturating(bits[c])
 
 
 def block_product(X, rint, out=None):

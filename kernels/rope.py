@@ -201,6 +201,16 @@ def widen_bf16(src, dst):
         b[i] = np.uint32(a[i]) << np.uint32(16)
 
 
+@register_jitable
+def bf16_bits_saturating(u):
+    """The bfloat16 bits of float32 bits u (uint32), rounded to nearest even, a rounding up to an
+    infinity kept at the largest finite value (docs/format.md, "Casting to the source dtype")."""
+    b = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    if (b & np.uint32(0x7FFF)) == np.uint32(0x7F80):  # rounded up to an infinity
+        b -= np.uint32(1)
+    return b
+
+
 #: store_values' targets
 KIND_FLOAT32 = 0
 KIND_BFLOAT16 = 1
@@ -225,8 +235,4 @@ def store_values(x, sink, out, t_out, kind):
                 dst[c] = row[c]
         else:
             for c in range(C):
-                u = row[c]
-                b = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
-                if (b & np.uint32(0x7FFF)) == np.uint32(0x7F80):  # rounded up to an infinity
-                    b -= np.uint32(1)
-                dst[c] = b
+                dst[c] = bf16_bits_saturating(row[c])
