@@ -187,6 +187,22 @@ def fixed_value(a, step_unit, b):
     return np.float32(v)
 
 
+@register_jitable
+def _values_row(A, steps, b, job, dst):
+    """dst[c] = x' of row ``job`` (l, kv, t in that order) of A: fixed_value of each entry.
+    Returns (l, kv, t)."""
+    _, K, n, C = A.shape
+    l = job // (K * n)
+    kv = (job // n) % K
+    t = job % n
+    unit = math.ldexp(steps[l, kv], -R_BITS)
+    src = A[l, kv, t]
+    bl = b[l, kv]
+    for c in range(C):
+        dst[c] = fixed_value(src[c], unit, bl[c])
+    return l, kv, t
+
+
 @njit(parallel=True, **_JIT)
 def fixed_values(A, steps, b, t_first, out):
     """out[l, kv, t, c] = sat32(A[l, kv, t - t_first, c] x steps[l, kv] 2^-R_BITS + b[l, kv, c]) for
@@ -196,12 +212,7 @@ def fixed_values(A, steps, b, t_first, out):
         l = job // (K * n)
         kv = (job // n) % K
         t = job % n
-        unit = math.ldexp(steps[l, kv], -R_BITS)
-        src = A[l, kv, t]
-        dst = out[l, kv, t_first + t]
-        bl = b[l, kv]
-        for c in range(C):
-            dst[c] = fixed_value(src[c], unit, bl[c])
+        _values_row(A, steps, b, job, out[l, kv, t_first + t])
 
 
 @njit(parallel=True, **_JIT)
@@ -212,16 +223,9 @@ def fixed_values_bf16(A, steps, b, t_first, out, t_out):
     without the float32 array between them."""
     L, K, n, C = A.shape
     for job in prange(L * K * n):
-        l = job // (K * n)
-        kv = (job // n) % K
-        t = job % n
-        unit = math.ldexp(steps[l, kv], -R_BITS)
-        src = A[l, kv, t]
-        dst = out[l, kv, t_out + t_first + t]
-        bl = b[l, kv]
         row = np.empty(C, np.float32)
-        for c in range(C):
-            row[c] = fixed_value(src[c], unit, bl[c])
+        l, kv, t = _values_row(A, steps, b, job, row)
+        dst = out[l, kv, t_out + t_first + t]
         bits = row.view(np.uint32)
         for c in range(C):
             dst[c] = bf16_bits_saturating(bits[c])

@@ -83,23 +83,7 @@ class UploadRing:
     def upload(self, a: np.ndarray, dev: torch.device) -> torch.Tensor:
         """``a`` (any shape and dtype numpy has a torch twin for) as a tensor on ``dev``; the copy
         is queued on dev's current stream.  A CPU ``dev`` (numba's simulator) gets a copy."""
-        a = np.ascontiguousarray(a)
-        dtype = torch.from_numpy(np.empty(0, a.dtype)).dtype
-        if dev.type != "cuda":
-            return torch.from_numpy(a.copy())
-        raw = a.reshape(-1).view(np.uint8)
-        out = torch.empty(a.shape, dtype=dtype, device=dev)
-        if raw.size == 0:
-            return out
-        with self._lock:
-            a0 = self._reserve(raw.size)
-            host = self._buf[a0 : a0 + raw.size]
-            host.numpy()[:] = raw
-            out.view(-1).view(torch.uint8).copy_(host, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(dev))
-            self._pending.append((a0, a0 + -(-raw.size // _ALIGN) * _ALIGN, ev))
-        return out
+        return self.upload_arrays([a], dev)[0]
 
 
 _RING = UploadRing()
