@@ -39,6 +39,11 @@ thread, as many as one 8-byte word holds, see ``lanes``):
   write_tables       one thread per table entry of the Params block
   write_streams      a warp per stream: its length and bytes
   write_raw          the raw sections: one thread per value (lossless) or per byte (refinement)
+  layout_records     one thread: the records' places from the streams' sizes (a prefix sum)
+  write_frame        one thread per chunk header (and its index entry), one for the index's
+                     head, the trailer and the file header's params_size
+  put_file_crcs      one thread per 2 KiB segment of the Params block and of the index, then
+                     one for the header's and the index's CRC fields
   dequantize         one thread per (layer, K/V, chunk, V channels): symbols -> levels (token
                      delta) -> values (refinement bits read from the file), bfloat16 or
                      float32 out; the lossless join likewise
@@ -51,7 +56,7 @@ import math
 import numpy as np
 
 from .launch import jit_kernel
-from .cuda import BLOCK, SIM, _bits_f32, _bits_f64, _block_max, _crc_span, _f32_bits, _fast_div, _fill_crc_slices, _grid, _placeholder, as_device, cuda, flat, item  # noqa: F401
+from .cuda import BLOCK, CHUNK_CRC_SEGMENT, CHUNK_HEADER_BYTES, SIM, _bits_f32, _bits_f64, _block_max, _crc_span, _f32_bits, _fast_div, _fill_crc_slices, _grid, _placeholder, as_device, cuda, flat, item  # noqa: F401
 from .cdf import codes_to_cum, counts_to_codes
 from .coding_params import MASK32, PROB_BITS, PROB_TOTAL, RANGE_INIT, RANGE_TOP
 from .crc import multmodp, x8nmodp
@@ -1794,6 +1799,192 @@ def write_raw(out, raw_at, raw_first, chunk_tokens, refine_start, bits, ref, wor
     _raw_kernel[(*_cfg(total), stream)](as_device(out), as_device(raw_at), as_device(raw_first),
                                         np.int64(chunk_tokens), np.int64(refine_start), np.int64(max(bits, 1)),
                                         as_device(ref), np.int64(L), np.int64(T), np.int64(CW * V))
+
+
+# ---------------------------------------------------------------- encoding: the layout on the device
+#
+# The records' places depend on the streams' sizes, which only the device knows once it has
+# coded them.  Placing them on the host costs a synchronisation in mid-call and then the host's
+# arithmetic and launches while the device waits (~1.4 ms an 8192-token encode on the H200,
+# benchmarks/host_stages.py); here the device places them, so every launch of an encode is
+# queued before its one wait for the size.  ``lay`` (int64) holds, for K chunks:
+#   [0K, 1K) rec_at   [1K, 2K) rec_sizes   [2K, 3K) raw_at   [3K, 4K) lengths_at
+#   [4K, 5K) payload_at   [5K, 6K) payload   [6K, 7K] seg_first (crc32_chunks' segments)
+#   7K + 1 + LAY_PARAMS_SIZE, LAY_INDEX_AT, LAY_TOTAL, LAY_PAYLOAD: the file's scalars
+
+LAY_PARAMS_SIZE, LAY_INDEX_AT, LAY_TOTAL, LAY_PAYLOAD = 0, 1, 2, 3
+LAY_SCALARS = 4
+
+
+def layout_size(K: int) -> int:
+    """Entries of a ``lay`` array for K chunks."""
+    return 7 * K + 1 + LAY_SCALARS
+
+
+@jit_kernel
+def _layout_kernel(incl, tincl, raw, per, hb, fixed_size, params_at, tail_bytes, lay):
+    # One thread: the chunks in order (a prefix sum over K records, K ~ tokens / 256).
+    if cuda.grid(1) != 0:
+        return
+    K = raw.shape[0]
+    E = tincl.shape[0]
+    tables = tincl[E - 1] if E > 0 else np.int64(0)
+    params_size = fixed_size + tables
+    at = params_at + params_size
+    prev = np.int64(0)
+    seg = np.int64(0)
+    for k in range(K):
+        end = incl[(k + 1) * per - 1]
+        payload = end - prev
+        prev = end
+        size = hb + raw[k] + 2 * per + payload
+        lay[k] = at
+        lay[K + k] = size
+        lay[2 * K + k] = at + hb
+        lay[3 * K + k] = at + hb + raw[k]
+        lay[4 * K + k] = at + hb + raw[k] + 2 * per
+        lay[5 * K + k] = payload
+        # kernels/cuda.chunk_crc_segments: the header segment, then the body cut at multiples
+        b0 = at + CHUNK_HEADER_BYTES
+        cut = (b0 // CHUNK_CRC_SEGMENT + 1) * CHUNK_CRC_SEGMENT
+        d = at + size - cut
+        lay[6 * K + k] = seg
+        seg += 2
+        if d > 0:
+            seg += (d + CHUNK_CRC_SEGMENT - 1) // CHUNK_CRC_SEGMENT
+        at += size
+    lay[7 * K] = seg
+    s = 7 * K + 1
+    lay[s + LAY_PARAMS_SIZE] = params_size
+    lay[s + LAY_INDEX_AT] = at
+    lay[s + LAY_TOTAL] = at + tail_bytes
+    lay[s + LAY_PAYLOAD] = prev
+
+
+def layout_records(incl, tincl, raw, per, hb, fixed_size, params_at, tail_bytes, lay, stream=0):
+    """Fill ``lay`` (int64 [layout_size(K)]) from the streams' inclusive length sums ``incl``
+    (K x per streams, chunk-major), the table entries' inclusive size sums ``tincl`` and the
+    chunks' raw section sizes ``raw`` (K): the records from params_at + fixed_size + tables on,
+    each hb + raw + 2 per + payload bytes; tail_bytes (index + trailer) after them."""
+    _layout_kernel[1, 1, stream](as_device(incl), as_device(tincl), as_device(raw), np.int64(per), np.int64(hb),
+                                 np.int64(fixed_size), np.int64(params_at), np.int64(tail_bytes), as_device(lay))
+
+
+@cuda.jit(device=True)
+def _put_le(out, at, value, nbytes):
+    for b in range(nbytes):
+        out[at + b] = (value >> (8 * b)) & 0xFF
+
+
+@jit_kernel
+def _frame_kernel(out, lay, raw, per, chunk_tokens, T, chunk_magic, index_magic, trailer_magic,
+                  params_size_at):
+    # Thread k < K: chunk k's 40-byte header (its CRC field zero: put_crcs) and its index entry;
+    # thread K: the index's magic and count, the trailer, the file header's params_size.
+    i = cuda.grid(1)
+    K = raw.shape[0]
+    if i > K:
+        return
+    s = 7 * K + 1
+    index_at = lay[s + LAY_INDEX_AT]
+    if i < K:
+        a = lay[i]
+        t0 = np.int64(i) * chunk_tokens
+        _put_le(out, a, chunk_magic, 4)
+        _put_le(out, a + 4, np.int64(i), 4)
+        _put_le(out, a + 8, t0, 4)
+        _put_le(out, a + 12, min(chunk_tokens, T - t0), 4)
+        _put_le(out, a + 16, raw[i], 4)
+        _put_le(out, a + 20, np.int64(0), 4)  # cdf_size: the tables are in the Params block
+        _put_le(out, a + 24, 2 * per, 4)
+        _put_le(out, a + 28, lay[5 * K + i], 4)
+        _put_le(out, a + 32, np.int64(0), 8)  # reserved, then the CRC
+        _put_le(out, index_at + 8 + 8 * i, a, 8)
+        return
+    _put_le(out, index_at, index_magic, 4)
+    _put_le(out, index_at + 4, np.int64(K), 4)
+    t = index_at + 12 + 8 * K
+    _put_le(out, t, index_at, 8)
+    _put_le(out, t + 8, trailer_magic, 8)
+    _put_le(out, params_size_at, lay[s + LAY_PARAMS_SIZE], 4)
+
+
+def _le(magic: bytes) -> np.int64:
+    return np.int64(int.from_bytes(magic, "little", signed=True))
+
+
+def write_frame(out, lay, raw, per, chunk_tokens, T, chunk_magic, index_magic, trailer_magic, params_size_at,
+                stream=0):
+    """The bytes placed by ``lay`` (layout_records): each chunk's header but its CRC, the chunk
+    index but its CRC, the trailer, and the file header's params_size field (u32 at
+    params_size_at): a thread per chunk and one more."""
+    K = raw.shape[0]
+    _frame_kernel[(*_cfg(K + 1), stream)](as_device(out), as_device(lay), as_device(raw), np.int64(per),
+                                          np.int64(chunk_tokens), np.int64(T), _le(chunk_magic), _le(index_magic),
+                                          _le(trailer_magic), np.int64(params_size_at))
+
+
+@jit_kernel
+def _file_spans_crc_kernel(data, words, aligned, lay, K, desc_len, nseg0, acc):
+    # Segments [0, nseg0): the descriptor and Params block (from byte 64, desc_len +
+    # params_size bytes; nseg0 covers the largest Params block); the rest: the index's body.
+    slices = cuda.shared.array((8, 256), np.uint32)
+    _fill_crc_slices(slices)
+    j = cuda.grid(1)
+    s = 7 * K + 1
+    if j < nseg0:
+        span = 0
+        start = np.int64(64)
+        size = desc_len + lay[s + LAY_PARAMS_SIZE]
+    else:
+        span = 1
+        j -= nseg0
+        start = lay[s + LAY_INDEX_AT]
+        size = 8 + 8 * K
+    a = j * PARAMS_CRC_SEGMENT
+    if a >= size:
+        return
+    n = min(np.int64(PARAMS_CRC_SEGMENT), size - a)
+    c = _crc_span(data, words, aligned, start + a, n, slices)
+    after = size - (a + n)
+    if after > 0:  # crc(A + B) = crc(A) x^(8|B|) xor crc(B): every segment shifted to its place
+        c = multmodp(x8nmodp(after), c)
+    cuda.atomic.xor(acc, span, c)
+
+
+@jit_kernel
+def _file_crcs_kernel(out, lay, K, desc_len, acc):
+    # One block: the header's CRC (its first 60 bytes, a byte at a time, then the span summed
+    # in acc[0]) and the index's (acc[1]), written in place.  (No int64 view of ``out`` here:
+    # the simulator copies each array argument back after the launch, and an aliasing view's
+    # copy would undo the writes.)
+    slices = cuda.shared.array((8, 256), np.uint32)
+    _fill_crc_slices(slices)
+    if cuda.threadIdx.x != 0:
+        return
+    s = 7 * K + 1
+    head = _crc_span(out, out, 0, np.int64(0), np.int64(60), slices)
+    size = desc_len + lay[s + LAY_PARAMS_SIZE]
+    _put_le(out, np.int64(60), acc[0] ^ multmodp(x8nmodp(size), head), 4)
+    _put_le(out, lay[s + LAY_INDEX_AT] + 8 + 8 * K, acc[1], 4)
+
+
+def put_file_crcs(out, words, lay, K, desc_len, params_max, acc, stream=0):
+    """The file header's CRC-32 (bytes 0..59, the descriptor of desc_len bytes and the Params
+    block of lay's params_size, <= params_max) at byte 60 and the chunk index's at its end, both
+    summed on the device from lay's places.  words: out as int64 words when 8-byte aligned,
+    else None; acc: int64 [2] scratch, zeroed by the caller.  Run after every byte they cover
+    is written (the frame included)."""
+    aligned = words is not None
+    if not aligned:
+        words = np.zeros(1, np.int64) if SIM else _placeholder((1,), np.int64)
+    nseg0 = -(-(desc_len + params_max) // PARAMS_CRC_SEGMENT)
+    nseg1 = -(-(8 + 8 * K) // PARAMS_CRC_SEGMENT)
+    _file_spans_crc_kernel[(*_cfg(nseg0 + nseg1), stream)](as_device(out), as_device(words), np.int64(aligned),
+                                                           as_device(lay), np.int64(K), np.int64(desc_len),
+                                                           np.int64(nseg0), as_device(acc))
+    _file_crcs_kernel[1, 256 if not SIM else 32, stream](as_device(out), as_device(lay), np.int64(K),
+                                                         np.int64(desc_len), as_device(acc))
 
 
 @jit_kernel

@@ -103,3 +103,52 @@ def test_flat_and_item_are_the_reshape_and_the_row():
     h = Holder(a)
     first = cuda_kernels.flat(h)
     assert cuda_kernels.flat(h) is first and h.calls == 1
+
+
+@pytest.mark.parametrize("K, per, seed", [(1, 2, 0), (3, 4, 1), (7, 6, 2)])
+def test_layout_on_the_device_is_the_host_layout(K, per, seed):
+    """layout_records + write_frame + put_file_crcs (the encoder's layout on the device) give the
+    places, chunk headers, index, trailer and CRC-32s that the host's packing gives, for records
+    whose bodies straddle CRC segments (sizes up to a few segments)."""
+    import struct
+    import zlib
+
+    from cachegen_cli.format import container
+
+    rng = np.random.default_rng(seed)
+    hb = container.CHUNK_HEADER.size
+    lengths = rng.integers(0, 1500, K * per).astype(np.int64)
+    entry = rng.integers(1, 131, 5).astype(np.int64)
+    raw = rng.integers(0, 3000, K).astype(np.int64)
+    desc_len, fixed_size = 37, 100
+    params_at = 64 + desc_len
+    tail = 12 + 8 * K + container.TRAILER.size
+    lay = np.full(k.layout_size(K), -1, np.int64)
+    k.layout_records(np.cumsum(lengths), np.cumsum(entry), raw, per, hb, fixed_size, params_at, tail, lay)
+    payload = lengths.reshape(K, per).sum(1)
+    sizes = hb + raw + 2 * per + payload
+    params_size = fixed_size + int(entry.sum())
+    rec_at = params_at + params_size + np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    index_at = params_at + params_size + int(sizes.sum())
+    want = np.concatenate([rec_at, sizes, rec_at + hb, rec_at + hb + raw, rec_at + hb + raw + 2 * per, payload,
+                           cuda_kernels.chunk_crc_segments(rec_at, sizes),
+                           [params_size, index_at, index_at + tail, int(lengths.sum())]])
+    np.testing.assert_array_equal(lay, want)
+
+    total = index_at + tail
+    out = rng.integers(0, 256, total + 64, dtype=np.uint8)  # past the file: bytes no kernel may read
+    out[60:64] = 0
+    ct, T = 16, 16 * K - 3
+    k.write_frame(out, lay, raw, per, ct, T, container.CHUNK_MAGIC, container.INDEX_MAGIC, container.TRAILER_MAGIC, 48)
+    for i in range(K):
+        got = container.CHUNK_HEADER.unpack_from(out, int(rec_at[i]))
+        assert got == (container.CHUNK_MAGIC, i, i * ct, min(ct, T - i * ct), int(raw[i]), 0, 2 * per,
+                       int(payload[i]), 0, 0)
+    assert struct.unpack_from("<I", out, 48)[0] == params_size
+    acc = np.zeros(2, np.int64)
+    words = out[: out.size // 8 * 8].view(np.int64)
+    k.put_file_crcs(out, words, lay, K, desc_len, params_size + 999, acc)
+    blob = out[:total].tobytes()
+    assert blob[index_at:] == container.pack_index(rec_at.tolist()) + container.pack_trailer(index_at)
+    crc = zlib.crc32(blob[:60] + blob[64 : params_at + params_size])
+    assert struct.unpack_from("<I", blob, 60)[0] == crc

@@ -8,16 +8,18 @@ Encoding runs the stages of the CPU path as device kernels
   [statistics -> steps]  ->  levels + per-chunk level statistics  ->  table choice  ->
   histogram  ->  codes and CDFs  ->  table sharing  ->  range coding  ->  the file's sections
 
-with two host synchronisations whatever the cache's size (three with the finiteness check
-that builds the cache, storage/kvio.check_finite: one kernel, one flag per layer back).  The
-steps and offsets are made on the device from the per-coordinate sums, a calibration's
-allocation included (kernels/cuda_pipeline.plane_steps, with kernels/allocation.py's
-logarithms and exponentials: the CPU's bits); only keys coded without their RoPE still bring
-the sums back for the host's steps.  Then the chunks' payload sizes, the tables' size and the
-steps' bits come
-back to place the records.  Decoding parses the header, descriptor, Params block and index
-on the host (only those bytes are copied), gathers the 40-byte chunk headers, decodes and
-dequantizes on the device, and copies back one small table of check results; when a check
+with one host synchronisation whatever the cache's size, at the end, for the file's size
+(one more with the finiteness check that builds the cache, storage/kvio.check_finite: one
+kernel, one flag per layer back; one more for keys coded without their RoPE, whose steps the
+host makes from the sums).  The steps and offsets are made on the device from the
+per-coordinate sums, a calibration's allocation included (kernels/cuda_pipeline.plane_steps,
+with kernels/allocation.py's logarithms and exponentials: the CPU's bits).  The records are
+placed on the device too (kernels/cuda_pipeline.layout_records: positions from the streams'
+sizes; write_frame: chunk headers, index, trailer; put_file_crcs), in a buffer as large as
+the largest file the sizes allow, of which the file is then copied out.
+
+Decoding parses the header, descriptor, Params block and index on the host (only those
+bytes are copied), gathers the 40-byte chunk headers, decodes and dequantizes on the device, and copies back one small table of check results; when a check
 fails, the CPU reader reruns on the file so that the error is exactly the CPU's.
 
 Covered: methods 2 (transform, refinement, sink tokens, token deltas, a calibration's
@@ -33,7 +35,6 @@ from __future__ import annotations
 import json
 import struct
 import threading
-import zlib
 from collections import OrderedDict
 
 import numpy as np
@@ -439,12 +440,14 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     incl = torch.cumsum(lengths, 0, dtype=torch.int64)
     entry = torch.where(shared.bool(), 1, 3 + (alphabet + 1) // 2).reshape(-1).to(torch.int64)
     tincl = torch.cumsum(entry, 0)
-    ends_d = torch.cat([incl[per - 1 :: per], tincl[-1:], bad.to(torch.int64)]).to("cpu", non_blocking=dev.type == "cuda")
     excl = incl - lengths
     texcl = tincl - entry
 
-    # What the layout needs that does not depend on the streams' sizes, made on the host while
-    # the device codes them (the launches above are queued, not run).
+    # The layout: header | descriptor | Params | records | index | trailer.  What does not
+    # depend on the streams' sizes is made here; the records' places, the frame (chunk headers,
+    # index, trailer, params_size) and the CRC-32s are made on the device from the sizes it
+    # has (kernels/cuda_pipeline.layout_records), so that the host waits once, at the end, for
+    # the file's size: nothing here waits for the coder.
     desc = json.dumps(cache.descriptor(), separators=(",", ":"), ensure_ascii=False, sort_keys=True).encode("utf-8")
     sink_bytes = 2 * L * sink * C * itemsize
     refine = (struct.pack("<IB", R, bits) if R else b"") + (b"" if lossless or rope is None else rope.pack())
@@ -454,84 +457,82 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     params_at = 64 + len(desc)
     fixed_len = len(fixed) if fixed is not None else 32 + 4 * L + 4 * L * C  # digest, steps, offsets
     tables_at = params_at + fixed_len + sink_bytes + len(refine)
-    kk = np.arange(K, dtype=np.int64)
-    t0s = kk * ct
-    tks = np.minimum(ct, T - t0s)
     raw = raw_sizes(L, C, T, ct, nraw, R, bits)
     raw_first = np.concatenate([[0], np.cumsum(raw)]).astype(np.int64)
-    heads = np.zeros(K, _HEAD_DTYPE)
-    heads["magic"] = container.CHUNK_MAGIC
-    heads["index"] = kk
-    heads["first_token"] = t0s
-    heads["token_count"] = tks
-    heads["raw_size"] = raw
-    heads["lengths_size"] = 2 * per
     fixed_size = fixed_len + sink_bytes + len(refine)
     hb = container.CHUNK_HEADER.size
-    bits_h = None if step_bits_d is None else step_bits_d.to("cpu", non_blocking=dev.type == "cuda")
-    if dev.type == "cuda":
-        torch.cuda.current_stream(dev).synchronize()  # synchronisation 2: the layout
-    ends = ends_d.numpy()
-    if ends[K + 1 :].any():
-        _nonfinite(cache)
-    ends = ends[: K + 1]
-    if fixed is None:
-        sb = bits_h.numpy().astype("<u2")
-        if rot_h.size:  # (after the work: an error path)
-            check_rotated_range(sb[: 2 * L].reshape(L, 2), sb[2 * L :].reshape(L, 2, C))
-        fixed = digest + sb[: 2 * L].tobytes() + sb[2 * L :].tobytes()
-    _mark("sizes to the host (sync)")
-    payload = np.diff(ends[:-1], prepend=0).astype(np.int64)
-    tables_size = int(ends[-1])
-
-    # The layout: header | descriptor | Params | records | index | trailer.  The sections'
-    # kernels go first, so the device writes them while the host packs the header and index.
-    params_size = fixed_size + tables_size
-    rec_sizes = hb + raw + 2 * per + payload
-    rec0 = params_at + params_size
-    rec_at = rec0 + np.concatenate([[0], np.cumsum(rec_sizes)[:-1]]).astype(np.int64)
-    index_at = rec0 + int(rec_sizes.sum())
-    raw_at = rec_at + hb
-    lengths_at = raw_at + raw
-    payload_at = lengths_at + 2 * per
-    seg_first = _k1().chunk_crc_segments(rec_at, rec_sizes)
-    (rec_at_d, rec_sizes_d, raw_at_d, lengths_at_d, payload_at_d, raw_first_d,
-     seg_first_d) = _upload([rec_at, rec_sizes, raw_at, lengths_at, payload_at, raw_first, seg_first], dev)
-    total = index_at + 12 + 8 * K + container.TRAILER.size
-    out = _empty((total,), torch.uint8, dev)
-    out_nb = _nb(out)
-    k.write_tables(out_nb, tables_at, _nb(texcl), _nb(shared), _nb(modes), _nb(lo), _nb(alphabet), _nb(codes))
-    k.write_streams(out_nb, _nb(payload_at_d), _nb(lengths_at_d), _nb(lengths), _nb(excl), per, _nb(slots))
-    k.write_raw(out_nb, _nb(raw_at_d), _nb(raw_first_d), ct, T - R, bits, _nb(ref), _nb(wv), itemsize, nraw,
-                int(raw_first[-1]))
+    tail_bytes = 12 + 8 * K + container.TRAILER.size
+    # The largest file these sizes allow: every table entry at its largest, every stream at
+    # max_stream_bytes (the buffer's end past the real file is never read).
+    params_max = fixed_size + L * 2 * C * (3 + 257 // 2)
+    total_max = (params_at + params_max + int(raw.sum()) + K * (hb + 2 * per) + n * max_stream_bytes(ct * G)
+                 + tail_bytes)
     head60 = container.FILE_HEADER_V2.pack(
         container.MAGIC, container.FORMAT_VERSION_2, container.FILE_HEADER_V2.size, len(desc), T, L, C, ct, K, G,
         container.DTYPE_CODES[dt], container.LAYOUT_CODES[cache.layout], method, PROB_BITS,
-        container.CDF_CODING_SHARED, flags, params_size, sink, 0, 0)[:-4]
-    tail = container.pack_index(rec_at.tolist()) + container.pack_trailer(index_at)
-    assert index_at + len(tail) == total
-    heads["payload_size"] = payload
-    head_bytes = head60 + bytes(4) + desc + fixed
-    # the host's bytes in place by one kernel: header .. fixed Params, the refinement record,
-    # index + trailer, then each chunk's header
-    host = np.frombuffer(head_bytes + refine + tail + heads.tobytes(), np.uint8)
-    src_first = np.concatenate([[0], np.cumsum([len(head_bytes), len(refine), len(tail)] + [hb] * K)]).astype(np.int64)
-    dst_at = np.concatenate([[0, len(head_bytes) + sink_bytes, index_at], rec_at]).astype(np.int64)
-    host_d, src_first_d, dst_at_d = _upload_arrays([host, src_first, dst_at], dev)
+        container.CDF_CODING_SHARED, flags, 0, sink, 0, 0)[:-4]  # params_size: write_frame
+    head_bytes = head60 + bytes(4) + desc + (fixed if fixed is not None else digest)
+    # the host's bytes in place by one kernel: header .. fixed Params (or its digest), the
+    # refinement record
+    host = np.frombuffer(head_bytes + refine, np.uint8)
+    src_first = np.array([0, len(head_bytes), len(head_bytes) + len(refine)], np.int64)
+    dst_at = np.array([0, params_at + fixed_len + sink_bytes], np.int64)
+    raw_d, raw_first_d, host_d, src_first_d, dst_at_d = _upload_arrays([raw, raw_first, host, src_first, dst_at], dev)
+    lay = _empty((k.layout_size(K),), torch.int64, dev)
+    k.layout_records(_nb(incl), _nb(tincl), _nb(raw_d), per, hb, fixed_size, params_at, tail_bytes, _nb(lay))
+    rec_at_d, rec_sizes_d, raw_at_d, lengths_at_d, payload_at_d = (lay[i * K : (i + 1) * K] for i in range(5))
+    seg_first_d = lay[6 * K : 7 * K + 1]
+    scalars = lay[7 * K + 1 :]
+    out = _empty((total_max,), torch.uint8, dev)
+    out_nb = _nb(out)
+    k.write_tables(out_nb, tables_at, _nb(texcl), _nb(shared), _nb(modes), _nb(lo), _nb(alphabet), _nb(codes))
+    k.write_streams(out_nb, _nb(payload_at_d), _nb(lengths_at_d), _nb(lengths), _nb(excl), per, _nb(slots))
+    del slots  # (stream-ordered: its block may serve a later allocation once the copy has run)
+    k.write_raw(out_nb, _nb(raw_at_d), _nb(raw_first_d), ct, T - R, bits, _nb(ref), _nb(wv), itemsize, nraw,
+                int(raw_first[-1]))
     k.scatter_bytes(out_nb, _nb(host_d), _nb(src_first_d), _nb(dst_at_d), int(src_first[-1]))
+    if fixed is None:  # the steps' and offsets' bfloat16 bits, as the device made them
+        o = params_at + 32
+        out[o : o + 2 * step_bits_d.numel()] = step_bits_d.to(torch.int16).view(torch.uint8)
     if sink:
-        o = len(head_bytes)
+        o = params_at + fixed_len
         out[o : o + sink_bytes] = x[:, :, :sink].contiguous().view(torch.uint8).reshape(-1)
-    _mark("layout + sections")
+    k.write_frame(out_nb, _nb(lay), _nb(raw_d), per, ct, T, container.CHUNK_MAGIC, container.INDEX_MAGIC,
+                  container.TRAILER_MAGIC, 48)
+    _mark("layout (device)")
     k1 = _k1()
     crc = torch.zeros(K, dtype=torch.int64, device=dev)
-    k1.crc32_chunks(out_nb, _words64(out), _nb(rec_at_d), _nb(rec_sizes_d), _nb(seg_first_d), _nb(crc),
-                    int(seg_first[-1]))
+    words = _words64(out)
+    k1.crc32_chunks(out_nb, words, _nb(rec_at_d), _nb(rec_sizes_d), _nb(seg_first_d), _nb(crc),
+                    _segments_max(params_at + params_max, K, hb + 2 * per + raw, n * max_stream_bytes(ct * G)))
     k1.put_crcs(out_nb, _nb(rec_at_d), _nb(crc))
-    acc = torch.zeros(1, dtype=torch.int64, device=dev)
-    k.put_header_crc(out_nb, _words64(out), params_at, params_size, zlib.crc32(head60 + desc), 60, _nb(acc))
+    acc = torch.zeros(2, dtype=torch.int64, device=dev)
+    k.put_file_crcs(out_nb, words, _nb(lay), K, len(desc), params_max, _nb(acc))
     _mark("CRC-32s")
-    return out, int(payload.sum())
+    back = [scalars[k.LAY_TOTAL : k.LAY_TOTAL + 1], scalars[k.LAY_PAYLOAD : k.LAY_PAYLOAD + 1], bad.to(torch.int64)]
+    if fixed is None and rot_h.size:
+        back.append(step_bits_d.to(torch.int64))
+    back_h = torch.cat(back).to("cpu", non_blocking=dev.type == "cuda")
+    if dev.type == "cuda":
+        torch.cuda.current_stream(dev).synchronize()  # the one wait of a call: the file's size
+    back_h = back_h.numpy()
+    if back_h[2 : L + 4].any():
+        _nonfinite(cache)
+    if fixed is None and rot_h.size:  # (after the work: an error path)
+        sb = back_h[L + 4 :].astype("<u2")
+        check_rotated_range(sb[: 2 * L].reshape(L, 2), sb[2 * L :].reshape(L, 2, C))
+    total, payload_total = int(back_h[0]), int(back_h[1])
+    _mark("size to the host (sync)")
+    return out[:total].clone(), payload_total
+
+
+def _segments_max(records_at: int, K: int, fixed_sizes: np.ndarray, payload_max: int) -> int:
+    """An upper bound on crc32_chunks' segments for K records from records_at on, of
+    fixed_sizes[k] + payload bytes each (payloads summing to <= payload_max): 2 a record, plus
+    one per CHUNK_CRC_SEGMENT of body and one for each record's partial segment."""
+    seg = _k1().CHUNK_CRC_SEGMENT
+    body = int(np.sum(fixed_sizes)) + payload_max
+    return 3 * K + -(-body // seg) + 1
 
 
 def raw_sizes(L: int, C: int, T: int, ct: int, nraw: int, refine_tokens: int, bits: int) -> np.ndarray:
