@@ -152,3 +152,33 @@ def test_layout_on_the_device_is_the_host_layout(K, per, seed):
     assert blob[index_at:] == container.pack_index(rec_at.tolist()) + container.pack_trailer(index_at)
     crc = zlib.crc32(blob[:60] + blob[64 : params_at + params_size])
     assert struct.unpack_from("<I", blob, 60)[0] == crc
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rotated_range_check_on_the_device_is_the_hosts(seed):
+    """transform_resident._rotated_range_exceeded (torch, on the encoder's device) refuses exactly
+    the steps and offsets that format.params.check_rotated_range refuses: steps near the top of
+    float32 / 128, offsets of every size, Inf and NaN bit patterns."""
+    from cachegen_cli.errors import SizeError
+    from cachegen_cli.format.params import check_rotated_range
+    from cachegen_cli.pipeline.transform_resident import _rotated_range_exceeded
+
+    rng = np.random.default_rng(seed)
+    L, C = 3, 5
+    outcomes = set()
+    for _ in range(40):
+        # biased bfloat16 exponents: any, near 2^121 (128 x step near float32's top), Inf / NaN
+        u = rng.random(2 * L * (C + 1))
+        exps = np.where(u < 0.02, 255, np.where(u < 0.5, rng.integers(244, 255, u.size), rng.integers(0, 255, u.size)))
+        bits = (rng.integers(0, 2, exps.size) << 15 | exps << 7 | rng.integers(0, 128, exps.size)).astype(np.int64)
+        try:
+            with np.errstate(invalid="ignore"):
+                check_rotated_range(bits[: 2 * L].astype(np.uint16).reshape(L, 2),
+                                    bits[2 * L :].astype(np.uint16).reshape(L, 2, C))
+            refused = False
+        except SizeError:
+            refused = True
+        outcomes.add(refused)
+        got = _rotated_range_exceeded(torch.from_numpy(bits.astype(np.int32)), L, C)
+        assert bool(got.item()) == refused
+    assert outcomes == {True, False}

@@ -510,20 +510,33 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     k.put_file_crcs(out_nb, words, _nb(lay), K, len(desc), params_max, _nb(acc))
     _mark("CRC-32s")
     back = [scalars[k.LAY_TOTAL : k.LAY_TOTAL + 1], scalars[k.LAY_PAYLOAD : k.LAY_PAYLOAD + 1], bad.to(torch.int64)]
-    if fixed is None and rot_h.size:
-        back.append(step_bits_d.to(torch.int64))
+    range_checked = fixed is None and rot_h.size
+    if range_checked:
+        back.append(_rotated_range_exceeded(step_bits_d, L, C))
     back_h = torch.cat(back).to("cpu", non_blocking=dev.type == "cuda")
     if dev.type == "cuda":
         torch.cuda.current_stream(dev).synchronize()  # the one wait of a call: the file's size
     back_h = back_h.numpy()
     if back_h[2 : L + 4].any():
         _nonfinite(cache)
-    if fixed is None and rot_h.size:  # (after the work: an error path)
-        sb = back_h[L + 4 :].astype("<u2")
+    if range_checked and back_h[L + 4]:  # (after the work: an error path) the host's check says which plane
+        sb = step_bits_d.cpu().numpy().astype("<u2")
         check_rotated_range(sb[: 2 * L].reshape(L, 2), sb[2 * L :].reshape(L, 2, C))
+        raise FormatError("internal error: the device's rotated-range check and the host's disagree")  # pragma: no cover
     total, payload_total = int(back_h[0]), int(back_h[1])
     _mark("size to the host (sync)")
     return out[:total].clone(), payload_total
+
+
+def _rotated_range_exceeded(step_bits: torch.Tensor, L: int, C: int) -> torch.Tensor:
+    """int64 [1]: 1 when format.params.check_rotated_range would refuse the steps' and offsets'
+    bfloat16 bits (int32 [2 L + 2 L C], steps first), on the device: 128 x step + the largest
+    |offset| of a plane past float32's range (the same float64 arithmetic, NaN compares false)."""
+    from ..format.params import FLOAT32_MAX
+
+    vals = ((step_bits & 0xFFFF) << 16).view(torch.float32).to(torch.float64)
+    top = 128.0 * vals[: 2 * L] + vals[2 * L :].abs().reshape(L * 2, C).amax(-1)
+    return (top > FLOAT32_MAX).any().to(torch.int64).reshape(1)
 
 
 def _segments_max(records_at: int, K: int, fixed_sizes: np.ndarray, payload_max: int) -> int:
