@@ -87,7 +87,7 @@ def encode(
 
         if gpu_codec.torch_cuda_ok() and _device_resident(cache, quant, cal):
             # the whole file is assembled on the GPU, then copied once
-            data = gpu_codec.to_host_bytes(_encode_on_device(cache, quant, cal, chunk_tokens))
+            data = gpu_codec.to_host_bytes(_encode_on_device(cache, quant, cal, chunk_tokens, copy_out=False))
             return codec.smallest_encoding(cache, data, chunk_tokens)[0]  # the rule encode_to_stream applies
     buf = codec.ByteCollector()
     codec.encode_to_stream(cache, buf, quant, chunk_tokens, device=device, calibration=cal)
@@ -152,9 +152,11 @@ def _device_resident(cache: kvio.KVCache, quant, calibration) -> bool:
     return calibration is None
 
 
-def _encode_on_device(cache: kvio.KVCache, quant, calibration, chunk_tokens: int, checked: bool = True) -> torch.Tensor:
+def _encode_on_device(cache: kvio.KVCache, quant, calibration, chunk_tokens: int, checked: bool = True,
+                      copy_out: bool = True) -> torch.Tensor:
     """The .cgen bytes as a uint8 CUDA tensor, by the device-resident pipelines; ``checked``:
-    whether the cache's values were checked finite (else this checks them)."""
+    whether the cache's values were checked finite (else this checks them); ``copy_out=False``:
+    the bytes may be a view of a larger buffer (the caller copies them to the host at once)."""
     from .pipeline import lmcache_device as gpu_codec
 
     if isinstance(quant, TransformConfig):
@@ -167,7 +169,7 @@ def _encode_on_device(cache: kvio.KVCache, quant, calibration, chunk_tokens: int
             raise ConfigError("a calibration does not apply to quality 'lossless'",
                               cli="--calibration does not apply to --quality lossless")
         return device_pipeline.encode(cache, quant, validate_chunk_tokens(chunk_tokens), calibration,
-                                      checked=checked)[0]
+                                      checked=checked, copy_out=copy_out)[0]
     if not checked:
         kvio.check_finite(cache.data)
     return gpu_codec.encode_file_device(codec.make_header(cache, quant, chunk_tokens), codec.fp16_headroom(cache.data))

@@ -553,7 +553,7 @@ def encode_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibrati
     if device == "cuda" and cache.num_tokens:
         from . import transform_resident
 
-        data = _resident_bytes(transform_resident.encode(cache, cfg, chunk_tokens, calibration)[0])
+        data = _resident_bytes(transform_resident.encode(cache, cfg, chunk_tokens, calibration, copy_out=False)[0])
         reader, _ = open_input(data)
         h, _, offsets, size = read_header_and_index(reader)
         return transform_codec.EncodedV2(h, list(iter_chunks(reader, h, offsets, size)))

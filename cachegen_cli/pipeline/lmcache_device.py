@@ -563,9 +563,10 @@ class _DeviceReader:
         p = self.PREFETCH
         front = max(p, min(_DeviceReader.header_hint, self.HEADER_HINT_CAP))
         if n <= front + p:
-            self.pieces = [(0, _host_bytes([blob]))]
+            self.pieces = [(0, memoryview(_host_bytes([blob])))]
         else:
-            both = _host_bytes([blob[:front], blob[n - p :]])
+            # views of the one copy, not two more copies of its ~1 MB (a Llama-8B Params block)
+            both = memoryview(_host_bytes([blob[:front], blob[n - p :]]))
             self.pieces = [(0, both[:front]), (n - p, both[front:])]
 
     @classmethod
@@ -580,7 +581,7 @@ class _DeviceReader:
             return b""
         for at, piece in self.pieces:
             if at <= start and end <= at + len(piece):
-                return piece[start - at : end - at]
+                return piece[start - at : end - at].tobytes()
         return self.blob[start:end].cpu().numpy().tobytes()
 
     def tell(self) -> int:

@@ -218,14 +218,15 @@ def _upload_arrays(parts: list[np.ndarray], dev: torch.device) -> list[torch.Ten
 
 
 def encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration=None,
-           checked: bool = True) -> tuple[torch.Tensor, int]:
+           checked: bool = True, copy_out: bool = True) -> tuple[torch.Tensor, int]:
     """The .cgen file of ``cache`` (format version 2; rotated by ``calibration``'s rotation when
     one is given) as a uint8 tensor on the device, and its payload bytes (the streams).
     ``checked=False``: the cache's values were not checked finite (kvio.from_tensors(check=
     False)); the pipeline then checks them in its first pass over the values, and raises
-    kvio.check_finite's error."""
+    kvio.check_finite's error.  ``copy_out=False``: the file as a view of the larger buffer it
+    was written in (no device copy), for a caller that copies it to the host at once."""
     with _LOCK:
-        return _encode(cache, cfg, chunk_tokens, calibration, checked)
+        return _encode(cache, cfg, chunk_tokens, calibration, checked, copy_out)
 
 
 def _nonfinite(cache: KVCache) -> None:
@@ -235,7 +236,7 @@ def _nonfinite(cache: KVCache) -> None:
 
 
 def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration,
-            checked: bool) -> tuple[torch.Tensor, int]:
+            checked: bool, copy_out: bool = True) -> tuple[torch.Tensor, int]:
     from ..methods import transform as tc
     from ..format.params import check_rotated_range
 
@@ -525,7 +526,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
         raise FormatError("internal error: the device's rotated-range check and the host's disagree")  # pragma: no cover
     total, payload_total = int(back_h[0]), int(back_h[1])
     _mark("size to the host (sync)")
-    return out[:total].clone(), payload_total
+    return (out[:total].clone() if copy_out else out[:total]), payload_total
 
 
 def _rotated_range_exceeded(step_bits: torch.Tensor, L: int, C: int) -> torch.Tensor:
