@@ -437,6 +437,10 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     lengths = _empty((n,), torch.int32, dev)
     k.encode_streams(_nb(q), _nb(_int64_view(q, C)), _nb(lob[1]), _nb(dmb), _nb(_int64_view(lob[1], C)),
                      _nb(_int64_view(dmb, C)), _nb(tab), ct, G, _nb(slots), _nb(lengths))
+    # The levels and the coder's tables are read by no later kernel: their blocks go back to the
+    # allocator (stream-ordered) before the file's buffer below is taken, so the call's peak is
+    # the cache + the stream slots + that buffer.
+    del q, qv, tab, counts, cum
     _mark("range coding")
     incl = torch.cumsum(lengths, 0, dtype=torch.int64)
     entry = torch.where(shared.bool(), 1, 3 + (alphabet + 1) // 2).reshape(-1).to(torch.int64)
