@@ -353,8 +353,8 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
         ref = _empty((L, 2, max(R, 1), C), torch.uint8, dev)
         if rope is None:
             # The steps on the device (kernels/cuda_pipeline.plane_steps, the CPU's arithmetic,
-            # a calibration's allocation included): nothing waits for them, their bits come back
-            # with the sizes (synchronisation 2).
+            # a calibration's allocation included): nothing waits for them; their bits are
+            # copied into the Params block on the device (after the coder).
             m_d = _empty((L, 2, C), torch.float32, dev)
             steps_d = _empty((L, 2), torch.float64, dev)
             step_bits_d = _empty((L * 2 * (C + 1),), torch.int32, dev)  # steps', then offsets' bfloat16 bits
