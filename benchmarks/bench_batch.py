@@ -15,6 +15,11 @@ GB/s counts the uncompressed bytes (the encode's input, the decode's output).
 
     python benchmarks/bench_batch.py --files 100 --tokens 8192 --backends local,ray --device cuda
     python benchmarks/bench_batch.py --files 8 --tokens 256 --layers 4 --pools thread,process   # a smoke run
+
+``--profile N`` first codes N files one after another in this process (the worker's own
+function, batch.work.process_file) under cProfile, and prints each file's time and where it
+went (reading, coding, writing, fsync): what one worker spends per file, apart from the pool.
+The --json report is rewritten after every run, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -88,6 +93,44 @@ def run(paths, op, out_dir, backend, pool, workers, device, threads, extra) -> d
             "GBps": round(raw / took / 1e9, 4), "devices": sorted({r.device for r in results if r.device})}
 
 
+def profile_worker(paths: list[Path], out_dir: Path, device: str, threads: int, extra: dict, top: int = 25) -> dict:
+    """Encode, then decode, each of ``paths`` in this process through process_file, under
+    cProfile; prints the per-file seconds and the functions that took the most cumulative time."""
+    import cProfile
+    import io
+    import pstats
+
+    from cachegen_cli.batch.work import BatchSettings, process_file
+
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir(parents=True)
+    result = {}
+    for op in ("encode", "decode"):
+        settings = BatchSettings(op=op, device=device, threads=threads, force=True, options=extra if op == "encode" else {})
+        srcs = paths if op == "encode" else [out_dir / (p.stem + ".cgen") for p in paths]
+        dsts = [out_dir / (p.stem + ".cgen") for p in paths] if op == "encode" else \
+            [out_dir / (p.stem + ".decoded.safetensors") for p in paths]
+        process_file(str(srcs[0]), str(dsts[0]), settings)  # warm-up: kernels compiled or loaded
+        prof = cProfile.Profile()
+        rows = []
+        prof.enable()
+        for src, dst in zip(srcs, dsts):
+            rows.append(process_file(str(src), str(dst), settings))
+        prof.disable()
+        failed = [r for r in rows if r["status"] != "done"]
+        if failed:
+            raise SystemExit(f"profile: {failed[0]['input']}: {failed[0]['error']}")
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(top)
+        seconds = [r["seconds"] for r in rows]
+        print(f"# profile {op}: {len(rows)} files one after another in one process, seconds per file "
+              f"{', '.join(f'{x:.3f}' for x in seconds)}", flush=True)
+        print(text.getvalue(), flush=True)
+        result[op] = {"seconds_per_file": seconds, "profile": text.getvalue()}
+    return result
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--files", type=int, default=100)
@@ -106,6 +149,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2, help="files of a warm-up batch before each backend's timing")
     p.add_argument("--ray-cpus", type=int, default=None, help="num_cpus of a local Ray instance")
     p.add_argument("--json", type=Path)
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="first profile one worker coding N files in this process (cProfile)")
     args = p.parse_args()
 
     paths = build_files(args.dir / "inputs", args.files, args.tokens, args.layers, args.heads, args.head_dim)
@@ -119,6 +164,15 @@ def main() -> None:
     }
     print(json.dumps({k: report[k] for k in ("date", "cpus", "cpu", "files", "shape", "bytes", "disk")}), flush=True)
     extra = {k: v for k, v in (("quality", args.quality), ("preset", args.preset)) if v is not None}
+
+    def save() -> None:
+        if args.json:
+            args.json.write_text(json.dumps(report, indent=2))
+
+    if args.profile:
+        report["profile"] = profile_worker(paths[: args.profile], args.dir / "profiled", args.device, args.threads,
+                                           extra)
+        save()
     for backend in args.backends.split(","):
         if backend == "ray":
             import ray
@@ -134,8 +188,8 @@ def main() -> None:
             for row in (enc, dec):
                 report["runs"].append(row)
                 print(json.dumps(row), flush=True)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+            save()
+    save()
 
 
 if __name__ == "__main__":
