@@ -509,7 +509,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     crc = torch.zeros(K, dtype=torch.int64, device=dev)
     words = _words64(out)
     k1.crc32_chunks(out_nb, words, _nb(rec_at_d), _nb(rec_sizes_d), _nb(seg_first_d), _nb(crc),
-                    _segments_max(params_at + params_max, K, hb + 2 * per + raw, n * max_stream_bytes(ct * G)))
+                    _segments_max(K, hb + 2 * per + raw, n * max_stream_bytes(ct * G)))
     k1.put_crcs(out_nb, _nb(rec_at_d), _nb(crc))
     acc = torch.zeros(2, dtype=torch.int64, device=dev)
     k.put_file_crcs(out_nb, words, _nb(lay), K, len(desc), params_max, _nb(acc))
@@ -544,8 +544,8 @@ def _rotated_range_exceeded(step_bits: torch.Tensor, L: int, C: int) -> torch.Te
     return (top > FLOAT32_MAX).any().to(torch.int64).reshape(1)
 
 
-def _segments_max(records_at: int, K: int, fixed_sizes: np.ndarray, payload_max: int) -> int:
-    """An upper bound on crc32_chunks' segments for K records from records_at on, of
+def _segments_max(K: int, fixed_sizes: np.ndarray, payload_max: int) -> int:
+    """An upper bound on crc32_chunks' segments for K records (wherever they start) of
     fixed_sizes[k] + payload bytes each (payloads summing to <= payload_max): 2 a record, plus
     one per CHUNK_CRC_SEGMENT of body and one for each record's partial segment."""
     seg = _k1().CHUNK_CRC_SEGMENT
