@@ -254,6 +254,22 @@ def compare(path: Path, chunk_tokens: int = 256, log=print, *, kl: bool = True, 
     return out
 
 
+def triton_interpreter_on_cpu() -> None:
+    """Let LMCache's TurboQuant serde run its Triton kernels in Triton's interpreter
+    (TRITON_INTERPRET=1, set before triton is imported) on CPU tensors: its device choice
+    (which requires CUDA) returns the CPU, and its fp8 format is the one of an SM >= 8.9 GPU
+    (e4m3, as on an H100 / H200).  The kernels are LMCache's own; the interpreter runs each
+    program with numpy, so float rounding may differ from a GPU's in the last bits."""
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--triton-interpret: triton was imported before TRITON_INTERPRET could be set")
+    os.environ["TRITON_INTERPRET"] = "1"
+    import lmcache.v1.distributed.serde.turboquant.decode_kernel as decode_kernel
+    import lmcache.v1.distributed.serde.turboquant.turboquant as turboquant
+
+    turboquant._select_cuda_device = lambda *args, **kwargs: torch.device("cpu")
+    decode_kernel._FP8_E4B15[0] = 0
+
+
 def _versions() -> str:
     from importlib.metadata import version
 
@@ -295,7 +311,17 @@ def main() -> None:
                     "text_file next to the cache]")
     ap.add_argument("--model", type=Path, help="the model the cache was captured with [default: SmolLM2-135M-Instruct]")
     ap.add_argument("--continuation", type=int, default=128, help="tokens scored for the KL (128, as cachegen eval)")
+    ap.add_argument("--serdes", help="only the rows whose label contains one of these comma-separated words "
+                    "(e.g. turboquant)")
+    ap.add_argument("--triton-interpret", action="store_true",
+                    help="run LMCache's TurboQuant (Triton kernels) in Triton's interpreter on the CPU: its "
+                    "serializer otherwise needs CUDA; minutes a chunk, for bytes and quality, never for speed")
     args = ap.parse_args()
+    if args.serdes:
+        words = [w.strip() for w in args.serdes.split(",") if w.strip()]
+        METHODS[:] = [m for m in METHODS if any(w in m[0] for w in words)]
+    if args.triton_interpret:
+        triton_interpreter_on_cpu()
     result = compare(args.cache, args.chunk_tokens, log=lambda m: print(m, file=sys.stderr), kl=not args.no_kl,
                      text=args.text, model=args.model, continuation=args.continuation)
     print(f"date {datetime.date.today().isoformat()}; {platform.machine()}, {os.cpu_count()} cores, "
