@@ -136,7 +136,11 @@ SLOW_DECODE = textwrap.dedent("""
     def slow(dec, path, progress=None):
         real(dec, path, progress)
         print("written", flush=True)
-        time.sleep(60)
+        # short sleeps, not one long one: the kernel may deliver the signal to another thread
+        # (numba's workers), which does not wake a sleeping main thread; Python runs the handler
+        # once the main thread runs again (a fresh-clone run once timed out here under load)
+        for _ in range(600):
+            time.sleep(0.1)
     codec.decode_to_file = slow
     from cachegen_cli.cli import main
     sys.argv = ["cachegen", "decode", sys.argv[1], "-o", sys.argv[2], "--device", "cpu", "-q"]
