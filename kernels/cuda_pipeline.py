@@ -2004,31 +2004,6 @@ def _span_crc_kernel(data, words, aligned, start, size, segment, acc):
 
 
 @jit_kernel
-def _header_crc_kernel(out, acc, crc_head, size, at):
-    if cuda.grid(1) != 0:
-        return
-    crc = acc[0] ^ multmodp(x8nmodp(size), np.int64(crc_head))
-    for b in range(4):
-        out[at + b] = (crc >> (8 * b)) & 0xFF
-
-
-def put_header_crc(out, words, start, size, crc_head, at, acc, stream=0):
-    """out[at:at + 4] = the CRC-32 that continues crc_head over out[start:start + size],
-    little-endian (the file header's CRC: crc_head covers the header's first 60 bytes and the
-    descriptor, the span is the Params block); segments of PARAMS_CRC_SEGMENT bytes, one thread
-    each.  words: out as int64 words when 8-byte aligned, else None; acc: int64 [1] scratch,
-    zeroed by the caller."""
-    aligned = words is not None
-    if not aligned:
-        words = np.zeros(1, np.int64) if SIM else _placeholder((1,), np.int64)
-    nseg = (size + PARAMS_CRC_SEGMENT - 1) // PARAMS_CRC_SEGMENT
-    if nseg:
-        _span_crc_kernel[(*_cfg(nseg), stream)](as_device(out), as_device(words), np.int64(aligned), np.int64(start),
-                                                np.int64(size), np.int64(PARAMS_CRC_SEGMENT), as_device(acc))
-    _header_crc_kernel[1, 1, stream](as_device(out), as_device(acc), np.int64(crc_head), np.int64(size), np.int64(at))
-
-
-@jit_kernel
 def _span_crc_value_kernel(acc, crc_head, size, value):
     if cuda.grid(1) != 0:
         return
@@ -2037,8 +2012,8 @@ def _span_crc_value_kernel(acc, crc_head, size, value):
 
 def span_crc(data, words, start, size, crc_head, acc, value, stream=0):
     """value[0] (int64 [1]) = the CRC-32 that continues crc_head over data[start:start + size]
-    (put_header_crc's sum, for a reader: the file header's CRC checked on the device); acc as
-    put_header_crc's."""
+    (for a reader: the file header's CRC checked on the device); acc: int64 [1] scratch, zeroed
+    by the caller."""
     aligned = words is not None
     if not aligned:
         words = np.zeros(1, np.int64) if SIM else _placeholder((1,), np.int64)

@@ -470,8 +470,8 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     # The largest file these sizes allow: every table entry at its largest, every stream at
     # max_stream_bytes (the buffer's end past the real file is never read).
     params_max = fixed_size + L * 2 * C * (3 + 257 // 2)
-    total_max = (params_at + params_max + int(raw.sum()) + K * (hb + 2 * per) + n * max_stream_bytes(ct * G)
-                 + tail_bytes)
+    payload_max = n * max_stream_bytes(ct * G)
+    total_max = params_at + params_max + int(raw.sum()) + K * (hb + 2 * per) + payload_max + tail_bytes
     head60 = container.FILE_HEADER_V2.pack(
         container.MAGIC, container.FORMAT_VERSION_2, container.FILE_HEADER_V2.size, len(desc), T, L, C, ct, K, G,
         container.DTYPE_CODES[dt], container.LAYOUT_CODES[cache.layout], method, PROB_BITS,
@@ -509,7 +509,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     crc = torch.zeros(K, dtype=torch.int64, device=dev)
     words = _words64(out)
     k1.crc32_chunks(out_nb, words, _nb(rec_at_d), _nb(rec_sizes_d), _nb(seg_first_d), _nb(crc),
-                    _segments_max(K, hb + 2 * per + raw, n * max_stream_bytes(ct * G)))
+                    _segments_max(K, hb + 2 * per + raw, payload_max))
     k1.put_crcs(out_nb, _nb(rec_at_d), _nb(crc))
     acc = torch.zeros(2, dtype=torch.int64, device=dev)
     k.put_file_crcs(out_nb, words, _nb(lay), K, len(desc), params_max, _nb(acc))
