@@ -4,14 +4,18 @@ Builds N caches (Llama-3.1-8B-shaped by default: 32 layers x 8 KV heads x 128 di
 by tiling the real SmolLM2 sample as benchmarks/bench.py does (file k starts k * 37 tokens
 further into the sample, so the files differ), writes them to --dir, then times:
 
-- the disk: reading every input and writing as many bytes (fsync'ed), the floor of a batch;
+- the disk: reading every input, and writing as many bytes (each file fsync'ed), serially: a
+  batch's floor is its input bytes at that read speed plus its output bytes at that write
+  speed (``disk_floor_s``; ``of_disk`` = floor / the batch's seconds, 1.0 = at the disk's speed);
 - each backend x pool asked for: an encode of the whole batch into a fresh output folder
   (--force), then a decode of those outputs.  A warm-up batch of --warmup files runs first:
   it compiles or loads the kernels in this process and starts Ray's workers, which later
   batches reuse; each local batch starts its own worker processes (as one `cachegen` run
   does), so their start is in the local process pool's time.
 
-GB/s counts the uncompressed bytes (the encode's input, the decode's output).
+GB/s counts the uncompressed bytes (the encode's input, the decode's output); ``first_file_s``
+is when the first file of a batch finished (the pool's start, worker processes and kernels
+loaded, is in it).
 
     python benchmarks/bench_batch.py --files 100 --tokens 8192 --backends local,ray --device cuda
     python benchmarks/bench_batch.py --files 8 --tokens 256 --layers 4 --pools thread,process   # a smoke run
@@ -57,40 +61,65 @@ def build_files(folder: Path, files: int, tokens: int, layers: int, heads: int, 
 
 
 def disk_speed(paths: list[Path], scratch: Path) -> dict:
-    """Read every input (from the page cache if it is there: as the batch would) and write as
-    many bytes to scratch, each file fsync'ed: bytes read + written per second."""
+    """What the disk moves, serially: reading every input (from the page cache if it is there,
+    as the batch would), and writing as many bytes to scratch, each file fsync'ed.  The
+    batch's disk floor is its input bytes at the read speed plus its output bytes at the write
+    speed (floor_seconds)."""
     scratch.mkdir(parents=True, exist_ok=True)
-    t = time.perf_counter()
     moved = 0
+    t = time.perf_counter()
+    datas = []
+    for path in paths:
+        datas.append(path.read_bytes())
+        moved += len(datas[-1])
+        if len(datas) > 4:  # hold a few, not the batch
+            datas.pop(0)
+    read_s = time.perf_counter() - t
+    t = time.perf_counter()
+    data = paths[0].read_bytes()
     for k, path in enumerate(paths):
-        data = path.read_bytes()
-        out = scratch / f"copy{k}"
-        with open(out, "wb") as f:
-            f.write(data)
+        size = path.stat().st_size
+        with open(scratch / f"copy{k}", "wb") as f:
+            f.write(memoryview(data)[:size] if size <= len(data) else data + bytes(size - len(data)))
             f.flush()
             os.fsync(f.fileno())
-        moved += 2 * len(data)
-    took = time.perf_counter() - t
+    write_s = time.perf_counter() - t
     shutil.rmtree(scratch)
-    return {"seconds": round(took, 3), "read_write_GBps": round(moved / took / 1e9, 3)}
+    return {"seconds": round(read_s + write_s, 3), "read_GBps": round(moved / read_s / 1e9, 3),
+            "write_GBps": round(moved / write_s / 1e9, 3),
+            "read_write_GBps": round(2 * moved / (read_s + write_s) / 1e9, 3)}
 
 
-def run(paths, op, out_dir, backend, pool, workers, device, threads, extra) -> dict:
+def floor_seconds(disk: dict, read_bytes: int, written_bytes: int) -> float:
+    """The disk's time for a batch that reads ``read_bytes`` and writes ``written_bytes``."""
+    return read_bytes / (disk["read_GBps"] * 1e9) + written_bytes / (disk["write_GBps"] * 1e9)
+
+
+def run(paths, op, out_dir, backend, pool, workers, device, threads, extra, disk=None) -> dict:
     from cachegen_cli.batch import run_batch
 
     if out_dir.exists():
         shutil.rmtree(out_dir)
+    first = []
     t = time.perf_counter()
     results = run_batch([str(p) for p in paths], op, output_dir=out_dir, backend=backend, pool=pool, workers=workers,
-                        device=device, threads=threads, force=True, **extra)
+                        device=device, threads=threads, force=True,
+                        on_result=lambda i, r: first or first.append(time.perf_counter()), **extra)
     took = time.perf_counter() - t
     failed = [r for r in results if r.status != "done"]
     if failed:
         raise SystemExit(f"{len(failed)} file(s) failed, e.g. {failed[0].input}: {failed[0].error}")
     raw = sum(r.input_bytes if op == "encode" else r.output_bytes for r in results)
-    return {"op": op, "backend": backend, "pool": pool if backend == "local" else None, "files": len(results),
-            "seconds": round(took, 3), "files_per_s": round(len(results) / took, 3),
-            "GBps": round(raw / took / 1e9, 4), "devices": sorted({r.device for r in results if r.device})}
+    read, written = sum(r.input_bytes for r in results), sum(r.output_bytes for r in results)
+    row = {"op": op, "backend": backend, "pool": pool if backend == "local" else None, "files": len(results),
+           "seconds": round(took, 3), "files_per_s": round(len(results) / took, 3),
+           "GBps": round(raw / took / 1e9, 4), "read_bytes": read, "written_bytes": written,
+           "first_file_s": round(first[0] - t, 3) if first else None,
+           "devices": sorted({r.device for r in results if r.device})}
+    if disk:
+        floor = floor_seconds(disk, read, written)
+        row.update(disk_floor_s=round(floor, 3), of_disk=round(floor / took, 3))
+    return row
 
 
 def profile_worker(paths: list[Path], out_dir: Path, device: str, threads: int, extra: dict, top: int = 25) -> dict:
@@ -182,9 +211,10 @@ def main() -> None:
             if args.warmup:
                 run(paths[: args.warmup], "encode", args.dir / "warm", backend, pool, args.workers, args.device,
                     args.threads, extra)
-            enc = run(paths, "encode", args.dir / "encoded", backend, pool, args.workers, args.device, args.threads, extra)
+            enc = run(paths, "encode", args.dir / "encoded", backend, pool, args.workers, args.device, args.threads,
+                      extra, report["disk"])
             dec = run(sorted((args.dir / "encoded").glob("*.cgen")), "decode", args.dir / "decoded", backend, pool,
-                      args.workers, args.device, args.threads, {})
+                      args.workers, args.device, args.threads, {}, report["disk"])
             for row in (enc, dec):
                 report["runs"].append(row)
                 print(json.dumps(row), flush=True)

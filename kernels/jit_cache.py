@@ -1,4 +1,4 @@
-"""Where compiled CPU kernels are cached, keyed by the kernels' own source.
+"""Where compiled CPU and CUDA kernels are cached, keyed by the kernels' own source.
 
 Numba's on-disk cache checks only the timestamp of the file that holds the
 jitted function, not of the device functions it inlines from other modules.
@@ -30,6 +30,19 @@ def configure() -> None:
     except OSError:
         return  # read-only home: numba falls back to its own locations or compiles each time
     config.CACHE_DIR = str(target)
+
+
+def configure_cuda() -> None:
+    """The same folder for numba-cuda's kernel cache (its own config module, read apart from
+    numba's): called by kernels/launch.py, so that the CPU paths never import numba.cuda."""
+    from numba.core import config as cpu_config
+
+    try:
+        from numba.cuda.core import config as cuda_config
+    except ImportError:  # an older numba-cuda: it reads numba's own config
+        return
+    if cpu_config.CACHE_DIR and not os.environ.get("NUMBA_CACHE_DIR"):
+        cuda_config.CACHE_DIR = cpu_config.CACHE_DIR
 
 
 configure()

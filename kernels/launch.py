@@ -31,19 +31,35 @@ if not hasattr(np, "row_stack"):  # numba-cuda 0.30.4 with numpy 2.5: see kernel
 from numba import config as _numba_config  # noqa: E402
 from numba import cuda  # noqa: E402
 
+from . import jit_cache  # noqa: E402  (numba's cache folder, before any kernel is made)
+
+jit_cache.configure_cuda()
+
 SIM = bool(_numba_config.ENABLE_CUDASIM)
 
 #: False: every kernel launched through numba (CACHEGEN_LEAN_LAUNCH=0; benchmarks compare the two).
 ENABLED = os.environ.get("CACHEGEN_LEAN_LAUNCH", "1") != "0"
 
 
+#: Compiled CUDA kernels kept on disk (numba's cache, in jit_cache's folder, keyed on every
+#: kernel source file): without it every process compiles each kernel it launches on first use,
+#: seconds per process, paid again by each `cachegen` call and by each worker of a batch.
+#: Off (compile in every process) with CACHEGEN_CUDA_CACHE=0, and while a tuning variable
+#: changes the kernels' compile options (CACHEGEN_MAXREG, CACHEGEN_CUDA_CODER_REGISTERS): numba's
+#: cache key holds the source and the closure's values, not the options.
+TUNING_VARIABLES = ("CACHEGEN_MAXREG", "CACHEGEN_CUDA_CODER_REGISTERS")
+DISK_CACHE = (os.environ.get("CACHEGEN_CUDA_CACHE", "1") != "0"
+              and not any(os.environ.get(v) for v in TUNING_VARIABLES))
+
+
 def jit_kernel(fn=None, **options):
     """``cuda.jit(fn)`` / ``cuda.jit(**options)(fn)`` for a kernel, launched through
-    LeanKernel (on a GPU)."""
+    LeanKernel (on a GPU) and cached on disk (DISK_CACHE)."""
 
     def wrap(f):
-        d = cuda.jit(**options)(f) if options else cuda.jit(f)
-        return d if SIM else LeanKernel(d)
+        if SIM:
+            return cuda.jit(**options)(f) if options else cuda.jit(f)
+        return LeanKernel(cuda.jit(cache=DISK_CACHE, **options)(f))
 
     return wrap(fn) if fn is not None else wrap
 

@@ -585,3 +585,58 @@ def test_a_wrong_chunk_header_field_gives_the_cpu_readers_error(field, value):
     with pytest.raises(type(cpu_error.value)) as device_error:
         _device_decode(bytes(bad))
     assert str(device_error.value) == str(cpu_error.value)
+
+
+# lossless: the simulator codes it in seconds (balanced's bytes are pinned by the in-memory tests
+# above; what is new here is the files' reading and writing)
+@pytest.mark.parametrize("quality, dtype, layout", [("lossless", torch.bfloat16, "stacked"),
+                                                    ("lossless", torch.float16, "per-layer")])
+def test_file_paths_on_the_device_write_the_cpus_files(tmp_path, quality, dtype, layout):
+    """api.encode_file / decode_file on the device (the input read into the page-locked "input"
+    buffer and checked by the pipeline's own pass, the decoded cache written from the "output"
+    buffer; pageable memory under the simulator): the CPU's .cgen and safetensors bytes; a NaN
+    in the file gets the CPU's error, naming the layer, and leaves no output."""
+    from safetensors.torch import save_file
+
+    from cachegen_cli.errors import NonFiniteError
+
+    kv = realistic_kv(layers=2, tokens=66, heads=1, head_dim=8, dtype=dtype, seed=3)  # > SMALL_CACHE_TOKENS
+    tensors = {"kv": kv} if layout == "stacked" else per_layer(kv)
+    src = tmp_path / "c.safetensors"
+    save_file(tensors, str(src))
+    out = {}
+    for dev in ("cpu", "cuda"):
+        summary = cg.api.encode_file(src, tmp_path / f"{dev}.cgen", device=dev, quality=quality, chunk_tokens=33)
+        assert summary.header.num_tokens == 66 and summary.file_bytes == (tmp_path / f"{dev}.cgen").stat().st_size
+        cg.api.decode_file(tmp_path / f"{dev}.cgen", tmp_path / f"{dev}.decoded.safetensors", device=dev)
+        out[dev] = ((tmp_path / f"{dev}.cgen").read_bytes(), (tmp_path / f"{dev}.decoded.safetensors").read_bytes())
+    assert out["cuda"] == out["cpu"]
+    bad = {k: v.clone() for k, v in tensors.items()}
+    flat = bad[sorted(bad)[-1]].view(-1)  # the last layer's values
+    flat[flat.numel() // 2] = float("nan")
+    save_file(bad, str(src))
+    errors = []
+    for dev in ("cpu", "cuda"):
+        with pytest.raises(NonFiniteError) as got:
+            cg.api.encode_file(src, tmp_path / "bad.cgen", device=dev, quality=quality, chunk_tokens=33, force=True)
+        errors.append(str(got.value))
+    assert errors[0] == errors[1] and "layer 1" in errors[0]
+    assert not (tmp_path / "bad.cgen").exists()
+
+
+def test_file_encode_on_the_device_checks_values_in_its_own_pass(tmp_path):
+    """A transform quality read from a file on the device: the NaN found by the pipeline's
+    statistics pass, with the CPU's words."""
+    from safetensors.torch import save_file
+
+    from cachegen_cli.errors import NonFiniteError
+
+    kv = realistic_kv(layers=2, tokens=66, heads=1, head_dim=8, dtype=torch.bfloat16, seed=4)
+    kv[1, 0, 40, 0, 3] = float("inf")
+    save_file({"kv": kv}, str(tmp_path / "c.safetensors"))
+    errors = []
+    for dev in ("cpu", "cuda"):
+        with pytest.raises(NonFiniteError) as got:
+            cg.api.encode_file(tmp_path / "c.safetensors", tmp_path / "c.cgen", device=dev, quality="balanced")
+        errors.append(str(got.value))
+    assert errors[0] == errors[1] and "layer 1" in errors[0]

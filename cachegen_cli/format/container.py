@@ -685,12 +685,14 @@ def _stream_size(f: BinaryIO) -> int | None:
         return None
 
 
-def read_header_and_index(f: BinaryIO) -> tuple[FileHeader, int, list[int], int]:
-    """Header, header size, chunk offsets and file size of a seekable .cgen stream at offset 0."""
+def read_header_and_index(f: BinaryIO, defer_tables: bool = False) -> tuple[FileHeader, int, list[int], int]:
+    """Header, header size, chunk offsets and file size of a seekable .cgen stream at offset 0.
+    ``defer_tables``: a version-2 Params block's tables are only walked and checked to fit
+    (read_file_header), for a caller that does not read them on the host."""
     size = _stream_size(f)
     if size is None:
         raise FormatError("the .cgen input must be seekable")
-    h, header_end = read_file_header(f, size)
+    h, header_end = read_file_header(f, size, defer_tables=defer_tables)
     offsets = read_index(f, h, header_end, size)
     f.seek(header_end)
     return h, header_end, offsets, size

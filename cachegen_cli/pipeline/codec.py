@@ -25,7 +25,8 @@ from ..errors import ChecksumError, ConfigError
 from ..kernels import cpu as cpu_kernels
 from ..kernels.coding_params import MAX_ALPHABET, max_stream_bytes
 from ..storage.kvio import DTYPE_BY_NAME, KVCache
-from . import transform_resident
+from . import staging, transform_resident
+from .staging import PinnedSlabBuffers
 from .slabs import GPU_SLAB_BYTES, SLAB_BYTES, Slab, iter_slabs
 
 ProgressFn = Callable[[int, int], None]
@@ -543,6 +544,12 @@ def _resident_bytes(blob: torch.Tensor) -> bytes:
     return gpu_codec.to_host_bytes(blob) if blob.is_cuda else blob.numpy().tobytes()
 
 
+def _resident_host(blob: torch.Tensor) -> np.ndarray:
+    """The file bytes of a resident encode on the host, without a copy to ``bytes``: in the
+    thread's page-locked "output" buffer (valid until its next use), or the CPU tensor's own."""
+    return staging.to_host(blob) if blob.is_cuda else blob.numpy()
+
+
 def encode_v2(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration=None,
               device: str = "cpu"):
     """Encode a whole cache with method 2 or 3 on ``device``: the CPU (methods/transform.py) or
@@ -580,16 +587,19 @@ def _encode_v2_to_stream(cache: KVCache, out: BinaryIO, cfg: TransformConfig, ch
     if device == "cuda":
         from . import transform_resident as device_pipeline
 
-        if not isinstance(cache, KVCache):  # the GPU takes the whole cache at once
-            cache = cache.load()
+        checked = isinstance(cache, KVCache)
+        if not checked:  # the GPU takes the whole cache at once, read into page-locked memory;
+            # its first pass checks the values are finite (and words the error from them)
+            cache = cache.load(PinnedSlabBuffers("input"), check=False)
         if cache.num_tokens:  # the whole file made on the GPU, written in one piece
-            blob, payload_bytes = device_pipeline.encode(cache, cfg, chunk_tokens, calibration)
-            data = _resident_bytes(blob)
+            blob, payload_bytes = device_pipeline.encode(cache, cfg, chunk_tokens, calibration, checked=checked,
+                                                         copy_out=False)
+            data = memoryview(_resident_host(blob))
             out.write(data)
             if progress:
                 progress(-(-cache.num_tokens // chunk_tokens), -(-cache.num_tokens // chunk_tokens))
-            reader, _ = open_input(data)
-            h, _, _, _ = read_header_and_index(reader)
+            # the summary's header: its tables walked, not expanded (the GPU wrote them)
+            h, _, _, _ = read_header_and_index(container.BufferReader(data), defer_tables=True)
             return EncodeSummary(h, len(data), payload_bytes, len(data) - payload_bytes)
     if isinstance(cache, KVCache):
         enc = transform_codec.encode_v2(cache, cfg, chunk_tokens, calibration)
@@ -672,9 +682,11 @@ class SlabDecoder:
 
     def __init__(self, f: BinaryIO, device: str = "cpu", calibration=None, slab_bytes: int | None = None) -> None:
         self.f = f
-        self.header, _, self.offsets, self.size = read_header_and_index(f)
-        h = self.header
         self.device = resolve_device(device)
+        # On the GPU a version-2 file's tables are read on the device (transform_resident): the
+        # host only walks them (the full parse of 65,536 tables costs ~20 ms of host time).
+        self.header, _, self.offsets, self.size = read_header_and_index(f, defer_tables=self.device == "cuda")
+        h = self.header
         self.dtype = DTYPE_BY_NAME[h.dtype]
         self.calibration = calibration
         self.saturate = saturates(h)
@@ -839,4 +851,7 @@ def decode_to_file(dec: SlabDecoder, path, progress: ProgressFn | None = None) -
     h = dec.header
     with SafetensorsWriter(path, h.descriptor, h.dtype) as writer:
         for t0, _, block in dec.blocks(progress):
+            if isinstance(block, torch.Tensor) and block.is_cuda:  # through page-locked memory
+                words = staging.to_host(block).view(np.uint16 if block.element_size() == 2 else np.uint32)
+                block = words.reshape(block.shape)
             writer.write(t0, block)

@@ -110,3 +110,75 @@ def upload_int64(parts: list[np.ndarray], dev: torch.device) -> list[torch.Tenso
         out.append(d[o : o + n])
         o += n
     return out
+
+
+# ---------------------------------------------------------------- whole caches and files
+
+
+#: The largest page-locked buffer kept for a file's bytes (per thread and role); a larger cache
+#: or file goes through pageable memory (slower copies, but no gigabytes pinned for good).
+HOST_BUFFER_MAX = 4 << 30
+
+
+class HostBuffers:
+    """Page-locked host buffers, one per role ("input", "output"), each grown to the largest
+    size asked for and kept: a file read into one, or a result copied out into one, moves
+    across the link at its full speed, and touches no fresh pages.
+
+    Why: a fresh host array of a cache's size costs a page fault per 4 KiB on its first write
+    (on the H200 host a pageable copy of a 134 MB decoded cache to the host took ~88 ms, the
+    read of a 134 MB input ~44 ms, against ~6 ms for the copy into page-locked memory that a
+    batch worker reuses: benchmarks/bench_batch.py --profile).  Per thread: what a buffer
+    returned holds is valid until the same thread asks for that role again."""
+
+    def __init__(self, limit: int = HOST_BUFFER_MAX) -> None:
+        self.limit = limit
+        self._local = threading.local()
+
+    def get(self, role: str, nbytes: int) -> torch.Tensor | None:
+        """A page-locked uint8 tensor of ``nbytes`` for ``role``, or None when CUDA is not in
+        use here or ``nbytes`` exceeds the limit."""
+        if nbytes > self.limit or not torch.cuda.is_available():
+            return None
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None:
+            bufs = self._local.bufs = {}
+        buf = bufs.get(role)
+        if buf is None or buf.numel() < nbytes:
+            bufs.pop(role, None)  # the old one is released before the larger one is taken
+            buf = bufs[role] = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
+        return buf[:nbytes]
+
+
+HOST_BUFFERS = HostBuffers()
+
+
+class PinnedSlabBuffers:
+    """kvio.SlabBuffers' interface over HOST_BUFFERS' ``role`` buffer: a reader that fills the
+    array it gets (SafetensorsSource.read) fills page-locked memory; pageable memory when
+    there is no page-locked buffer to give (no CUDA, or too large)."""
+
+    def __init__(self, role: str = "input") -> None:
+        self.role = role
+
+    def get(self, name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        buf = HOST_BUFFERS.get(f"{self.role}:{name}", n)
+        if buf is None:
+            return np.empty(shape, dtype)
+        return buf.numpy().view(dtype).reshape(shape)
+
+
+def to_host(t: torch.Tensor, role: str = "output") -> np.ndarray:
+    """A device tensor's bytes on the host (uint8, its C order), through HOST_BUFFERS' ``role``
+    buffer: valid until this thread asks for that role again.  Waits for the work that writes
+    ``t``."""
+    t = t.contiguous()
+    n = t.numel() * t.element_size()
+    flat = t.view(-1).view(torch.uint8) if n else t.new_empty(0, dtype=torch.uint8)
+    buf = HOST_BUFFERS.get(role, n) if t.is_cuda else None
+    if buf is None:
+        return flat.cpu().numpy()
+    buf.copy_(flat)
+    return buf.numpy()

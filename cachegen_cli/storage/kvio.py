@@ -610,11 +610,14 @@ class SafetensorsSource:
     def finite_check(self) -> FiniteCheck:
         return FiniteCheck(self.cache.num_layers)
 
-    def load(self) -> KVCache:
-        """The whole cache in memory (checked), for the paths that need it at once (v2 on a GPU)."""
+    def load(self, buffers: SlabBuffers | None = None, check: bool = True) -> KVCache:
+        """The whole cache in memory, for the paths that need it at once (v2 on a GPU).
+        ``buffers``: read into its "read" buffer (as read); ``check=False``: its values are
+        not checked finite here (for a caller whose first pass checks them: the GPU's)."""
         c = self.cache
-        data = self.read(0, c.num_tokens)
-        check_finite(data)
+        data = self.read(0, c.num_tokens, buffers)
+        if check:
+            check_finite(data)
         return KVCache(data, c.layout, c.num_kv_heads, c.head_dim, c.tensors, c.metadata, c.rope)
 
     def close(self) -> None:
