@@ -31,9 +31,10 @@ def cache_dir(version: str | None = None) -> Path:
     return base / "cachegen" / f"numba-{source_digest(version)}"
 
 
-def cold_cache() -> bool:
-    """True when no kernel has been compiled into the cache yet: the first run compiles them."""
+def cold_cache(device: str = "cpu") -> bool:
+    """True when no kernel for ``device`` ("cpu"; "cuda": the kernels of kernels/cuda*.py) has
+    been compiled into the cache yet: the first run compiles them."""
     try:
-        return not any(cache_dir().rglob("*.nbi"))
+        return not any(cache_dir().rglob("cuda*.nbi" if device == "cuda" else "*.nbi"))
     except OSError:
         return True

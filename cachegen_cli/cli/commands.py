@@ -194,7 +194,16 @@ def _kernels_note(quiet: bool, device: str) -> None:
         return
     from ..kernels.cache_state import cold_cache
 
-    if cold_cache():
+    from ..pipeline.codec import resolve_device
+
+    try:
+        target = resolve_device(device)
+    except Exception:  # noqa: BLE001 - a device error is the command's to report, not this note's
+        return
+    from ..kernels import launch
+
+    cuda_cold = target == "cuda" and not launch.SIM and launch.DISK_CACHE and cold_cache("cuda")
+    if cold_cache() or cuda_cold:
         err.print("[dim]compiling kernels (first run only)[/]", highlight=False, soft_wrap=True)
 
 
