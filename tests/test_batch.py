@@ -282,3 +282,13 @@ def test_ray_refuses_tasks_no_node_can_run(caches, tmp_path, ray_local):
     r = cli("encode", caches / "sub", "--output-dir", tmp_path / "out", "--backend", "ray", "--device", "cuda")
     assert r.exit_code == 2
     assert "no room for a task of 1 GPU(s)" in one_line(r)
+
+
+def test_ray_task_sizes():
+    """CPU tasks: about two per slot (a slow node holds little of the batch); GPU tasks, each a
+    process of its own: one per slot; never more than MAX_FILES_PER_TASK files."""
+    from cachegen_cli.batch.ray_backend import MAX_FILES_PER_TASK, files_per_task
+
+    assert files_per_task(100, 2) == 25 and files_per_task(100, 2, gpu=True) == 50
+    assert files_per_task(3, 8) == 1 and files_per_task(3, 8, gpu=True) == 1
+    assert files_per_task(10_000, 2, gpu=True) == MAX_FILES_PER_TASK
