@@ -208,9 +208,11 @@ def main() -> None:
 
             ray.init(num_cpus=args.ray_cpus, log_to_driver=False)
         for pool in (args.pools.split(",") if backend == "local" else ["-"]):
-            if args.warmup:
+            if args.warmup:  # both directions: a fresh kernel cache gets the decoder's kernels too
                 run(paths[: args.warmup], "encode", args.dir / "warm", backend, pool, args.workers, args.device,
                     args.threads, extra)
+                run(sorted((args.dir / "warm").glob("*.cgen")), "decode", args.dir / "warm_decoded", backend, pool,
+                    args.workers, args.device, args.threads, {})
             enc = run(paths, "encode", args.dir / "encoded", backend, pool, args.workers, args.device, args.threads,
                       extra, report["disk"])
             dec = run(sorted((args.dir / "encoded").glob("*.cgen")), "decode", args.dir / "decoded", backend, pool,
