@@ -23,6 +23,8 @@ loaded, is in it).
 ``--profile N`` first codes N files one after another in this process (the worker's own
 function, batch.work.process_file) under cProfile, and prints each file's time and where it
 went (reading, coding, writing, fsync): what one worker spends per file, apart from the pool.
+Its median file -> file GB/s (read, code, write and fsync of one file, in a warm process) is
+the single-file figure of docs/benchmarks.md; ``--backends ""`` runs only the profile.
 The --json report is rewritten after every run, so a run cut short keeps what it measured.
 """
 
@@ -33,6 +35,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -153,10 +156,13 @@ def profile_worker(paths: list[Path], out_dir: Path, device: str, threads: int, 
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(top)
         seconds = [r["seconds"] for r in rows]
+        raw = [r["input_bytes"] if op == "encode" else r["output_bytes"] for r in rows]
+        rate = statistics.median(b / s / 1e9 for b, s in zip(raw, seconds))
         print(f"# profile {op}: {len(rows)} files one after another in one process, seconds per file "
-              f"{', '.join(f'{x:.3f}' for x in seconds)}", flush=True)
+              f"{', '.join(f'{x:.3f}' for x in seconds)}; file -> file {rate:.2f} GB/s (median)", flush=True)
         print(text.getvalue(), flush=True)
-        result[op] = {"seconds_per_file": seconds, "profile": text.getvalue()}
+        result[op] = {"seconds_per_file": seconds, "file_to_file_GBps_median": round(rate, 3),
+                      "ratio": rows[0]["ratio"], "profile": text.getvalue()}
     return result
 
 
@@ -202,7 +208,7 @@ def main() -> None:
         report["profile"] = profile_worker(paths[: args.profile], args.dir / "profiled", args.device, args.threads,
                                            extra)
         save()
-    for backend in args.backends.split(","):
+    for backend in filter(None, args.backends.split(",")):  # --backends "": the profile only
         if backend == "ray":
             import ray
 
