@@ -441,7 +441,9 @@ def encode_file(
     a plane slab at a time too (storage/kvparts_files.py); its summary is then a
     pipeline.parts.PartsSummary.  ``rope_keys``: code the keys without their RoPE, as the
     file's "rope" metadata (``cachegen capture``) or ``rope_theta`` (plain RoPE frequencies)
-    describes it; ``rope_start``: the position of its first token."""
+    describes it; ``rope_start``: the position of its first token.  On the GPU the whole cache
+    is read into a page-locked buffer and the file leaves through another; the process keeps
+    them for its next call (pipeline.staging.HOST_BUFFERS.release() frees them)."""
     from .errors import DTypeError, LayoutError, ShapeError
 
     src = Path(src)
@@ -561,7 +563,8 @@ def decode_file(
     save_file writes), so memory stays a slab whatever the cache's size.  ``threads``: numba
     and torch threads for the call (None or 0: all cores).  ``max_output_size``: as for
     decode(), checked from the header before the output is created (None: no limit; the
-    CLI's --max-output-size defaults to 64 GiB)."""
+    CLI's --max-output-size defaults to 64 GiB).  On the GPU a version-2 file is decoded whole
+    and written from a page-locked buffer the process keeps (see encode_file)."""
     src = Path(src)
     dst = Path(dst) if dst is not None else default_decoded_path(src)
     _check_limit(max_output_size)

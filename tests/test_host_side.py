@@ -186,3 +186,54 @@ def test_rotated_range_check_on_the_device_is_the_hosts(seed):
         got = _rotated_range_exceeded(torch.from_numpy(bits.astype(np.int32)), L, C)
         assert bool(got.item()) == refused
     assert outcomes == {True, False}
+
+
+class _CountingBuffers(staging.HostBuffers):
+    """HostBuffers with pageable tensors in place of page-locked ones (no CUDA here), counting
+    the allocations."""
+
+    def __init__(self, limit):
+        super().__init__(limit)
+        self.allocated = []
+
+    @staticmethod
+    def available() -> bool:
+        return True
+
+    def allocate(self, nbytes):
+        self.allocated.append(nbytes)
+        return torch.zeros(nbytes, dtype=torch.uint8)
+
+
+def test_host_buffers_grow_are_reused_per_role_and_thread_and_are_released():
+    import threading
+
+    bufs = _CountingBuffers(limit=8 << 20)
+    a = bufs.get("input", 3 << 20)
+    assert a.numel() == 3 << 20 and bufs.allocated == [3 << 20]
+    a[:4] = 7
+    b = bufs.get("input", 1 << 20)  # smaller: the same memory
+    assert bufs.allocated == [3 << 20] and b.data_ptr() == a.data_ptr() and int(b[0]) == 7
+    bufs.get("output", 10)  # another role: its own buffer, at least 1 MiB
+    assert bufs.allocated == [3 << 20, 1 << 20]
+    bufs.get("input", 5 << 20)  # larger: a new one
+    assert bufs.allocated[-1] == 5 << 20
+    assert bufs.get("input", 9 << 20) is None  # past the limit: the caller uses pageable memory
+    other = []
+    worker = threading.Thread(target=lambda: other.append(bufs.get("input", 1 << 20)))
+    worker.start()
+    worker.join()
+    assert other[0].data_ptr() != bufs.get("input", 1 << 20).data_ptr()  # each thread its own
+    n = len(bufs.allocated)
+    bufs.release()
+    bufs.get("input", 1 << 20)
+    assert len(bufs.allocated) == n + 1
+
+
+def test_pinned_slab_buffers_and_to_host_without_cuda():
+    """Without CUDA (this machine), the file paths' buffers are plain arrays: reads fill them,
+    and to_host of a CPU tensor gives its bytes."""
+    arr = staging.PinnedSlabBuffers("input").get("read", (2, 3), np.uint16)
+    assert arr.shape == (2, 3) and arr.dtype == np.uint16
+    t = torch.arange(6, dtype=torch.int16).reshape(2, 3)
+    assert staging.to_host(t).tobytes() == t.numpy().tobytes()

@@ -138,7 +138,7 @@ class HostBuffers:
     def get(self, role: str, nbytes: int) -> torch.Tensor | None:
         """A page-locked uint8 tensor of ``nbytes`` for ``role``, or None when CUDA is not in
         use here or ``nbytes`` exceeds the limit."""
-        if nbytes > self.limit or not torch.cuda.is_available():
+        if nbytes > self.limit or not self.available():
             return None
         bufs = getattr(self._local, "bufs", None)
         if bufs is None:
@@ -146,8 +146,21 @@ class HostBuffers:
         buf = bufs.get(role)
         if buf is None or buf.numel() < nbytes:
             bufs.pop(role, None)  # the old one is released before the larger one is taken
-            buf = bufs[role] = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, pin_memory=True)
+            buf = bufs[role] = self.allocate(max(nbytes, 1 << 20))
         return buf[:nbytes]
+
+    @staticmethod
+    def available() -> bool:
+        return torch.cuda.is_available()
+
+    @staticmethod
+    def allocate(nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def release(self) -> None:
+        """Free this thread's buffers (a process done with the GPU's file paths gets its
+        page-locked memory back; the next call allocates again)."""
+        self._local.bufs = {}
 
 
 HOST_BUFFERS = HostBuffers()
