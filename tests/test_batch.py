@@ -281,7 +281,7 @@ def test_without_ray_the_backend_says_what_to_install(caches, tmp_path, monkeypa
 def test_ray_refuses_tasks_no_node_can_run(caches, tmp_path, ray_local):
     r = cli("encode", caches / "sub", "--output-dir", tmp_path / "out", "--backend", "ray", "--device", "cuda")
     assert r.exit_code == 2
-    assert "no room for a task of 1 GPU(s)" in one_line(r)
+    assert "no room for a task of 0.5 GPU(s)" in one_line(r)  # half a GPU a task by default
 
 
 def test_ray_task_sizes():
