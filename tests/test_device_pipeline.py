@@ -640,3 +640,21 @@ def test_file_encode_on_the_device_checks_values_in_its_own_pass(tmp_path):
             cg.api.encode_file(tmp_path / "c.safetensors", tmp_path / "c.cgen", device=dev, quality="balanced")
         errors.append(str(got.value))
     assert errors[0] == errors[1] and "layer 1" in errors[0]
+
+
+def test_a_version_2_file_without_chunks_decodes_to_a_file_on_the_device(tmp_path):
+    """The device's file decoder only walks a file's tables (they are read on the device); a
+    version-2 file of no tokens has no chunks for the device and is decoded on the CPU, which
+    reads the tables: the CPU's output bytes."""
+    from cachegen_cli import api
+
+    kv = torch.zeros(2, 2, 0, 1, 8, dtype=torch.bfloat16)
+    buf = codec.ByteCollector()
+    codec.encode_to_stream(kvio.from_tensors(kv, "auto", None), buf, resolve_quantization(2, quality="balanced"), 16,
+                           device="cpu", fallback=False)
+    data = buf.getvalue()
+    assert struct.unpack_from("<H", data, 8)[0] == container.FORMAT_VERSION_2
+    (tmp_path / "z.cgen").write_bytes(data)
+    for dev in ("cuda", "cpu"):
+        api.decode_file(tmp_path / "z.cgen", tmp_path / f"{dev}.safetensors", device=dev)
+    assert (tmp_path / "cuda.safetensors").read_bytes() == (tmp_path / "cpu.safetensors").read_bytes()

@@ -687,6 +687,11 @@ class SlabDecoder:
         # host only walks them (the full parse of 65,536 tables costs ~20 ms of host time).
         self.header, _, self.offsets, self.size = read_header_and_index(f, defer_tables=self.device == "cuda")
         h = self.header
+        if h.num_chunks == 0 and getattr(h.params, "table_starts", None) is not None:
+            # no chunks: decoded on the CPU (decode_v2), which reads the tables themselves
+            f.seek(0)
+            self.header, _, self.offsets, self.size = read_header_and_index(f)
+            h = self.header
         self.dtype = DTYPE_BY_NAME[h.dtype]
         self.calibration = calibration
         self.saturate = saturates(h)
