@@ -660,7 +660,7 @@ def _plane_steps_kernel(rel, sensitivity, allocated, strength, min_step, max_ste
 
 
 def plane_steps(sums, sumsq, n, bf16_max, rel, obits, offs, sbits, steps, resid, scratch, bad, allocation=None,
-                stream=0):
+                rms_sums=None, stream=0):
     """methods/transform.step_params on the device: from sums / sumsq [L, 2, C] (transform_stats)
     over n tokens and the relative steps rel [L, 2], obits (int32 [L, 2, C]: the offsets'
     bfloat16 bits), offs (float32 [L, 2, C]: their values), sbits (int32 [L, 2]) and steps
@@ -668,14 +668,24 @@ def plane_steps(sums, sumsq, n, bf16_max, rel, obits, offs, sbits, steps, resid,
     ALLOCATION_MAX_STEP) the relative steps are allocated first (methods/transform.allocate)
     with kernels/allocation.py's arithmetic, the CPU's.  resid: float64
     [L, 2, C] and scratch: float64 [4, 2 L] scratch; bad[0] (int32, zeroed by the caller) = 1
-    when a sum is not finite.  Three launches: a thread per channel, per plane, then one."""
+    when a sum is not finite.  Three launches: a thread per channel, per plane, then one.
+    ``rms_sums`` = (sums, sumsq, obits, offs): the sums the RMS comes from when they are not the
+    coded values' (step_params' rms_sums: keys coded without their RoPE), and scratch for their
+    offsets (int32 / float32 [L, 2, C]); two more launches."""
     L, _, C = sums.shape
     if L == 0:
         return
+    if rms_sums is not None:
+        r1, r2, robits, roffs = rms_sums
+        _plane_offsets_kernel[(*_cfg(2 * L * C), stream)](as_device(r1), as_device(r2), np.int64(n),
+                                                          np.float64(bf16_max), as_device(robits), as_device(roffs),
+                                                          as_device(resid), as_device(bad))
+        _plane_rms_kernel[(*_cfg(2 * L), stream)](as_device(resid), np.int64(n), as_device(item(scratch, 0)))
     _plane_offsets_kernel[(*_cfg(2 * L * C), stream)](as_device(sums), as_device(sumsq), np.int64(n),
                                                       np.float64(bf16_max), as_device(obits), as_device(offs),
                                                       as_device(resid), as_device(bad))
-    _plane_rms_kernel[(*_cfg(2 * L), stream)](as_device(resid), np.int64(n), as_device(item(scratch, 0)))
+    if rms_sums is None:
+        _plane_rms_kernel[(*_cfg(2 * L), stream)](as_device(resid), np.int64(n), as_device(item(scratch, 0)))
     allocated = allocation is not None
     sensitivity, strength, min_step, max_step = allocation if allocated else (rel, 0.0, 0.0, 0.0)
     _plane_steps_kernel[(1, 1, stream)](as_device(flat(rel)),
@@ -2228,6 +2238,35 @@ def _turn_keys_kernel(x, L, T, C, inv_freq, rows, F, style, rotary_dim, head_dim
             x[ca], x[cb] = _turn_rn(float(x[ca]), float(x[cb]), s, c)
         else:
             x[ca], x[cb] = _unturn_rn(float(x[ca]), float(x[cb]), s, c)
+
+
+@jit_kernel
+def _rope_angles_kernel(inv_freq, rows, F, pos0, t_first, n, sin_out, cos_out):
+    """One thread per (frequency row, token, pair): the angle's sine and cosine (kernels/rope.
+    sincos over dmul_rn, as _turn_keys_kernel)."""
+    i = cuda.grid(1)
+    if i >= rows * n * F:
+        return
+    j = i % F
+    t = (i // F) % n
+    f = i // (F * n)
+    s, c = _sincos_rn(_mul_rn(float(pos0 + t_first + t), inv_freq[f * F + j]))
+    sin_out[i] = s
+    cos_out[i] = c
+
+
+def rope_angles(freq, rope, t_first, n, sin_out, cos_out, stream=0):
+    """sin_out / cos_out (float64 [F, n, rotary_dim / 2]) = the sines and cosines of the angles
+    (rope.position_start + t) x f of tokens t = t_first .. t_first + n - 1 and each row of
+    ``freq`` (rope's frequencies [F, rotary_dim / 2], float64, on the device): what
+    fixed_rotation_matmul's kernels turn the keys by."""
+    F = rope.rotary_dim // 2
+    rows = rope.inv_freq.shape[0]
+    if rows * n * F == 0:
+        return
+    _rope_angles_kernel[(*_cfg(rows * n * F), stream)](
+        as_device(flat(freq)), np.int64(rows), np.int64(F), np.int64(rope.position_start), np.int64(t_first),
+        np.int64(n), as_device(flat(sin_out)), as_device(flat(cos_out)))
 
 
 def turn_keys(x, freq, rope, t_first, sink, forward, stream=0):

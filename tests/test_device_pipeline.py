@@ -87,7 +87,7 @@ def test_rotated_same_bytes_and_values_as_the_cpu(dtype, quality, blocks, head_d
     calls = []
     for name in ("rotate_rows", "unrotate_values"):
         real = getattr(fm, name)
-        monkeypatch.setattr(fm, name, lambda *a, _real=real, _name=name: (calls.append(_name), _real(*a))[1])
+        monkeypatch.setattr(fm, name, lambda *a, _real=real, _name=name, **kw: (calls.append(_name), _real(*a, **kw))[1])
 
     sample = realistic_kv(layers=2, tokens=30, heads=2, head_dim=head_dim, dtype=torch.float32, seed=11)
     cal = calib.fit([sample.reshape(2, 2, 30, 2 * head_dim)], blocks=blocks)
@@ -101,25 +101,44 @@ def test_rotated_same_bytes_and_values_as_the_cpu(dtype, quality, blocks, head_d
     assert sorted(set(calls)) == (["rotate_rows", "unrotate_values"] if matmul else [])
 
 
-@pytest.mark.parametrize("dtype, quality, style, rotary_dim, blocks", [
-    (torch.bfloat16, "balanced", "half", 8, 0), (torch.float16, "high", "interleaved", 4, 0),
-    (torch.float32, "small", "half", 6, 0), (torch.bfloat16, "balanced", "interleaved", 8, 2),
+@pytest.mark.parametrize("dtype, quality, style, rotary_dim, blocks, head_dim", [
+    (torch.bfloat16, "balanced", "half", 8, 0, 8), (torch.float16, "high", "interleaved", 4, 0, 8),
+    (torch.float32, "small", "half", 6, 0, 8), (torch.bfloat16, "balanced", "interleaved", 8, 2, 8),
+    # blocks the matrix-unit kernels take: the keys turned inside their passes
+    (torch.bfloat16, "balanced", "half", 32, 2, 32),  # a block per head
+    (torch.bfloat16, "high", "interleaved", 24, 1, 32),  # one block of two heads, part of each turned
+    (torch.float16, "small", "half", 64, 2, 64),
+    (torch.float32, "balanced", "half", 64, 4, 64),  # blocks of half a head: the decoder turns after
 ])
-def test_keys_without_rope_same_bytes_and_values_as_the_cpu(dtype, quality, style, rotary_dim, blocks):
+def test_keys_without_rope_same_bytes_and_values_as_the_cpu(dtype, quality, style, rotary_dim, blocks, head_dim,
+                                                            monkeypatch):
     """Flags bit 2 (kernels/rope.py over dmul_rn on the device), alone and with a per-head
-    rotation; positions far from 0, so the angles' reduction is exercised."""
+    rotation; positions far from 0, so the angles' reduction is exercised.  With blocks of 32
+    channels or more the matrix-unit kernels turn the keys in their own passes (the decoder
+    where its blocks hold whole heads)."""
+    from cachegen_cli.kernels import fixed_rotation_matmul as fm
     from cachegen_cli.methods import calibration as calib
     from cachegen_cli.methods import rope
 
+    turned = []
+    for name in ("rotate_rows", "unrotate_values"):
+        real = getattr(fm, name)
+        monkeypatch.setattr(fm, name, lambda *a, _real=real, _name=name, **kw: (
+            turned.append((_name, kw.get("rope") is not None)), _real(*a, **kw))[1])
+    C = 2 * head_dim
     cal = None
     if blocks:
-        sample = realistic_kv(layers=2, tokens=30, heads=2, head_dim=8, dtype=torch.float32, seed=11)
-        cal = calib.fit([sample.reshape(2, 2, 30, 16)], blocks=blocks)
-    kv = realistic_kv(layers=2, tokens=21, heads=2, head_dim=8, dtype=dtype, seed=4)
-    r = rope.from_theta(10000.0, 8, rotary_dim, style, position_start=123457)
+        sample = realistic_kv(layers=2, tokens=30, heads=2, head_dim=head_dim, dtype=torch.float32, seed=11)
+        cal = calib.fit([sample.reshape(2, 2, 30, C)], blocks=blocks)
+    kv = realistic_kv(layers=2, tokens=21, heads=2, head_dim=head_dim, dtype=dtype, seed=4)
+    r = rope.from_theta(10000.0, head_dim, rotary_dim, style, position_start=123457)
     blob = _check(kv, quality, chunk_tokens=8, calibration=cal, rope=r)
     h, _, _, _ = codec.read_header_and_index(codec.open_input(blob)[0])
     assert h.flags & container.FLAG_ROPE
+    block = C // max(blocks, 1)
+    if blocks and fm.supports(block) and fm.runs_on(transform_resident.device()):
+        assert ("rotate_rows", True) in turned
+        assert ("unrotate_values", block % head_dim == 0) in turned
 
 
 @pytest.mark.parametrize("quality, dtype", [
@@ -550,6 +569,34 @@ def test_plane_steps_kernel_is_step_params(C, n, allocated):
     sums[1, 0, C - 1] = np.inf
     cuda_pipeline.plane_steps(sums, sumsq, n, tc.BF16_MAX, rel, obits, offs, sbits, steps, np.zeros((L, 2, C)),
                               np.zeros((4, 2 * L)), bad, allocation=alloc)
+    assert bad[0] == 1
+
+
+def test_plane_steps_kernel_takes_the_rms_of_other_sums():
+    """plane_steps' rms_sums (keys coded without their RoPE: the step relative to the keys as
+    they are) gives step_params' bits with rms_sums; a sum among them that is not finite is
+    flagged."""
+    from cachegen_cli.methods import transform as tc
+
+    rng = np.random.default_rng(3)
+    L, C, n = 2, 130, 77
+    sums, sumsq, r1, r2 = (rng.normal(size=(L, 2, C)) * n for _ in range(4))
+    sumsq, r2 = np.abs(sumsq) * 9, np.abs(r2) * 4
+    rel = rng.random((L, 2))
+    want = tc.step_params(sums, sumsq, n, rel, None, (r1, r2))
+    assert not np.array_equal(want[2], tc.step_params(sums, sumsq, n, rel)[2])
+    out = [np.zeros((L, 2, C), np.int32), np.zeros((L, 2, C), np.float32), np.zeros((L, 2), np.int32),
+           np.zeros((L, 2), np.float64)]
+    bad = np.zeros(1, np.int32)
+    scratch = (np.zeros((L, 2, C), np.int32), np.zeros((L, 2, C), np.float32))
+    cuda_pipeline.plane_steps(sums, sumsq, n, tc.BF16_MAX, rel, *out, np.zeros((L, 2, C)), np.zeros((4, 2 * L)),
+                              bad, rms_sums=(r1, r2, *scratch))
+    assert np.array_equal(out[0].astype(np.uint16), want[0]) and np.array_equal(out[1], want[1].astype(np.float32))
+    assert np.array_equal(out[2].astype(np.uint16), want[2]) and np.array_equal(out[3], want[3])
+    assert bad[0] == 0
+    r2[1, 0, 5] = np.nan
+    cuda_pipeline.plane_steps(sums, sumsq, n, tc.BF16_MAX, rel, *out, np.zeros((L, 2, C)), np.zeros((4, 2 * L)),
+                              bad, rms_sums=(r1, r2, *scratch))
     assert bad[0] == 1
 
 

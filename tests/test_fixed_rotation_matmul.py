@@ -197,3 +197,102 @@ def test_blocks_past_the_registers_stream_their_digits(H, D):
                            torch.from_numpy(b).to(DEV), S, out)
         ref = torch.from_numpy(want_v).to(torch.bfloat16).view(torch.int16)
         assert torch.equal(out.cpu()[:, :, S:], ref[:, :, S:])
+
+
+# ---------------------------------------------------------------- keys turned by their RoPE in the pass
+
+def _rope(rng, style, head_dim, rotary_dim, rows):
+    from cachegen_cli.format.params import Rope
+
+    f = np.sort(rng.uniform(1e-4, 1.0, (rows, rotary_dim // 2)))[:, ::-1].copy()
+    return Rope(style, head_dim, rotary_dim, int(rng.integers(0, 5000)), f)
+
+
+def _angles(rope, t_first, T):
+    """fm.RopeAngles of rows t_first .. T - 1 from kernels/rope.angles (the CPU's sincos)."""
+    from cachegen_cli.kernels import rope as rk
+
+    pos = rope.position_start + np.arange(t_first, T)
+    s, c = zip(*(rk.angles(f, pos) for f in rope.inv_freq))
+    return fm.RopeAngles(torch.from_numpy(np.stack(s)).to(DEV), torch.from_numpy(np.stack(c)).to(DEV), rope.style,
+                         rope.head_dim, rope.rotary_dim)
+
+
+@pytest.mark.parametrize("H, D, style, head_dim, rotary_dim, rows, dtype", [
+    (2, 32, 0, 32, 32, 1, torch.bfloat16),  # a rotation block per head, every channel turned
+    (1, 64, 1, 32, 24, 2, torch.float32),  # interleaved pairs, part of each head turned, a row per layer
+    (2, 64, 0, 16, 16, 1, torch.bfloat16),  # several heads per block
+    (2, 32, 0, 64, 64, 1, torch.bfloat16),  # a head across two blocks (the encoder takes any)
+    (1, 256, 0, 128, 128, 1, torch.bfloat16),  # a block past the registers: the streaming kernel
+])
+def test_encoder_turns_the_keys_as_the_cpu(H, D, style, head_dim, rotary_dim, rows, dtype):
+    from cachegen_cli.kernels import rope as rk
+
+    rng = np.random.default_rng(11 + D + style)
+    L, T, S = 2, 45, 3
+    C = H * D
+    x = _rows(rng, L, T, C, dtype)
+    x[1, 0, S + 1, :2] = 3.0e38 if dtype == torch.float32 else 3.0e38  # a pair that saturates when turned
+    rope = _rope(rng, style, head_dim, rotary_dim, rows if rows == 1 else L)
+    rint = torch.from_numpy(fx.fixed_matrix(_rotation(rng, L, H, D), False))
+    turned = x.to(torch.float32).numpy().copy()
+    rk.turn_keys(turned, rope.inv_freq, rope, 0, S, False)
+    want = np.zeros((L, 2, T, C), np.float32)
+    fx.rotate_rows(turned, rint, S, want)
+    got = torch.full((L, 2, T, C), 7.0, device=DEV)
+    xin = (x.view(torch.int16) if dtype == torch.bfloat16 else x).to(DEV)
+    fm.rotate_rows(xin, fm.rotation_digits(rint.to(DEV)), S, got, rope=_angles(rope, S, T))
+    got = got.cpu()
+    assert np.array_equal(got.numpy()[:, :, S:].view(np.int32), want[:, :, S:].view(np.int32))
+    assert (got[:, :, :S] == 7.0).all()
+
+
+@pytest.mark.parametrize("H, D, style, head_dim, rotary_dim, rows, bf16_out", [
+    (2, 32, 0, 32, 32, 1, True),
+    (1, 64, 1, 32, 24, 2, False),  # interleaved, part of each head turned, a row per layer
+    (2, 64, 0, 16, 12, 1, True),  # several heads per block, part turned
+    (1, 96, 0, 32, 32, 1, False),  # a block of 96: padded digits, 48 pairs
+])
+def test_decoder_turns_the_keys_as_the_cpu(H, D, style, head_dim, rotary_dim, rows, bf16_out):
+    from cachegen_cli.kernels import rope as rk
+
+    assert fm.turns_in_pass(head_dim, rotary_dim, D)
+    rng = np.random.default_rng(5 + D)
+    L, T, S = 2, 41, 2
+    C = H * D
+    q = rng.integers(-127, 128, (L, 2, T, C)) + (rng.integers(0, 4, (L, 2, T, C)) - 1) / 4
+    z = q.astype(np.float32)
+    rint_t = torch.from_numpy(fx.fixed_matrix(_rotation(rng, L, H, D), True))
+    steps = torch.tensor(rng.uniform(0.01, 3, (L, 2)), dtype=torch.float32).to(torch.bfloat16).to(torch.float64)
+    steps[1, 0] = 3.0e38  # keys near the top: x' saturates, and so do their turned pairs
+    offsets = torch.tensor(rng.standard_normal((L, 2, C)), dtype=torch.float32).to(torch.bfloat16).float().numpy()
+    b = np.empty((L, 2, C))
+    fx.offset_sums(offsets, rint_t.numpy(), b)
+    want = np.zeros_like(z)
+    fx.unrotate_values(z, rint_t, steps.numpy(), b, S, want)
+    rope = _rope(rng, style, head_dim, rotary_dim, rows if rows == 1 else L)
+    rk.turn_keys(want, rope.inv_freq, rope, 0, S, True)
+    out = torch.full((L, 2, T, C), 5, dtype=torch.int16 if bf16_out else torch.float32, device=DEV)
+    rt = rint_t.to(DEV)
+    fm.unrotate_values(torch.from_numpy(z).to(DEV), fm.rotation_digits(rt), fm.column_sums(rt), steps.to(DEV),
+                       torch.from_numpy(b).to(DEV), S, out, rope=_angles(rope, S, T))
+    out = out.cpu()
+    if bf16_out:
+        lim = float(torch.finfo(torch.bfloat16).max)
+        ref = torch.from_numpy(want).clamp(-lim, lim).to(torch.bfloat16).view(torch.int16)
+        assert torch.equal(out[:, :, S:], ref[:, :, S:])
+    else:
+        assert np.array_equal(out.numpy()[:, :, S:].view(np.int32), want[:, :, S:].view(np.int32))
+    assert (out[:, :, :S] == 5).all()
+
+
+def test_the_decoder_refuses_a_rope_across_its_blocks():
+    assert not fm.turns_in_pass(64, 64, 32) and not fm.turns_in_pass(10, 10, 96) and not fm.turns_in_pass(7, 6, 98)
+    assert fm.turns_in_pass(32, 30, 96) and fm.turns_in_pass(6, 6, 96) and not fm.turns_in_pass(128, 128, 256)
+    z = torch.zeros(1, 2, 4, 32, device=DEV)
+    rope = fm.RopeAngles(torch.zeros(1, 4, 32, dtype=torch.float64, device=DEV),
+                         torch.ones(1, 4, 32, dtype=torch.float64, device=DEV), 0, 64, 64)
+    with pytest.raises(ValueError, match="RoPE"):
+        fm.unrotate_values(z, torch.zeros(2, 1, 2, 1, 32, 32, dtype=torch.int8, device=DEV),
+                           torch.zeros(1, 2, 32, dtype=torch.int64, device=DEV), torch.ones(1, 2, device=DEV),
+                           torch.zeros(1, 2, 32, dtype=torch.float64, device=DEV), 0, z, rope=rope)

@@ -173,6 +173,20 @@ def _matmul_digits(rot: np.ndarray, digest: bytes, dev: torch.device, transposed
     return t
 
 
+def _rope_angles(rope, t_first: int, T: int, dev: torch.device):
+    """fixed_rotation_matmul.RopeAngles of ``rope`` (format.params.Rope) for the rows t_first ..
+    T - 1, made on ``dev`` (cuda_pipeline.rope_angles)."""
+    from ..kernels import fixed_rotation_matmul as fm
+
+    n = T - t_first
+    shape = (rope.inv_freq.shape[0], n, rope.rotary_dim // 2)
+    freq_d = _to_device(np.ascontiguousarray(rope.inv_freq, np.float64), dev)
+    sin_d = _empty(shape, torch.float64, dev)
+    cos_d = _empty(shape, torch.float64, dev)
+    _k().rope_angles(_nb(freq_d), rope, t_first, n, _nb(sin_d), _nb(cos_d))
+    return fm.RopeAngles(sin_d, cos_d, rope.style, rope.head_dim, rope.rotary_dim)
+
+
 def supports(cfg: TransformConfig, calibration) -> bool:
     """True when this pipeline encodes with ``cfg`` and ``calibration``: every quality, with or
     without a calibration (lossless with one is the caller's error)."""
@@ -283,7 +297,12 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
         rope = rope_methods.resolve(cache, cfg, calibration)
         vitem, fmt = itemsize, _FMT[dt]
         x32 = None
-        if rope is not None:
+        fixed_rot = bool(rot_h.size) and tc.FIXED_ROTATION
+        digits = _matmul_digits(rot_h, digest, dev, False) if fixed_rot else None
+        # The matrix units' rotation turns the keys back in its own pass: no float32 copy of the
+        # cache, no pass over the keys before it.
+        rope_in_pass = rope is not None and digits is not None
+        if rope is not None and not rope_in_pass:
             # The keys without their RoPE (float32) replace the cache's words as the kernels' values;
             # the step still comes from the keys as they are (rms_sums below).
             x32 = x.to(torch.float32, copy=True)  # torch's conversion (exact), as the CPU's
@@ -294,7 +313,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
             wv = x32.view(torch.int32).view(_TORCH_WORD[V * 4])
             qv = q.view(_TORCH_WORD[V])
             _mark("keys without RoPE")
-        if rot_h.size and tc.FIXED_ROTATION:
+        if fixed_rot:
             # The rows rotated by integer products (kernels/fixed_rotation; the product on cuBLAS,
             # exact): float32 values replace the cache's words, as the CPU's fixed_rotate.
             from ..kernels.fixed_rotation import block_product
@@ -305,12 +324,14 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
                        else x.to(torch.float32))  # torch's conversion, as the CPU's
             y = _empty((L, 2, T, C), torch.float32, dev)
             y[:, :, :sink].zero_()  # the sink tokens' rows: read by no kernel, but never garbage
-            digits = _matmul_digits(rot_h, digest, dev, False)
             if digits is not None:
-                # rows, integer product and values in one pass on the matrix units
+                # rows (keys turned back by their RoPE), integer product and values in one pass on
+                # the matrix units
                 from ..kernels import fixed_rotation_matmul as fm
 
-                fm.rotate_rows(x32.contiguous(), digits[0], sink, y)
+                angles = _rope_angles(rope, sink, T, dev) if rope_in_pass else None
+                fm.rotate_rows(x32.contiguous(), digits[0], sink, y, rope=angles)
+                del angles
             else:
                 Xr = _empty((L, 2, T - sink, C), torch.float64, dev)
                 er = _empty((L, 2, T - sink), torch.int32, dev)
@@ -351,57 +372,40 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
         _mark("statistics")
         R, bits = tc.refine_plan(cfg, T, sink)
         ref = _empty((L, 2, max(R, 1), C), torch.uint8, dev)
-        if rope is None:
-            # The steps on the device (kernels/cuda_pipeline.plane_steps, the CPU's arithmetic,
-            # a calibration's allocation included): nothing waits for them; their bits are
-            # copied into the Params block on the device (after the coder).
-            m_d = _empty((L, 2, C), torch.float32, dev)
-            steps_d = _empty((L, 2), torch.float64, dev)
-            step_bits_d = _empty((L * 2 * (C + 1),), torch.int32, dev)  # steps', then offsets' bfloat16 bits
-            # Named, not temporaries: a numba view holds no reference, and a tensor freed before
-            # the launch is queued can be handed to the next allocation (here the scratch), so
-            # the kernel would read one through the other (seen on the H200: rel and the scratch
-            # of a 16-channel cache shared a block, and the steps came out wrong).
-            sens = tc.plane_sensitivity(cfg, calibration)
-            rel_d, sens_d = _upload_arrays([np.asarray(cfg.steps_table(L), np.float64),
-                                            np.zeros(0) if sens is None else np.asarray(sens, np.float64)], dev)
-            if sens is None:
-                sens_d = None
-            resid_d = _empty((L, 2, C), torch.float64, dev)
-            scratch_d = _empty((4, 2 * L), torch.float64, dev)
-            k.plane_steps(_nb(sums[0]), _nb(sums[1]), T - sink, tc.BF16_MAX, _nb(rel_d),
-                          _nb(step_bits_d[2 * L :].view(L, 2, C)), _nb(m_d), _nb(step_bits_d[: 2 * L].view(L, 2)),
-                          _nb(steps_d), _nb(resid_d), _nb(scratch_d), _nb(bad[L : L + 1]),
-                          allocation=None if sens_d is None else (_nb(sens_d), tc.ALLOCATION_STRENGTH, tc.MIN_STEP,
-                                                                  tc.ALLOCATION_MAX_STEP))
-            if not checked and sink:
-                # the sink tokens, stored as they are: not in the sums (a sum not finite flags the rest)
-                bad[L + 1 :].copy_((~torch.isfinite(x[:, :, :sink])).any().reshape(1))
-            fixed = None  # made once the bits are back
-            _mark("steps (device)")
-        else:
-            if checked:
-                sums_h = sums.cpu().numpy()  # synchronisation 1: the steps come from the sums
-            else:
-                # A value past the sink tokens is NaN or Inf exactly when a sum is not finite (finite
-                # squares summed in float64 stay finite); the sink tokens, stored as they are, are
-                # checked here: one copy back either way.
-                sink_bad = (~torch.isfinite(x[:, :, :sink])).any().to(torch.float64).reshape(1)
-                sums_h = torch.cat([sums.reshape(-1), sink_bad]).cpu().numpy()
-                if not np.isfinite(sums_h).all() or sums_h[-1] != 0:
-                    _nonfinite(cache)
-                sums_h = sums_h[:-1].reshape(sums.shape)
-            _mark("sums to the host (sync)")
-            offsets_bits, m, steps_bits, steps = tc.step_params(sums_h[0], sums_h[1], T - sink, cfg.steps_table(L),
-                                                                tc.plane_sensitivity(cfg, calibration),
-                                                                None if rope is None else (sums_h[2], sums_h[3]))
-            if rot_h.size:
-                check_rotated_range(steps_bits, offsets_bits)
-            m_d = _to_device(np.asarray(m, np.float32), dev)
-            steps_d = _to_device(np.asarray(steps, np.float64), dev)
-            fixed = (digest + np.ascontiguousarray(steps_bits, "<u2").tobytes()
-                     + np.ascontiguousarray(offsets_bits, "<u2").tobytes())
-            _mark("steps (host) + upload")
+        # The steps on the device (kernels/cuda_pipeline.plane_steps, the CPU's arithmetic, a
+        # calibration's allocation included; keys without their RoPE take their RMS from the keys
+        # as they are, rope_sums): nothing waits for them; their bits are copied into the Params
+        # block on the device (after the coder).
+        m_d = _empty((L, 2, C), torch.float32, dev)
+        steps_d = _empty((L, 2), torch.float64, dev)
+        step_bits_d = _empty((L * 2 * (C + 1),), torch.int32, dev)  # steps', then offsets' bfloat16 bits
+        # Named, not temporaries: a numba view holds no reference, and a tensor freed before
+        # the launch is queued can be handed to the next allocation (here the scratch), so
+        # the kernel would read one through the other (seen on the H200: rel and the scratch
+        # of a 16-channel cache shared a block, and the steps came out wrong).
+        sens = tc.plane_sensitivity(cfg, calibration)
+        rel_d, sens_d = _upload_arrays([np.asarray(cfg.steps_table(L), np.float64),
+                                        np.zeros(0) if sens is None else np.asarray(sens, np.float64)], dev)
+        if sens is None:
+            sens_d = None
+        resid_d = _empty((L, 2, C), torch.float64, dev)
+        scratch_d = _empty((4, 2 * L), torch.float64, dev)
+        rms_sums = None
+        if rope is not None:  # the keys' own offsets: computed for their RMS, not stored
+            rms_bits_d = _empty((L, 2, C), torch.int32, dev)
+            rms_offs_d = _empty((L, 2, C), torch.float32, dev)
+            rms_sums = (_nb(sums[2]), _nb(sums[3]), _nb(rms_bits_d), _nb(rms_offs_d))
+        k.plane_steps(_nb(sums[0]), _nb(sums[1]), T - sink, tc.BF16_MAX, _nb(rel_d),
+                      _nb(step_bits_d[2 * L :].view(L, 2, C)), _nb(m_d), _nb(step_bits_d[: 2 * L].view(L, 2)),
+                      _nb(steps_d), _nb(resid_d), _nb(scratch_d), _nb(bad[L : L + 1]),
+                      allocation=None if sens_d is None else (_nb(sens_d), tc.ALLOCATION_STRENGTH, tc.MIN_STEP,
+                                                              tc.ALLOCATION_MAX_STEP),
+                      rms_sums=rms_sums)
+        if not checked and sink:
+            # the sink tokens, stored as they are: not in the sums (a sum not finite flags the rest)
+            bad[L + 1 :].copy_((~torch.isfinite(x[:, :, :sink])).any().reshape(1))
+        fixed = None  # the Params block's steps and offsets: made on the device
+        _mark("steps (device)")
         k.quantize_levels(_nb(wv), vitem, fmt, sink, _nb(m_d), _nb(steps_d), float(cfg.rounding), T - R, bits,
                           ct, _nb(qv), _nb(ref), _nb(stats))
         method, allow_delta = METHOD_TRANSFORM, cfg.token_delta
@@ -741,18 +745,25 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
         data = words.view(dtype)
     elif rotated or rope is not None:
         data = words.view(torch.float32)
+        turned = False  # the keys' RoPE restored in the product's pass (below)
         if fixed:
             # x' = sat32(A s 2^-14 + b), A = q' Rint^T exact (kernels/fixed_rotation): on the
             # matrix units in one pass (fixed_rotation_matmul), else cuBLAS's float64 product
             b_d = _empty((L, 2, C), torch.float64, dev)
             k.offset_sums(_nb(file_offsets), _nb(rot_t), _nb(b_d))
-            direct = dtype == torch.bfloat16 and rope is None  # bfloat16 words out, saturating
+            from ..kernels import fixed_rotation_matmul as fm
+
+            # the keys turned forward by their RoPE in the product's own pass where its blocks
+            # hold whole heads
+            rope_in_pass = (rope is not None and digits is not None
+                            and fm.turns_in_pass(rope.head_dim, rope.rotary_dim, int(digits[0].shape[-1])))
+            direct = dtype == torch.bfloat16 and (rope is None or rope_in_pass)  # bfloat16 words out, saturating
             data = _empty((L, 2, T, C), torch.int16 if direct else torch.float32, dev)
             if digits is not None:
-                from ..kernels import fixed_rotation_matmul as fm
-
-                fm.unrotate_values(words, digits[0], digits[1], file_steps, b_d, S, data)
-                del words
+                angles = _rope_angles(rope, S, T, dev) if rope_in_pass else None
+                fm.unrotate_values(words, digits[0], digits[1], file_steps, b_d, S, data, rope=angles)
+                del words, angles
+                turned = rope_in_pass
             else:
                 from ..kernels.fixed_rotation import block_product
 
@@ -769,7 +780,7 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
             data = _empty((L, 2, T, C), torch.float32, dev)
             k.rotate_blocks(_nb(words.view(torch.float32)), _nb(rot_t), S, _nb(data))
             del words
-        if rope is not None:  # the keys turned back by their RoPE (float32, saturating)
+        if rope is not None and not turned:  # the keys turned forward by their RoPE (float32, saturating)
             freq_d = _to_device(np.ascontiguousarray(rope.inv_freq, np.float64), dev)
             k.turn_keys(_nb(data), _nb(freq_d), rope, 0, S, True)
         if dtype != data.dtype:
