@@ -44,6 +44,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--configs", default="", help='"rows,warps,stages,tile,spread;..." (both directions; past RESIDENT_BLOCK: rows,warps,stages,tile,depth)')
+    ap.add_argument("--rope", action="store_true",
+                    help="also time both directions turning the keys by a RoPE (heads of 128, theta 500000)")
+    ap.add_argument("--rope-configs", default="", help='"rows,channels,warps;..." of the turning pass')
     a = ap.parse_args()
     L, C, H, T, S = 32, 1024, a.blocks, a.tokens, 1
     D = C // H
@@ -123,6 +126,41 @@ def main() -> None:
               f"({md[1]:.2f}-{md[2]:.2f})  {nbytes / me[0] / 1e6:6.1f} / {nbytes / md[0] / 1e6:6.1f} GB/s  "
               f"same bits {same_e}/{same_d}; decode from int16 levels {mw[0]:6.2f} ms ({mw[1]:.2f}-{mw[2]:.2f}) "
               f"same bits {same_w}", flush=True)
+
+
+    if a.rope:
+        rope_rows(a, words, dig, dig_t, sums, q_words, steps, b, S, nbytes)
+
+
+def rope_rows(a, words, dig, dig_t, sums, q_words, steps, b, S, nbytes) -> None:
+    """Both directions with the keys turned by a RoPE (fm.RopeAngles), against the same launches
+    without it, at each of --rope-configs of the turning pass (fm.TURN_LAUNCH)."""
+    from cachegen_cli.methods import rope as rope_methods
+    from cachegen_cli.pipeline.transform_resident import _rope_angles
+
+    L, _, T, C = words.shape
+    r = rope_methods.from_theta(500000.0, 128)
+    ang = _rope_angles(r, S, T, words.device)
+    y = torch.zeros(words.shape, device="cuda")
+    out = torch.zeros(words.shape, dtype=torch.int16, device="cuda")
+    plain = (("encode, no RoPE", lambda: fm.rotate_rows(words, dig, S, y)),
+             ("decode, no RoPE", lambda: fm.unrotate_values(q_words, dig_t, sums, steps, b, S, out)))
+    for label, fn in plain:
+        med, lo, hi = timed_ms(fn, a.repeats)
+        print(f"{label:28s} {med:7.2f} ms ({lo:.2f}-{hi:.2f})  {nbytes / med / 1e6:6.1f} GB/s of bf16", flush=True)
+    configs = [tuple(fm.TURN_LAUNCH.values())]
+    if a.rope_configs:
+        configs = [tuple(int(v) for v in item.split(",")) for item in a.rope_configs.split(";")]
+    for cfg in configs:
+        fm.TURN_LAUNCH = dict(zip(("rows", "channels", "warps"), cfg))
+        try:
+            me = timed_ms(lambda: fm.rotate_rows(words, dig, S, y, rope=ang), a.repeats)
+            md = timed_ms(lambda: fm.unrotate_values(q_words, dig_t, sums, steps, b, S, out, rope=ang), a.repeats)
+        except Exception as e:  # noqa: BLE001 - a config the compiler refuses: say so, go on
+            print(f"RoPE, turning pass {cfg}: failed ({type(e).__name__}: {str(e)[:120]})")
+            continue
+        print(f"RoPE, turning pass {cfg}: encode {me[0]:6.2f} ms ({me[1]:.2f}-{me[2]:.2f}) decode {md[0]:6.2f} ms "
+              f"({md[1]:.2f}-{md[2]:.2f})  {nbytes / me[0] / 1e6:6.1f} / {nbytes / md[0] / 1e6:6.1f} GB/s", flush=True)
 
 
 if __name__ == "__main__":

@@ -83,9 +83,6 @@ DECODE_LAUNCH = {"rows": 64, "warps": 4, "stages": 3, "tile": 64, "spread": 1}
 #: block in 20.6 ms / 14.3 ms from int16 levels, against cuBLAS's float64 product's 21.8 / 22.0
 #: ms; docs/results/2026-12-03_rotation_block1024_sweep_62b07d9.txt).  Both spill registers
 #: (benchmarks/rotation_registers.py); launches that do not ran slower.
-#: The decoder that also turns the keys by their RoPE (pairs of outputs per program: "tile" / 2);
-#: not yet swept on a GPU: the plain decoder's.
-ROPE_DECODE_LAUNCH = {"rows": 64, "warps": 4, "stages": 3, "tile": 64, "spread": 1}
 MIN_BLOCK = 32
 RESIDENT_BLOCK = 128
 MAX_BLOCK = 1024
@@ -171,36 +168,42 @@ if triton is not None:
         return turned, first, tl.where(turned, partner, chans), tl.where(turned, j, 0)
 
     @triton.jit
-    def _rope_angles(sin_ptr, cos_ptr, p, rows, j, mask, NF, n, RH: tl.constexpr):
-        """sin, cos [BM, len(j)] of the angles of rows ``rows`` (t - t_first) and pairs j of plane
-        p's layer (table row l when the RoPE has a row per layer, else 0): the tables of
-        cuda_pipeline.rope_angles.  Masked entries: sin 0, cos 1."""
-        frow = tl.where(NF > 1, p // 2, 0).to(tl.int64)
-        at = (frow * n + rows)[:, None] * RH + j[None, :]
-        return tl.load(sin_ptr + at, mask=mask, other=0.0), tl.load(cos_ptr + at, mask=mask, other=1.0)
+    def _turned(v, w, first, s, c, FORWARD: tl.constexpr):
+        """Values v (float32) turned with their partners w by the angles whose sines and cosines
+        are s, c (kernels/rope.unturn, or turn when FORWARD: its inputs saturated first), each
+        product and sum rounded in float64 (the launches turn off fused multiply-adds), then
+        saturated to float32."""
+        F32_MAX: tl.constexpr = 3.4028234663852886e38
+        v = v.to(tl.float64)
+        w = w.to(tl.float64)
+        if FORWARD:  # k_a = x_a c - x_b s, k_b = x_b c + x_a s
+            v = tl.minimum(tl.maximum(v, -F32_MAX), F32_MAX)
+            w = tl.minimum(tl.maximum(w, -F32_MAX), F32_MAX)
+            ws = w * s
+            x = v * c + tl.where(first, -ws, ws)
+        else:  # x_a = k_a c + k_b s, x_b = k_b c - k_a s
+            ws = w * s
+            x = v * c + tl.where(first, ws, -ws)
+        return tl.minimum(tl.maximum(x, -F32_MAX), F32_MAX).to(tl.float32)
 
     @triton.jit
-    def _sat32(v, F32_MAX: tl.constexpr):
-        """float32 of float64 v, clamped to float32's finite range first (kernels/rope.to_float32)."""
-        return tl.minimum(tl.maximum(v, -F32_MAX), F32_MAX).to(tl.float32)
-
-    @triton.jit
-    def _load_rows(x_ptr, row_at, chans, mask, rows, p, sin_ptr, cos_ptr, NF, n, BF16_WORDS: tl.constexpr,
-                   ROPE: tl.constexpr, HD: tl.constexpr, RD: tl.constexpr, STYLE: tl.constexpr):
-        """The encoder's float32 values of channels ``chans`` of rows ``row_at`` (masked: 0); with
-        ROPE, a key plane's (even p) turned back by its rotary embedding first, as
-        kernels/rope.unturn: x_a = sat32(k_a c + k_b s), x_b = sat32(k_b c - k_a s), each product
-        and sum rounded in float64 (the launch turns off fused multiply-adds)."""
-        v = _load_values(x_ptr, row_at[:, None] + chans[None, :], mask, BF16_WORDS)
-        if ROPE:
-            if p % 2 == 0:
-                turned, first, partner, j = _rope_partners(chans, HD, RD, STYLE)
-                w = _load_values(x_ptr, row_at[:, None] + partner[None, :], mask, BF16_WORDS)
-                tm = mask & turned[None, :]
-                s, c = _rope_angles(sin_ptr, cos_ptr, p, rows, j, tm, NF, n, RD // 2)
-                ws = w.to(tl.float64) * s
-                x = v.to(tl.float64) * c + tl.where(first[None, :], ws, -ws)
-                v = tl.where(tm, _sat32(x, 3.4028234663852886e38), v)
+    def _rope_tile(x_ptr, p, rows, live, row_at, chans, C, sin_ptr, cos_ptr, NF, n, HD: tl.constexpr,
+                   RD: tl.constexpr, STYLE: tl.constexpr, FORWARD: tl.constexpr, BF16_WORDS: tl.constexpr):
+        """The float32 values of channels ``chans`` (those < C) of rows ``row_at`` of plane p: a key
+        plane's (even p) turned by its RoPE (rows t_first + rows; angles from the tables of
+        cuda_pipeline.rope_angles, row l of them when NF > 1), a value plane's as they are."""
+        mask = live[:, None] & (chans < C)[None, :]
+        at = row_at[:, None] + chans[None, :]
+        v = _load_values(x_ptr, at, mask, BF16_WORDS)
+        if p % 2 == 0:
+            turned, first, partner, j = _rope_partners(chans, HD, RD, STYLE)
+            tm = mask & turned[None, :]
+            frow = tl.where(NF > 1, p // 2, 0).to(tl.int64)
+            ang = (frow * n + rows)[:, None] * (RD // 2) + j[None, :]
+            s = tl.load(sin_ptr + ang, mask=tm, other=0.0)
+            c = tl.load(cos_ptr + ang, mask=tm, other=1.0)
+            w = _load_values(x_ptr, row_at[:, None] + partner[None, :], tm, BF16_WORDS)
+            v = tl.where(tm, _turned(v, w, first[None, :], s, c, FORWARD), v)
         return v
 
     @triton.jit
@@ -252,11 +255,10 @@ if triton is not None:
         return g0.to(tl.int8), ((Q - g0) >> 8).to(tl.int8)
 
     @triton.jit
-    def _row_exponents_kernel(x_ptr, e_ptr, sin_ptr, cos_ptr, NF, T, n, t_first, C: tl.constexpr, BM: tl.constexpr,
-                              BK: tl.constexpr, BF16_WORDS: tl.constexpr, ROPE: tl.constexpr, HD: tl.constexpr,
-                              RD: tl.constexpr, STYLE: tl.constexpr):
+    def _row_exponents_kernel(x_ptr, e_ptr, T, n, t_first, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
+                              BF16_WORDS: tl.constexpr):
         """e[p, t - t_first] = fixed_rotation.row_exponent of row t of plane p (max |x| < 2^e, over
-        every channel, keys turned back first with ROPE): one program per BM rows of a plane."""
+        every channel): one program per BM rows of a plane."""
         p = tl.program_id(1)
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         live = rows < n
@@ -264,10 +266,37 @@ if triton is not None:
         ks = tl.arange(0, BK)
         top = tl.zeros([BM], dtype=tl.int32)
         for c0 in range(0, C, BK):
-            v = _load_rows(x_ptr, row_at, c0 + ks, live[:, None] & ((c0 + ks) < C)[None, :], rows, p, sin_ptr,
-                           cos_ptr, NF, n, BF16_WORDS, ROPE, HD, RD, STYLE)
-            top = tl.maximum(top, tl.max(v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
+            at = row_at[:, None] + (c0 + ks)[None, :]
+            bits = _load_values(x_ptr, at, live[:, None] & ((c0 + ks) < C)[None, :], BF16_WORDS).to(tl.int32,
+                                                                                                 bitcast=True)
+            top = tl.maximum(top, tl.max(bits & 0x7FFFFFFF, axis=1))
         tl.store(e_ptr + p.to(tl.int64) * n + rows, ((top >> 23) & 0xFF) - 126, mask=live)
+
+    @triton.jit
+    def _turn_rows_kernel(x_ptr, out_ptr, e_ptr, sin_ptr, cos_ptr, NF, T, n, t_first, C: tl.constexpr,
+                          BM: tl.constexpr, BK: tl.constexpr, BF16_WORDS: tl.constexpr, HD: tl.constexpr,
+                          RD: tl.constexpr, STYLE: tl.constexpr, FORWARD: tl.constexpr, BF16_OUT: tl.constexpr,
+                          EXPONENTS: tl.constexpr):
+        """out = x with the keys turned by their RoPE (rope.turn_keys: back, or FORWARD), for rows
+        t_first .. of every plane (the values copied), as float32 or (BF16_OUT) bfloat16 words
+        (saturating); with EXPONENTS also e as _row_exponents_kernel over the turned rows.  One
+        program per BM rows of a plane, BK channels a step (small tiles: the float64 turn keeps
+        few values a thread)."""
+        p = tl.program_id(1)
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        live = rows < n
+        row_at = (p.to(tl.int64) * T + t_first + rows) * C
+        ks = tl.arange(0, BK)
+        top = tl.zeros([BM], dtype=tl.int32)
+        for c0 in range(0, C, BK):
+            v = _rope_tile(x_ptr, p, rows, live, row_at, c0 + ks, C, sin_ptr, cos_ptr, NF, n, HD, RD, STYLE, FORWARD,
+                           BF16_WORDS)
+            _store_values(out_ptr, row_at[:, None] + (c0 + ks)[None, :], live[:, None] & ((c0 + ks) < C)[None, :], v,
+                          BF16_OUT)
+            if EXPONENTS:
+                top = tl.maximum(top, tl.max(v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
+        if EXPONENTS:
+            tl.store(e_ptr + p.to(tl.int64) * n + rows, ((top >> 23) & 0xFF) - 126, mask=live)
 
     @triton.jit
     def _kept_tiles(r_ptr, plane_digits, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr):
@@ -292,11 +321,10 @@ if triton is not None:
         return rows, rows < n, (p.to(tl.int64) * T + t_first + rows) * C
 
     @triton.jit
-    def _rotate_rows_kernel(x_ptr, e_ptr, r_ptr, y_ptr, sin_ptr, cos_ptr, NF, T, n, t_first, plane_digits, tiles,
+    def _rotate_rows_kernel(x_ptr, e_ptr, r_ptr, y_ptr, T, n, t_first, plane_digits, tiles,
                             C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                             BM: tl.constexpr, BN: tl.constexpr, BF16_WORDS: tl.constexpr, XB: tl.constexpr,
-                            RB: tl.constexpr, ROPE: tl.constexpr, HD: tl.constexpr, RD: tl.constexpr,
-                            STYLE: tl.constexpr):
+                            RB: tl.constexpr):
         p, h, n0, r0, r1 = _kept_tiles(r_ptr, plane_digits, H, D, DP, BN)
         ks = tl.arange(0, DP)
         ns = tl.arange(0, BN)
@@ -304,8 +332,8 @@ if triton is not None:
             rows, live, row_at = _tile_rows(p, tt, n, t_first, T, C, BM)
             e = tl.load(e_ptr + p.to(tl.int64) * n + rows, mask=live, other=0)
             scale_a, scale_b, back = _row_scales(e, XB, RB)
-            v = _load_rows(x_ptr, row_at, h * D + ks, live[:, None] & (ks < D)[None, :], rows, p, sin_ptr, cos_ptr,
-                           NF, n, BF16_WORDS, ROPE, HD, RD, STYLE)
+            v = _load_values(x_ptr, row_at[:, None] + (h * D + ks)[None, :], live[:, None] & (ks < D)[None, :],
+                             BF16_WORDS)
             a0, a1, a2 = _row_digits(v, scale_a, scale_b)
             # the digits' products summed by their weight 2^0, 2^8, 2^16, 2^24 (exact in int32
             # over a whole block of at most 128 channels: see the module's bounds)
@@ -317,99 +345,6 @@ if triton is not None:
                    + (p24.to(tl.int64) << 24))
             y = (acc.to(tl.float64) * back).to(tl.float32)
             tl.store(y_ptr + row_at[:, None] + (h * D + n0 + ns)[None, :], y, mask=live[:, None])
-
-    @triton.jit
-    def _level_words(z_ptr, at, mask, LEVEL_WORDS: tl.constexpr):
-        """Q = 256 q' - 1 (int32) of the levels at ``at``: int16 words (cuda_pipeline.dequantize's
-        levels) or float32 q' (exact)."""
-        if LEVEL_WORDS:
-            Q = tl.load(z_ptr + at, mask=mask, other=0).to(tl.int32)
-        else:
-            Q = _nearest_integer(tl.load(z_ptr + at, mask=mask, other=0.0) * 256.0) - 1
-        return Q
-
-    @triton.jit
-    def _unrotated(a0, a1, r0, r1, sums, unit, b, F32_MAX: tl.constexpr):
-        """x' = sat32(A s 2^-14 + b) of the level digits a0, a1 [BM, DP] against the kept digit
-        tiles r0, r1 [DP, N] (A exact: the module's bounds; the 1 taken off each level comes
-        back as the column sums)."""
-        p0 = tl.dot(a0, r0, out_dtype=tl.int32)
-        p8 = tl.dot(a1, r0, tl.dot(a0, r1, out_dtype=tl.int32), out_dtype=tl.int32)
-        p16 = tl.dot(a1, r1, out_dtype=tl.int32)
-        acc = sums[None, :] + p0.to(tl.int64) + (p8.to(tl.int64) << 8) + (p16.to(tl.int64) << 16)
-        return _sat32(acc.to(tl.float64) * unit + b[None, :], F32_MAX)
-
-    @triton.jit
-    def _pair_columns(i, HD: tl.constexpr, RD: tl.constexpr, STYLE: tl.constexpr):
-        """Block-local channels (a, b) of pair i of a block of whole heads of HD channels: the
-        RoPE's pairs of each head's first RD (kernels/rope.pair_channels), then the rest as
-        (RD + 2u, RD + 2u + 1), never turned; whether pair i is turned, and its index j."""
-        PH: tl.constexpr = HD // 2
-        RH: tl.constexpr = RD // 2
-        head = i // PH
-        jj = i % PH
-        turned = jj < RH
-        if STYLE == 0:
-            a = jj
-            b = jj + RH
-        else:
-            a = 2 * jj
-            b = 2 * jj + 1
-        u = jj - RH
-        a = tl.where(turned, a, RD + 2 * u)
-        b = tl.where(turned, b, RD + 2 * u + 1)
-        return head * HD + a, head * HD + b, turned, tl.where(turned, jj, 0)
-
-    @triton.jit
-    def _unrotate_turn_kernel(z_ptr, r_ptr, sums_ptr, steps_ptr, b_ptr, out_ptr, sin_ptr, cos_ptr, NF, T, n, t_first,
-                              plane_digits, tiles, C: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                              DP: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr, BF16_OUT: tl.constexpr,
-                              F32_MAX: tl.constexpr, LEVEL_WORDS: tl.constexpr, HD: tl.constexpr, RD: tl.constexpr,
-                              STYLE: tl.constexpr):
-        """_unrotate_values_kernel with the keys' rotary embedding restored in the same pass
-        (kernels/rope.turn: k_a = sat32(x_a c - x_b s), k_b = sat32(x_b c + x_a s), each product
-        and sum rounded in float64; the launch turns off fused multiply-adds).  A program owns
-        BP pairs of channels of one block (blocks of whole heads), so that both channels of a
-        pair come out of its own products: the kept digit tiles are those of the pairs' first
-        and of their second channels."""
-        NT: tl.constexpr = D // (2 * BP)
-        q = tl.program_id(1)
-        i0 = (q % NT) * BP
-        h = (q // NT) % H
-        p = q // (NT * H)
-        ks = tl.arange(0, DP)
-        col_a, col_b, turned, j = _pair_columns(i0 + tl.arange(0, BP), HD, RD, STYLE)
-        inside = (ks < D)[:, None]
-        at_r = ((p.to(tl.int64) * H + h) * D + ks)[:, None] * D
-        ra0 = tl.load(r_ptr + at_r + col_a[None, :], mask=inside, other=0)
-        ra1 = tl.load(r_ptr + plane_digits + at_r + col_a[None, :], mask=inside, other=0)
-        rb0 = tl.load(r_ptr + at_r + col_b[None, :], mask=inside, other=0)
-        rb1 = tl.load(r_ptr + plane_digits + at_r + col_b[None, :], mask=inside, other=0)
-        ca = h * D + col_a
-        cb = h * D + col_b
-        unit = tl.load(steps_ptr + p) * 2.384185791015625e-07
-        sums_a = tl.load(sums_ptr + p * C + ca)
-        sums_b = tl.load(sums_ptr + p * C + cb)
-        b_a = tl.load(b_ptr + p * C + ca)
-        b_b = tl.load(b_ptr + p * C + cb)
-        for tt in range(tl.program_id(0), tiles, tl.num_programs(0)):
-            rows, live, row_at = _tile_rows(p, tt, n, t_first, T, C, BM)
-            Q = _level_words(z_ptr, row_at[:, None] + (h * D + ks)[None, :], live[:, None] & (ks < D)[None, :],
-                             LEVEL_WORDS)
-            a0, a1 = _level_digits(Q)
-            xa = _unrotated(a0, a1, ra0, ra1, sums_a, unit, b_a, F32_MAX)
-            xb = _unrotated(a0, a1, rb0, rb1, sums_b, unit, b_b, F32_MAX)
-            if p % 2 == 0:
-                tm = live[:, None] & turned[None, :]
-                s, c = _rope_angles(sin_ptr, cos_ptr, p, rows, j, tm, NF, n, RD // 2)
-                xa64 = xa.to(tl.float64)
-                xb64 = xb.to(tl.float64)
-                ka = _sat32(xa64 * c - xb64 * s, F32_MAX)
-                kb = _sat32(xb64 * c + xa64 * s, F32_MAX)
-                xa = tl.where(tm, ka, xa)
-                xb = tl.where(tm, kb, xb)
-            _store_values(out_ptr, row_at[:, None] + ca[None, :], live[:, None], xa, BF16_OUT)
-            _store_values(out_ptr, row_at[:, None] + cb[None, :], live[:, None], xb, BF16_OUT)
 
     @triton.jit
     def _unrotate_values_kernel(z_ptr, r_ptr, sums_ptr, steps_ptr, b_ptr, out_ptr, T, n, t_first, plane_digits,
@@ -425,12 +360,22 @@ if triton is not None:
         b = tl.load(b_ptr + p * C + cols)
         for tt in range(tl.program_id(0), tiles, tl.num_programs(0)):
             rows, live, row_at = _tile_rows(p, tt, n, t_first, T, C, BM)
-            Q = _level_words(z_ptr, row_at[:, None] + (h * D + ks)[None, :], live[:, None] & (ks < D)[None, :],
-                             LEVEL_WORDS)
+            at = row_at[:, None] + (h * D + ks)[None, :]
+            inside = live[:, None] & (ks < D)[None, :]
+            if LEVEL_WORDS:  # Q = 256 q' - 1 as int16 words (cuda_pipeline.dequantize's levels)
+                Q = tl.load(z_ptr + at, mask=inside, other=0).to(tl.int32)
+            else:
+                Q = _nearest_integer(tl.load(z_ptr + at, mask=inside, other=0.0) * 256.0) - 1  # exact
             a0, a1 = _level_digits(Q)
-            # a row past D (zero digits) adds nothing
+            p0 = tl.dot(a0, r0, out_dtype=tl.int32)
+            p8 = tl.dot(a1, r0, tl.dot(a0, r1, out_dtype=tl.int32), out_dtype=tl.int32)
+            p16 = tl.dot(a1, r1, out_dtype=tl.int32)
+            # a row past D (zero digits) adds nothing; the 1 taken off each level comes back as
+            # the column sums
+            acc = sums[None, :] + p0.to(tl.int64) + (p8.to(tl.int64) << 8) + (p16.to(tl.int64) << 16)
+            v = acc.to(tl.float64) * unit + b[None, :]
             _store_values(out_ptr, row_at[:, None] + cols[None, :], live[:, None],
-                          _unrotated(a0, a1, r0, r1, sums, unit, b, F32_MAX), BF16_OUT)
+                          tl.minimum(tl.maximum(v, -F32_MAX), F32_MAX).to(tl.float32), BF16_OUT)
 
     @triton.jit
     def _digit_tiles(r_ptr, plane_digits, p, h, k0, n0, D: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
@@ -441,11 +386,10 @@ if triton is not None:
         return tl.load(r_ptr + r_at), tl.load(r_ptr + plane_digits + r_at)
 
     @triton.jit
-    def _rotate_rows_streaming_kernel(x_ptr, e_ptr, r_ptr, y_ptr, sin_ptr, cos_ptr, NF, T, n, t_first, plane_digits,
+    def _rotate_rows_streaming_kernel(x_ptr, e_ptr, r_ptr, y_ptr, T, n, t_first, plane_digits,
                                       C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                                       BN: tl.constexpr, BK: tl.constexpr, BF16_WORDS: tl.constexpr,
-                                      XB: tl.constexpr, RB: tl.constexpr, ROPE: tl.constexpr, HD: tl.constexpr,
-                                      RD: tl.constexpr, STYLE: tl.constexpr):
+                                      XB: tl.constexpr, RB: tl.constexpr):
         """_rotate_rows_kernel for blocks past RESIDENT_BLOCK: one program per BM rows of a plane
         walks every block, BN outputs at a time, BK channels a step, reading the digit tiles as
         it goes (the int32 sums chained over the whole block, as there)."""
@@ -462,8 +406,7 @@ if triton is not None:
                 p16 = tl.zeros([BM, BN], dtype=tl.int32)
                 p24 = tl.zeros([BM, BN], dtype=tl.int32)
                 for k0 in range(0, D, BK):
-                    v = _load_rows(x_ptr, row_at, h * D + k0 + ks, live[:, None] & (ks >= 0)[None, :], rows, p, sin_ptr,
-                                   cos_ptr, NF, n, BF16_WORDS, ROPE, HD, RD, STYLE)
+                    v = _load_values(x_ptr, row_at[:, None] + (h * D + k0 + ks)[None, :], live[:, None], BF16_WORDS)
                     a0, a1, a2 = _row_digits(v, scale_a, scale_b)
                     r0, r1 = _digit_tiles(r_ptr, plane_digits, p, h, k0, n0, D, BK, BN, H)
                     p0 = tl.dot(a0, r0, p0, out_dtype=tl.int32)
@@ -511,10 +454,10 @@ if triton is not None:
 
 
 class RopeAngles(NamedTuple):
-    """A rotary embedding for the kernels to turn the keys by in their pass (flags bit 2): the
-    angles' sines and cosines, float64 [F, n, rotary_dim / 2] on the kernels' device for the
-    rows t_first .. t_first + n - 1 of the call (cuda_pipeline.rope_angles; F = 1: every layer,
-    else a row per layer), and the pairs (format.params.Rope's style, head_dim, rotary_dim)."""
+    """A rotary embedding for the kernels to turn the keys by (flags bit 2): the angles' sines and
+    cosines, float64 [F, n, rotary_dim / 2] on the kernels' device for the rows t_first ..
+    t_first + n - 1 of the call (cuda_pipeline.rope_angles; F = 1: every layer, else a row per
+    layer), and the pairs (format.params.Rope's style, head_dim, rotary_dim)."""
 
     sin: torch.Tensor
     cos: torch.Tensor
@@ -523,27 +466,31 @@ class RopeAngles(NamedTuple):
     rotary_dim: int
 
 
-def turns_in_pass(head_dim: int, rotary_dim: int, block: int) -> bool:
-    """True when unrotate_values restores the keys' RoPE (heads of ``head_dim``, ``rotary_dim``
-    turned) in its own pass for diagonal blocks of ``block`` channels: blocks of whole heads of
-    an even size, held in registers (rotate_rows turns them for any block it takes)."""
-    return (supports(block) and block <= RESIDENT_BLOCK and head_dim % 2 == 0 and rotary_dim % 2 == 0
-            and block % head_dim == 0)
+#: The turning pass's launch: rows and channels per step of a program, warps.  Small tiles: the
+#: turn is float64 arithmetic on every value of the tile (a first version turned the keys inside
+#: the product's programs, on their [64, 128] tiles: 22 ms against 2.2 on an H100, 2026-12-05).
+TURN_LAUNCH = {"rows": 16, "channels": 64, "warps": 4}
 
 
-def _rope_args(rope: RopeAngles | None, n: int, L: int, dummy: torch.Tensor) -> tuple[list, dict]:
-    """The kernels' RoPE arguments: (sin, cos, rows) and the constexprs; none: placeholders."""
-    if rope is None:
-        return [dummy, dummy, 1], {"ROPE": False, "HD": 2, "RD": 2, "STYLE": 0}
+def _turn_rows(x: torch.Tensor, rope: RopeAngles, t_first: int, out: torch.Tensor, forward: bool,
+               e: torch.Tensor | None = None) -> None:
+    """out[:, :, t] = x[:, :, t] with the keys turned by ``rope`` for t >= t_first (_turn_rows_kernel)."""
+    L, K, T, C = x.shape
+    n = T - t_first
     F = rope.sin.shape[0]
     if (rope.sin.dtype != torch.float64 or rope.sin.shape != rope.cos.shape or F not in (1, L)
             or tuple(rope.sin.shape[1:]) != (n, rope.rotary_dim // 2) or not rope.sin.is_contiguous()
-            or not rope.cos.is_contiguous()):
-        raise ValueError(f"rope: sin / cos float64 [1 or {L}, {n}, {rope.rotary_dim // 2}], not "
-                         f"{rope.sin.dtype} {tuple(rope.sin.shape)}")
-    return [rope.sin, rope.cos, F], {"ROPE": True, "HD": rope.head_dim, "RD": rope.rotary_dim, "STYLE": rope.style,
-                                     # the turn's products and sums rounded one by one, as the CPU's
-                                     "enable_fp_fusion": False}
+            or not rope.cos.is_contiguous() or C % rope.head_dim or rope.rotary_dim % 2
+            or not 2 <= rope.rotary_dim <= rope.head_dim):
+        raise ValueError(f"rope: sin / cos float64 [1 or {L}, {n}, {rope.rotary_dim // 2}] and heads dividing {C} "
+                         f"channels, not {rope.sin.dtype} {tuple(rope.sin.shape)}, heads of {rope.head_dim}")
+    go = TURN_LAUNCH
+    _turn_rows_kernel[(triton.cdiv(n, go["rows"]), L * K)](
+        x, out, out if e is None else e, rope.sin, rope.cos, F, T, n, t_first, C=C, BM=go["rows"],
+        BK=min(go["channels"], triton.next_power_of_2(C)), BF16_WORDS=x.dtype == torch.int16, HD=rope.head_dim,
+        RD=rope.rotary_dim, STYLE=rope.style, FORWARD=forward, BF16_OUT=out.dtype == torch.int16,
+        EXPONENTS=e is not None, num_warps=go["warps"],
+        enable_fp_fusion=False)  # the turn's products and sums rounded one by one, as the CPU's
 
 
 def _launch(n: int, D: int, parts_before: int, go: dict) -> tuple[int, int, int, int]:
@@ -569,7 +516,8 @@ def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Te
     rotate_rows' values): x float32 [L, 2, T, C], or a bfloat16 cache's int16 words; digits:
     rotation_digits of the encoder's blocks [L, 2, H, D, D]; y float32 [L, 2, T, C] (rows before
     t_first untouched).  ``rope``: the keys (x[:, 0]) are first turned back by it, as
-    kernels/rope.turn_keys(forward=False) would in place."""
+    kernels/rope.turn_keys(forward=False) would in place (a pass that also finds the rows'
+    exponents, into a float32 copy of the rows from t_first)."""
     _check(x, "x", (torch.float32, torch.int16), 4)
     _check(y, "y", (torch.float32,), 4)
     L, K, T, C = x.shape
@@ -580,23 +528,27 @@ def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Te
     if n <= 0 or L * K == 0:
         return
     e = torch.empty((L * K, n), dtype=torch.int32, device=x.device)
+    if rope is not None:
+        turned = torch.empty((L, K, T, C), dtype=torch.float32, device=x.device)
+        _turn_rows(x, rope, t_first, turned, False, e)
+        x = turned
     bf16 = x.dtype == torch.int16
-    ra, rk = _rope_args(rope, n, L, y)
-    _row_exponents_kernel[(triton.cdiv(n, 32), L * K)](x, e, *ra, T, n, t_first, C=C, BM=32,
-                                                        BK=min(128, triton.next_power_of_2(C)), BF16_WORDS=bf16,
-                                                        num_warps=4, **rk)
+    if rope is None:
+        _row_exponents_kernel[(triton.cdiv(n, 32), L * K)](x, e, T, n, t_first, C=C, BM=32,
+                                                            BK=min(128, triton.next_power_of_2(C)), BF16_WORDS=bf16,
+                                                            num_warps=4)
     if D > RESIDENT_BLOCK:
         go = STREAM_ENCODE_LAUNCH
         _rotate_rows_streaming_kernel[(triton.cdiv(n, go["rows"]), L * K)](
-            x, e, digits, y, *ra, T, n, t_first, digits[0].numel(), C=C, H=H, D=D, BM=go["rows"],
-            BN=_tile(D, go["tile"]), BK=_tile(D, go["depth"]), BF16_WORDS=bf16, XB=X_BITS, RB=R_BITS,
-            num_warps=go["warps"], num_stages=go["stages"], **rk)
+            x, e, digits, y, T, n, t_first, digits[0].numel(), C=C, H=H, D=D, BM=go["rows"], BN=_tile(D, go["tile"]),
+            BK=_tile(D, go["depth"]), BF16_WORDS=bf16, XB=X_BITS, RB=R_BITS, num_warps=go["warps"],
+            num_stages=go["stages"])
         return
     go = ENCODE_LAUNCH
     tile, DP, tiles, grid = _launch(n, D, L * K * H, go)
-    _rotate_rows_kernel[grid](x, e, digits, y, *ra, T, n, t_first, digits[0].numel(), tiles, C=C, H=H, D=D, DP=DP,
+    _rotate_rows_kernel[grid](x, e, digits, y, T, n, t_first, digits[0].numel(), tiles, C=C, H=H, D=D, DP=DP,
                               BM=go["rows"], BN=tile, BF16_WORDS=bf16, XB=X_BITS, RB=R_BITS, num_warps=go["warps"],
-                              num_stages=go["stages"], **rk)
+                              num_stages=go["stages"])
 
 
 def unrotate_values(z: torch.Tensor, digits_t: torch.Tensor, sums: torch.Tensor, steps: torch.Tensor,
@@ -606,8 +558,8 @@ def unrotate_values(z: torch.Tensor, digits_t: torch.Tensor, sums: torch.Tensor,
     (cuda_pipeline.dequantize's levels words); digits_t: rotation_digits of the decoder's
     (transposed) blocks; sums: column_sums of those blocks; steps float64 [L, 2]; b float64
     [L, 2, C] (offset_sums); out float32, or int16 for bfloat16 words (saturating), [L, 2, T, C].
-    ``rope``: the keys' values are turned forward by it before they are stored, as
-    kernels/rope.turn_keys(forward=True) would after this (blocks turns_in_pass takes)."""
+    ``rope``: the keys' values are then turned forward by it, as kernels/rope.turn_keys(forward=
+    True) would after this (through a float32 copy: a pass that also makes out's words)."""
     _check(z, "z", (torch.float32, torch.int16), 4)
     _check(out, "out", (torch.float32, torch.int16), 4)
     L, K, T, C = z.shape
@@ -619,20 +571,13 @@ def unrotate_values(z: torch.Tensor, digits_t: torch.Tensor, sums: torch.Tensor,
         return
     steps = steps.to(torch.float64).contiguous()
     b = b.to(torch.float64).contiguous()
+    if rope is not None:
+        values = torch.empty((L, K, T, C), dtype=torch.float32, device=z.device)
+        unrotate_values(z, digits_t, sums, steps, b, t_first, values)
+        _turn_rows(values, rope, t_first, out, True)
+        return
     words = z.dtype == torch.int16
     bf16 = out.dtype == torch.int16
-    if rope is not None:
-        if not turns_in_pass(rope.head_dim, rope.rotary_dim, D):
-            raise ValueError(f"unrotate_values: a RoPE of heads of {rope.head_dim} in blocks of {D} channels")
-        ra, rk = _rope_args(rope, n, L, out)
-        go = ROPE_DECODE_LAUNCH
-        pairs = _tile(D // 2, go["tile"] // 2)
-        _, DP, tiles, grid = _launch(n, D, L * K * H, dict(go, tile=2 * pairs))
-        _unrotate_turn_kernel[grid](z, digits_t, sums, steps, b, out, *ra, T, n, t_first, digits_t[0].numel(), tiles,
-                                    C=C, H=H, D=D, DP=DP, BM=go["rows"], BP=pairs, BF16_OUT=bf16, F32_MAX=_F32_MAX,
-                                    LEVEL_WORDS=words, num_warps=go["warps"], num_stages=go["stages"],
-                                    HD=rk["HD"], RD=rk["RD"], STYLE=rk["STYLE"], enable_fp_fusion=False)
-        return
     if D > RESIDENT_BLOCK:
         go = STREAM_DECODE_LAUNCH
         _unrotate_values_streaming_kernel[(triton.cdiv(n, go["rows"]), L * K)](

@@ -199,7 +199,7 @@ def test_blocks_past_the_registers_stream_their_digits(H, D):
         assert torch.equal(out.cpu()[:, :, S:], ref[:, :, S:])
 
 
-# ---------------------------------------------------------------- keys turned by their RoPE in the pass
+# ---------------------------------------------------------------- keys turned by their RoPE
 
 def _rope(rng, style, head_dim, rotary_dim, rows):
     from cachegen_cli.format.params import Rope
@@ -251,12 +251,12 @@ def test_encoder_turns_the_keys_as_the_cpu(H, D, style, head_dim, rotary_dim, ro
     (2, 32, 0, 32, 32, 1, True),
     (1, 64, 1, 32, 24, 2, False),  # interleaved, part of each head turned, a row per layer
     (2, 64, 0, 16, 12, 1, True),  # several heads per block, part turned
-    (1, 96, 0, 32, 32, 1, False),  # a block of 96: padded digits, 48 pairs
+    (1, 96, 0, 32, 32, 1, False),  # a block of 96: padded digits
+    (2, 32, 0, 64, 64, 1, True),  # a head across two blocks
 ])
 def test_decoder_turns_the_keys_as_the_cpu(H, D, style, head_dim, rotary_dim, rows, bf16_out):
     from cachegen_cli.kernels import rope as rk
 
-    assert fm.turns_in_pass(head_dim, rotary_dim, D)
     rng = np.random.default_rng(5 + D)
     L, T, S = 2, 41, 2
     C = H * D
@@ -284,15 +284,3 @@ def test_decoder_turns_the_keys_as_the_cpu(H, D, style, head_dim, rotary_dim, ro
     else:
         assert np.array_equal(out.numpy()[:, :, S:].view(np.int32), want[:, :, S:].view(np.int32))
     assert (out[:, :, :S] == 5).all()
-
-
-def test_the_decoder_refuses_a_rope_across_its_blocks():
-    assert not fm.turns_in_pass(64, 64, 32) and not fm.turns_in_pass(10, 10, 96) and not fm.turns_in_pass(7, 6, 98)
-    assert fm.turns_in_pass(32, 30, 96) and fm.turns_in_pass(6, 6, 96) and not fm.turns_in_pass(128, 128, 256)
-    z = torch.zeros(1, 2, 4, 32, device=DEV)
-    rope = fm.RopeAngles(torch.zeros(1, 4, 32, dtype=torch.float64, device=DEV),
-                         torch.ones(1, 4, 32, dtype=torch.float64, device=DEV), 0, 64, 64)
-    with pytest.raises(ValueError, match="RoPE"):
-        fm.unrotate_values(z, torch.zeros(2, 1, 2, 1, 32, 32, dtype=torch.int8, device=DEV),
-                           torch.zeros(1, 2, 32, dtype=torch.int64, device=DEV), torch.ones(1, 2, device=DEV),
-                           torch.zeros(1, 2, 32, dtype=torch.float64, device=DEV), 0, z, rope=rope)

@@ -299,8 +299,8 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
         x32 = None
         fixed_rot = bool(rot_h.size) and tc.FIXED_ROTATION
         digits = _matmul_digits(rot_h, digest, dev, False) if fixed_rot else None
-        # The matrix units' rotation turns the keys back in its own pass: no float32 copy of the
-        # cache, no pass over the keys before it.
+        # The matrix units' rotation turns the keys back in the pass that finds its rows' exponents
+        # (fixed_rotation_matmul.rotate_rows).
         rope_in_pass = rope is not None and digits is not None
         if rope is not None and not rope_in_pass:
             # The keys without their RoPE (float32) replace the cache's words as the kernels' values;
@@ -325,8 +325,8 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
             y = _empty((L, 2, T, C), torch.float32, dev)
             y[:, :, :sink].zero_()  # the sink tokens' rows: read by no kernel, but never garbage
             if digits is not None:
-                # rows (keys turned back by their RoPE), integer product and values in one pass on
-                # the matrix units
+                # rows, integer product and values in one pass on the matrix units (the keys turned
+                # back by their RoPE in the pass before it)
                 from ..kernels import fixed_rotation_matmul as fm
 
                 angles = _rope_angles(rope, sink, T, dev) if rope_in_pass else None
@@ -753,10 +753,8 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
             k.offset_sums(_nb(file_offsets), _nb(rot_t), _nb(b_d))
             from ..kernels import fixed_rotation_matmul as fm
 
-            # the keys turned forward by their RoPE in the product's own pass where its blocks
-            # hold whole heads
-            rope_in_pass = (rope is not None and digits is not None
-                            and fm.turns_in_pass(rope.head_dim, rope.rotary_dim, int(digits[0].shape[-1])))
+            # the keys turned forward by their RoPE by the product's call (its pass to the words)
+            rope_in_pass = rope is not None and digits is not None
             direct = dtype == torch.bfloat16 and (rope is None or rope_in_pass)  # bfloat16 words out, saturating
             data = _empty((L, 2, T, C), torch.int16 if direct else torch.float32, dev)
             if digits is not None:
