@@ -51,7 +51,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 
 import cachegen_cli as cg  # noqa: E402
-from cachegen_cli.methods import calibration  # noqa: E402
+from cachegen_cli.methods import rope as rope_methods  # noqa: E402
+from cachegen_cli.model.calibrate import fit_samples  # noqa: E402
 from cachegen_cli.model import capture, evaluate, tune  # noqa: E402
 from cachegen_cli.methods.config import PRESETS, QUALITY_PRESETS  # noqa: E402
 
@@ -460,7 +461,9 @@ def write_page(results: dict, info: dict, out_md: pathlib.Path, out_png: pathlib
              "the first token verbatim, give the last 64 tokens 2 more bits per value (recent-token refinement), "
              "choose token delta per channel, and share one table per channel across "
              "chunks (docs/config.md); rows marked `--calibration` add a PCA rotation fitted with `cachegen "
-             "calibrate` on the caches of the *other two* texts at the same length (never on the scored text); "
+             "calibrate` on the caches of the *other two* texts at the same length (never on the scored text): "
+             "its default for captured caches, one block per KV head on the keys without their RoPE, which "
+             "files encoded with it then remove too; "
              "rows marked `with --sensitivity` add those texts' per-plane sensitivities (`cachegen calibrate "
              "--sensitivity`: the model's Fisher information on each text's own last 128 tokens), which scale "
              "each plane's step; the `tune` rows write per-layer steps (`cachegen tune`, docs/tune.md).\n")
@@ -787,6 +790,7 @@ def main(argv=None) -> int:
     kept_rows: dict = {}
     info["kept_rows"] = kept_rows
     results_path.parent.mkdir(parents=True, exist_ok=True)
+    model_rope = rope_methods.from_model(model)
     for n in contexts:  # all texts at the shorter context first: they are the quick ones
         case_fp = case_fingerprint(code, env, text_shas, n)
         row_fps = {m["key"]: row_fingerprint(case_fp, m) for m in methods()}
@@ -822,7 +826,10 @@ def main(argv=None) -> int:
         for name in todo:
             key = f"{name}|{n}"
             others = [refs[o][1].cache for o in refs if o != name]
-            cal = calibration.fit(others) if others else None
+            # what `cachegen calibrate` fits by default on captured caches (they record the
+            # model's RoPE): one block per KV head, on the keys without their RoPE
+            cal = (fit_samples(others, refs[name][1].num_kv_heads, [model_rope] * len(others)) if others
+                   else None)
             ids, ref, ref_s = refs[name]
             names = list(loaded_texts)
             other = names[(names.index(name) + 1) % len(names)] if len(names) > 1 else name

@@ -272,3 +272,46 @@ def test_stats_names_rope_keys(tmp_path):
     runner, app = _cli()
     r = runner.invoke(app, ["stats", str(path)])
     assert r.exit_code == 0 and "keys without RoPE" in r.output, r.output
+
+
+def test_calibrate_fits_per_head_on_keys_without_rope_by_default(tmp_path):
+    """`cachegen calibrate`'s default: samples that record their RoPE (as `cachegen capture`'s do)
+    give one block per KV head fitted on keys without it (the smaller and the faster kind,
+    docs/config.md); samples without one a full rotation, with a note naming --rope-theta; the
+    flags override either choice."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from cachegen_cli.methods import calibration
+    from cachegen_cli.methods import rope as rope_methods
+
+    runner, app = _cli()
+    plain = tmp_path / "plain.safetensors"
+    shutil.copyfile(SAMPLE_STACKED, plain)
+    with_rope = tmp_path / "rope.safetensors"
+    save_file(load_file(str(plain)), str(with_rope),
+              metadata={rope_methods.METADATA_KEY: rope_methods.to_metadata(rope_methods.from_theta(100000.0, 64))})
+
+    def fitted(*args):
+        out = tmp_path / f"cal{len(list(tmp_path.iterdir()))}.safetensors"
+        r = runner.invoke(app, ["calibrate", *map(str, args), "-o", str(out)])
+        assert r.exit_code == 0, r.output
+        return calibration.load(out), r.output
+
+    cal, output = fitted(with_rope)
+    assert cal.blocks == 3 and cal.rope is not None and "note:" not in output
+    assert "3 blocks) on keys without their RoPE" in output
+    cal, output = fitted(plain)
+    assert cal.blocks == 1 and cal.rope is None
+    assert "note:" in output and "--rope-theta" in output
+    cal, output = fitted(plain, "--rope-theta", "100000")
+    assert cal.blocks == 3 and cal.rope is not None
+    cal, _ = fitted(with_rope, "--full")
+    assert cal.blocks == 1 and cal.rope is not None
+    cal, _ = fitted(with_rope, "--no-rope-keys")
+    assert cal.blocks == 1 and cal.rope is None
+    cal, output = fitted(plain, "--per-head")
+    assert cal.blocks == 3 and cal.rope is None and "note:" not in output
+    r = runner.invoke(app, ["calibrate", str(plain), str(with_rope), "--rope-keys", "-o", str(tmp_path / "x.safetensors")])
+    assert r.exit_code == 2 and r.output.startswith("error:") and r.output.count("\n") == 1

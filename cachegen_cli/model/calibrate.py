@@ -9,15 +9,65 @@ from pathlib import Path
 from ..methods.calibration import Calibration, fit, save
 
 
+def fit_samples(data: list, num_kv_heads: int, ropes: list | None = None, per_head: bool = True) -> Calibration:
+    """The rotation of a calibration, fitted on sample caches ``data`` (tensors [L, 2, T, C]) of
+    a model with ``num_kv_heads`` KV heads: one block per KV head (``per_head``, the default),
+    else one full C x C matrix per (layer, K/V).  ``ropes`` (one format.params.Rope per sample,
+    each at its own positions): fitted on the keys without their RoPE, which the calibration
+    records, so that encoding with it removes the same (docs/config.md: per head on RoPE-free
+    keys is smaller than a full rotation on every cache measured, at 1/heads of its arithmetic)."""
+    import dataclasses
+
+    from ..methods import rope as rope_methods
+
+    used = None
+    if ropes is not None:
+        data = [rope_methods.unturn(x, r) for x, r in zip(data, ropes)]
+        used = dataclasses.replace(ropes[0], position_start=0)
+    fitted = fit(data, blocks=num_kv_heads if per_head else 1)
+    if used is not None:
+        fitted = Calibration(fitted.rotation, dict(fitted.metadata, rope=rope_methods.to_metadata(used)),
+                             fitted.sensitivity)
+    return fitted
+
+
+def _sample_ropes(caches: list, rope_keys: bool | None, rope_theta: float | None) -> list | None:
+    """Each sample cache's RoPE when the keys are fitted without it: asked (``rope_keys`` True or a
+    ``rope_theta``: every cache must have one), or by default (None) when every cache records one
+    (`cachegen capture` does); else None."""
+    from ..errors import ConfigError
+    from ..methods import rope as rope_methods
+    from ..methods.config import TransformConfig
+
+    if rope_keys is False:
+        return None
+    cfg = TransformConfig(rope_keys=True)
+    ropes = []
+    for c in caches:
+        if rope_theta is not None:
+            c.rope = rope_methods.from_theta(rope_theta, c.head_dim)
+        try:
+            ropes.append(rope_methods.resolve(c, cfg))
+        except ConfigError:
+            if rope_keys:
+                raise
+            return None
+    return ropes
+
+
 def calibrate_files(inputs: list, output, *, layout: str = "auto", sensitivity: bool = False, model_path=None,
-                    loaded=None, force: bool = False, log=None, per_head: bool = False, rope_keys: bool = False,
+                    loaded=None, force: bool = False, log=None, per_head: bool | None = None, rope_keys: bool | None = None,
                     rope_theta: float | None = None) -> Calibration:
     """``cachegen calibrate``: fit the rotation on the sample caches (KV .safetensors files) and,
     with ``sensitivity``, measure the per-plane sensitivities with the model the caches were
     captured with (their token ids come from ``cachegen capture``'s metadata); write the file
-    atomically.  ``per_head``: one rotation block per KV head (methods/calibration.fit).  ``rope_keys``:
-    fit on the keys without their RoPE (each cache's metadata, or plain ``rope_theta``
-    frequencies), recorded in the calibration so that encoding with it removes the same.  ``loaded``: an already loaded (model, tokenizer) or a function returning one."""
+    atomically.  ``rope_keys``: fit on the keys without their RoPE (each cache's metadata, or
+    plain ``rope_theta`` frequencies), recorded in the calibration so that encoding with it removes
+    the same; None (default): when every sample records its RoPE.  ``per_head``: one rotation
+    block per KV head, else one full matrix (fit_samples); None (default): per head on keys
+    without their RoPE, else full (the smaller file either way, docs/config.md; a full rotation
+    codes at ~1/3 of a per-head one's GPU speed).  ``loaded``: an already loaded (model,
+    tokenizer) or a function returning one."""
     from ..storage import kvio
     from ..storage.outputs import check_output
 
@@ -26,35 +76,19 @@ def calibrate_files(inputs: list, output, *, layout: str = "auto", sensitivity: 
     from .calibrate_parts import calibrate_parts, read_samples
 
     parts = read_samples(paths, layout)
-    if parts is not None and (rope_keys or rope_theta is not None):
+    if parts is not None and (rope_keys or rope_theta is not None):  # (by default multi-part samples keep their RoPE)
         from ..errors import ConfigError
 
         raise ConfigError("rope_keys applies to caches of one shape, not to multi-part caches (yet)",
                           cli="--rope-keys applies to caches of one shape, not to multi-part caches (yet)")
     if parts is not None:  # caches of several shapes: one rotation per plane kind and layer (calibration v3)
-        return calibrate_parts(parts, output, sensitivity=sensitivity, per_head=per_head)
+        return calibrate_parts(parts, output, sensitivity=sensitivity, per_head=bool(per_head))
     caches = [kvio.read_safetensors(p, layout) for p in paths]
-    data = [c.data for c in caches]
-    used = None
-    if rope_keys or rope_theta is not None:
-        # Fitted on the keys as the encoder will code them: without their RoPE (each cache's own
-        # positions); the calibration records the RoPE, so encoding with it removes the same one.
-        import dataclasses
-
-        from ..methods import rope as rope_methods
-        from ..methods.config import TransformConfig
-
-        cfg = TransformConfig(rope_keys=True)
-        data = []
-        for c in caches:
-            if rope_theta is not None:
-                c.rope = rope_methods.from_theta(rope_theta, c.head_dim)
-            r = rope_methods.resolve(c, cfg)
-            data.append(rope_methods.unturn(c.data, r))
-            used = used or dataclasses.replace(r, position_start=0)
-    fitted = fit(data, blocks=caches[0].num_kv_heads if per_head else 1)
-    if used is not None:
-        fitted = Calibration(fitted.rotation, dict(fitted.metadata, rope=rope_methods.to_metadata(used)), fitted.sensitivity)
+    # Fitted on the keys as the encoder will code them: without their RoPE (each cache's own
+    # positions) where the samples know it.
+    ropes = _sample_ropes(caches, rope_keys if rope_theta is None else True, rope_theta)
+    fitted = fit_samples([c.data for c in caches], caches[0].num_kv_heads, ropes,
+                         ropes is not None if per_head is None else per_head)
     if sensitivity:
         from . import evaluate
         from .capture import ModelError, _resolve_loaded, model_id, resolve_model_path
