@@ -56,7 +56,9 @@ METHODS = {
     "high+rope": {"quality": "high", "rope": "smol"},
     "balanced+rope": {"quality": "balanced", "rope": "smol"},
     "small+rope": {"quality": "small", "rope": "smol"},
+    "high+cal/head+rope": {"quality": "high", "calibration": "head+rope", "rope": "smol"},
     "balanced+cal/head+rope": {"quality": "balanced", "calibration": "head+rope", "rope": "smol"},
+    "small+cal/head+rope": {"quality": "small", "calibration": "head+rope", "rope": "smol"},
 }
 DEFAULT_METHODS = "lossless,high,balanced,small,lmcache"
 SMOL_ROPE = rope.from_theta(100000.0, 64)
