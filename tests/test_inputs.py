@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -107,3 +108,21 @@ def test_files_in_both_layouts_read_back(tmp_path):
     save_file(per_layer(kv, batch=False), tmp_path / "b.safetensors")
     cache = kvio.read_safetensors(tmp_path / "b.safetensors")
     assert cache.layout == "per-layer" and torch.equal(cache.data, kv.reshape(2, 2, 12, -1))
+
+
+@pytest.mark.parametrize("dtype, words, mask", [(np.uint16, 0x7F80, 0x7F80), (np.uint16, 0xFFC1, 0x7C00),
+                                                (np.uint32, 0x7F800001, 0x7F800000)])
+def test_first_nonfinite_row_finds_the_first_bad_row_at_any_place(dtype, words, mask):
+    """kernels/checks.first_nonfinite_row, by steps of STEP_WORDS words: a bad word at a step's
+    first and last places, in a row's last partial step, and a word with only some of the
+    exponent bits set (finite) is not one."""
+    from cachegen_cli.kernels import checks
+
+    n = 2 * checks.STEP_WORDS + 5
+    bits = np.zeros((4, n), dtype)
+    bits[:, ::3] = mask ^ (mask >> 1)  # most exponent bits, not all: finite
+    assert checks.first_nonfinite_row(bits, mask) == -1
+    for row, at in ((3, n - 1), (2, checks.STEP_WORDS), (2, checks.STEP_WORDS - 1), (1, 0)):
+        bits[row, at] = words
+        assert checks.first_nonfinite_row(bits, mask) == row
+    assert checks.first_nonfinite_row(np.zeros((0, 5), dtype), mask) == -1
