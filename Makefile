@@ -47,7 +47,9 @@ clean:
 # the GPU-resident runs, the CPU runs on the same host, then the page rendered from those three
 # files (commit them under docs/results/).  On a GPU machine with its own Python: make bench-page PY=python3
 RESULTS ?= docs/results
-BENCH_METHODS ?= lossless,high,balanced,small,lmcache,high+cal/head,balanced+cal/head,small+cal/head,balanced+cal
+# +cal/head+rope: the calibration `cachegen calibrate` fits by default on captured caches (per KV head, keys without
+# their RoPE); +cal/head: per head on keys as they are; +cal: a full rotation (--full)
+BENCH_METHODS ?= lossless,high,balanced,small,lmcache,high+cal/head+rope,balanced+cal/head+rope,small+cal/head+rope,high+cal/head,balanced+cal/head,small+cal/head,balanced+cal
 bench-page:
 	c=$$(git rev-parse --short HEAD); d=$$(date -u +%Y-%m-%d); \
 	$(PY) benchmarks/bench_device.py --tokens 8192 --repeats 5 --check-tokens 256 --methods $(BENCH_METHODS) \
@@ -55,7 +57,7 @@ bench-page:
 	$(PY) benchmarks/bench_all.py --devices cpu --cpu-tokens 1024 --qualities lossless,high,balanced,small,lmcache \
 		--repeats 3 --json $(RESULTS)/$${d}_bench_all_cpu_$$c.json && \
 	$(PY) benchmarks/bench_all.py --devices cpu --cpu-tokens 1024 --cpu-cal-tokens 512 \
-		--qualities high+cal/head,balanced+cal/head,small+cal/head,balanced+cal --repeats 3 \
+		--qualities high+cal/head+rope,balanced+cal/head+rope,small+cal/head+rope,balanced+cal/head,balanced+cal --repeats 3 \
 		--json $(RESULTS)/$${d}_bench_all_cpu_cal_$$c.json && \
 	$(PY) benchmarks/report.py $(RESULTS)/$${d}_bench_device_$$c.json $(RESULTS)/$${d}_bench_all_cpu_$$c.json \
 		$(RESULTS)/$${d}_bench_all_cpu_cal_$$c.json

@@ -65,22 +65,30 @@ PATH_LABEL = {"resident": "GPU resident", "host": "host bytes", "file": "file ->
 
 # ---------------------------------------------------------------- methods
 
+CAL_SUFFIXES = ("cal", "cal/head", "cal/head+rope")
+
+
 def split_method(method: str) -> tuple[str, bool]:
     base, _, suffix = method.partition("+")
-    return base, suffix in ("cal", "cal/head")
+    return base, suffix in CAL_SUFFIXES
 
 
 def cal_kind(method: str) -> str:
-    """Which calibration a method uses: "full" (+cal: one C x C rotation per (layer, K/V)) or
-    "head" (+cal/head: one block per KV head)."""
+    """Which calibration a method uses: "full" (+cal: one C x C rotation per (layer, K/V)),
+    "head" (+cal/head: one block per KV head) or "head_rope" (+cal/head+rope: one block per KV
+    head fitted on keys without SmolLM2's RoPE, which the encoder then removes: what `cachegen
+    calibrate` fits by default on captured caches; bench_device.py's row of that name)."""
+    if method.endswith("+cal/head+rope"):
+        return "head_rope"
     return "head" if method.endswith("+cal/head") else "full"
 
 
 def check_method(method: str) -> str:
     base, _, suffix = method.partition("+")
-    if base not in (*QUALITIES, "lmcache") or suffix not in ("", "cal", "cal/head"):
+    if base not in (*QUALITIES, "lmcache") or suffix not in ("", *CAL_SUFFIXES):
         raise argparse.ArgumentTypeError(
-            f"unknown method {method!r}: choose {', '.join(QUALITIES)} or lmcache, optionally with +cal or +cal/head")
+            f"unknown method {method!r}: choose {', '.join(QUALITIES)} or lmcache, optionally with "
+            f"+{', +'.join(CAL_SUFFIXES)}")
     return method
 
 
@@ -238,6 +246,13 @@ def job_fit(spec: dict) -> dict:
     per_head = calibration.fit([cache], blocks=8)  # one block per KV head of the benchmarked shape
     np.save(out / "rotation_head.npy", per_head.rotation)
     (out / "metadata_head.json").write_text(json.dumps(per_head.metadata))
+    from bench_device import SMOL_ROPE
+
+    from cachegen_cli.model.calibrate import fit_samples
+
+    head_rope = fit_samples([cache], 8, [SMOL_ROPE])  # as bench_device's "head+rope"
+    np.save(out / "rotation_head_rope.npy", head_rope.rotation)
+    (out / "metadata_head_rope.json").write_text(json.dumps(head_rope.metadata))
     return {"seconds": time.perf_counter() - t, "sample": CAL_SAMPLE.name, "sample_tokens": int(cache.shape[2]),
             "num_channels": cal.num_channels, "sha256": cal.sha256.hex()}
 
@@ -249,7 +264,7 @@ def load_calibration(cal_dir: str | None, kind: str = "full"):
 
     from cachegen_cli.methods.calibration import Calibration
 
-    tail = "_head" if kind == "head" else ""
+    tail = "" if kind == "full" else f"_{kind}"
     meta = json.loads((Path(cal_dir) / f"metadata{tail}.json").read_text())
     return Calibration(np.ascontiguousarray(np.load(Path(cal_dir) / f"rotation{tail}.npy")), meta)
 
