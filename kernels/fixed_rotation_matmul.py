@@ -472,9 +472,13 @@ class RopeAngles(NamedTuple):
 TURN_LAUNCH = {"rows": 16, "channels": 64, "warps": 4}
 
 
-def _turn_rows(x: torch.Tensor, rope: RopeAngles, t_first: int, out: torch.Tensor, forward: bool,
+def turn_rows(x: torch.Tensor, rope: RopeAngles, t_first: int, out: torch.Tensor, forward: bool,
                e: torch.Tensor | None = None) -> None:
-    """out[:, :, t] = x[:, :, t] with the keys turned by ``rope`` for t >= t_first (_turn_rows_kernel)."""
+    """out[:, :, t] = x[:, :, t] with the keys (x[:, 0]) turned by ``rope`` for t >= t_first, as
+    kernels/rope.turn_keys (back, or ``forward``) on a float32 copy would, in one pass
+    (_turn_rows_kernel): x float32, or a bfloat16 cache's int16 words; out float32, or int16 for
+    bfloat16 words (saturating), [L, 2, T, C], not x; ``e`` (int32 [L x 2, T - t_first]): also
+    the turned rows' exponents (rotate_rows')."""
     L, K, T, C = x.shape
     n = T - t_first
     F = rope.sin.shape[0]
@@ -530,7 +534,7 @@ def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Te
     e = torch.empty((L * K, n), dtype=torch.int32, device=x.device)
     if rope is not None:
         turned = torch.empty((L, K, T, C), dtype=torch.float32, device=x.device)
-        _turn_rows(x, rope, t_first, turned, False, e)
+        turn_rows(x, rope, t_first, turned, False, e)
         x = turned
     bf16 = x.dtype == torch.int16
     if rope is None:
@@ -574,7 +578,7 @@ def unrotate_values(z: torch.Tensor, digits_t: torch.Tensor, sums: torch.Tensor,
     if rope is not None:
         values = torch.empty((L, K, T, C), dtype=torch.float32, device=z.device)
         unrotate_values(z, digits_t, sums, steps, b, t_first, values)
-        _turn_rows(values, rope, t_first, out, True)
+        turn_rows(values, rope, t_first, out, True)
         return
     words = z.dtype == torch.int16
     bf16 = out.dtype == torch.int16

@@ -305,9 +305,20 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
         if rope is not None and not rope_in_pass:
             # The keys without their RoPE (float32) replace the cache's words as the kernels' values;
             # the step still comes from the keys as they are (rms_sums below).
-            x32 = x.to(torch.float32, copy=True)  # torch's conversion (exact), as the CPU's
-            freq_d = _to_device(np.ascontiguousarray(rope.inv_freq, np.float64), dev)
-            k.turn_keys(_nb(x32), _nb(freq_d), rope, 0, sink, False)
+            from ..kernels import fixed_rotation_matmul as fm
+
+            if fm.runs_on(dev) and T > sink:  # one pass from the cache's words (Triton)
+                x32 = _empty((L, 2, T, C), torch.float32, dev)
+                x32[:, :, :sink] = x[:, :, :sink]  # (read by no kernel, but never garbage)
+                src = (words if x.dtype == torch.bfloat16 else x if x.dtype == torch.float32
+                       else x.to(torch.float32))  # torch's conversion (exact), as the CPU's
+                angles = _rope_angles(rope, sink, T, dev)
+                fm.turn_rows(src, angles, sink, x32, False)
+                del src, angles
+            else:
+                x32 = x.to(torch.float32, copy=True)  # torch's conversion (exact), as the CPU's
+                freq_d = _to_device(np.ascontiguousarray(rope.inv_freq, np.float64), dev)
+                k.turn_keys(_nb(x32), _nb(freq_d), rope, 0, sink, False)
             vitem, fmt = 4, _FMT["float32"]
             V = k.lanes(C, 4, k.WIDTH["levels"])
             wv = x32.view(torch.int32).view(_TORCH_WORD[V * 4])
@@ -779,8 +790,19 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
             k.rotate_blocks(_nb(words.view(torch.float32)), _nb(rot_t), S, _nb(data))
             del words
         if rope is not None and not turned:  # the keys turned forward by their RoPE (float32, saturating)
-            freq_d = _to_device(np.ascontiguousarray(rope.inv_freq, np.float64), dev)
-            k.turn_keys(_nb(data), _nb(freq_d), rope, 0, S, True)
+            from ..kernels import fixed_rotation_matmul as fm
+
+            if fm.runs_on(dev) and T > S and data.dtype == torch.float32:
+                # one pass to the words (Triton): bfloat16 ones straight from it
+                direct = dtype == torch.bfloat16
+                out = _empty((L, 2, T, C), torch.int16 if direct else torch.float32, dev)
+                angles = _rope_angles(rope, S, T, dev)
+                fm.turn_rows(data, angles, S, out, True)
+                del angles
+                data = out.view(torch.bfloat16) if direct else out
+            else:
+                freq_d = _to_device(np.ascontiguousarray(rope.inv_freq, np.float64), dev)
+                k.turn_keys(_nb(data), _nb(freq_d), rope, 0, S, True)
         if dtype != data.dtype:
             if rope is not None or fixed:  # saturating: a turned pair can reach past the dtype's largest value
                 lim = float(torch.finfo(dtype).max)
