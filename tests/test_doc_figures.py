@@ -232,18 +232,21 @@ def test_readme_long_context_paragraph_is_the_cited_full_run():
     every = by_ctx[1024] + long
     # the bar: at most 0.4x LMCache's size at a KL at or below LMCache's, per cache
     meets = lambda c, k: vs(c, k) <= 0.4 and c["rows"][k]["kl_mean"] <= c["rows"]["lmcache"]["kl_mean"]  # noqa: E731
-    assert all(meets(c, tuned) for c in every)
-    lo, hi = re.search(r"all six caches \((\S+)–(\S+)×\)", para).groups()
-    assert (lo, hi) == (f"{min(vs(c, tuned) for c in every):.3f}", f"{max(vs(c, tuned) for c in every):.3f}")
-    assert all(meets(c, sens) for c in long) and not all(meets(c, sens) for c in by_ctx[1024])
-    lo, hi = re.search(r"4096-token caches \((\S+)–(\S+)×\)", para).groups()
+    met = [c for c in every if meets(c, tuned)]
+    missed = [c for c in every if not meets(c, tuned)]
+    assert re.search(r"on five of the six caches: the tuned row", para) and (len(met), len(missed)) == (5, 1)
+    lo, hi = re.search(r"meets it on five \((\S+)–(\S+)×\)", para).groups()
+    assert (lo, hi) == (f"{min(vs(c, tuned) for c in met):.3f}", f"{max(vs(c, tuned) for c in met):.3f}")
+    (miss,) = missed
+    kl_ratio = miss["rows"][tuned]["kl_mean"] / miss["rows"]["lmcache"]["kl_mean"]
+    assert kl_ratio <= 1.0 and vs(miss, tuned) > 0.4  # it misses on size alone
+    assert (f"({miss['text']}, {miss['context']} tokens) it is below LMCache's KL ({kl_ratio:.2f}×) at "
+            f"{vs(miss, tuned):.3f}× its size") in para
+    sens_long = [c for c in long if meets(c, sens)]
+    assert len(sens_long) == 1 and "meets it on one of the 4096-token caches" in para
+    lo, hi = re.search(r"caches \((\S+)–(\S+)× there\)", para).groups()
     assert (lo, hi) == (f"{min(vs(c, sens) for c in long):.3f}", f"{max(vs(c, sens) for c in long):.3f}")
     short = by_ctx[1024]
-    s_vs, s_kl, lm_kl = re.search(r"not at 1024 tokens \((\S+)×, at a fifth of LMCache's KL: (\S+) against (\S+)\)",
-                                  para).groups()
-    assert (s_vs, s_kl, lm_kl) == (f"{sum(vs(c, sens) for c in short) / 3:.3f}", f"{mean(sens, 'kl_mean', short):.2e}",
-                                   f"{mean('lmcache', 'kl_mean', short):.2e}")
-    assert 0.15 <= float(s_kl) / float(lm_kl) < 0.25  # "a fifth"
-    # "`--preset lmcache` ... 41% fewer bytes" (1024-token means, the table above)
-    fewer = int(re.search(r"the same reconstruction, (\d+)% fewer bytes", README).group(1))
-    assert fewer == round(100 * (1 - sum(vs(c, "preset:lmcache") for c in short) / 3))
+    assert all(c["rows"][sens]["kl_mean"] <= 0.5 * c["rows"]["lmcache"]["kl_mean"] for c in short)
+    lo, hi = re.search(r"at 1024 tokens \((\S+)–(\S+)×\)", para).groups()
+    assert (lo, hi) == (f"{min(vs(c, sens) for c in short):.3f}", f"{max(vs(c, sens) for c in short):.3f}")
