@@ -255,14 +255,24 @@ if triton is not None:
         return g0.to(tl.int8), ((Q - g0) >> 8).to(tl.int8)
 
     @triton.jit
+    def _program_rows(T, n, t_first, C: tl.constexpr, BM: tl.constexpr):
+        """This program's plane p (axis 1) and rows (axis 0: BM rows from t_first), which are
+        live, and their first words."""
+        p = tl.program_id(1)
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        return p, rows, rows < n, (p.to(tl.int64) * T + t_first + rows) * C
+
+    @triton.jit
+    def _exponent_of(top):
+        """fixed_rotation.row_exponent of the largest float32 magnitude bits ``top``."""
+        return ((top >> 23) & 0xFF) - 126
+
+    @triton.jit
     def _row_exponents_kernel(x_ptr, e_ptr, T, n, t_first, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
                               BF16_WORDS: tl.constexpr):
         """e[p, t - t_first] = fixed_rotation.row_exponent of row t of plane p (max |x| < 2^e, over
         every channel): one program per BM rows of a plane."""
-        p = tl.program_id(1)
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        live = rows < n
-        row_at = (p.to(tl.int64) * T + t_first + rows) * C
+        p, rows, live, row_at = _program_rows(T, n, t_first, C, BM)
         ks = tl.arange(0, BK)
         top = tl.zeros([BM], dtype=tl.int32)
         for c0 in range(0, C, BK):
@@ -270,7 +280,7 @@ if triton is not None:
             bits = _load_values(x_ptr, at, live[:, None] & ((c0 + ks) < C)[None, :], BF16_WORDS).to(tl.int32,
                                                                                                  bitcast=True)
             top = tl.maximum(top, tl.max(bits & 0x7FFFFFFF, axis=1))
-        tl.store(e_ptr + p.to(tl.int64) * n + rows, ((top >> 23) & 0xFF) - 126, mask=live)
+        tl.store(e_ptr + p.to(tl.int64) * n + rows, _exponent_of(top), mask=live)
 
     @triton.jit
     def _turn_rows_kernel(x_ptr, out_ptr, e_ptr, sin_ptr, cos_ptr, NF, T, n, t_first, C: tl.constexpr,
@@ -282,10 +292,7 @@ if triton is not None:
         (saturating); with EXPONENTS also e as _row_exponents_kernel over the turned rows.  One
         program per BM rows of a plane, BK channels a step (small tiles: the float64 turn keeps
         few values a thread)."""
-        p = tl.program_id(1)
-        rows = tl.program_id(0) * BM + tl.arange(0, BM)
-        live = rows < n
-        row_at = (p.to(tl.int64) * T + t_first + rows) * C
+        p, rows, live, row_at = _program_rows(T, n, t_first, C, BM)
         ks = tl.arange(0, BK)
         top = tl.zeros([BM], dtype=tl.int32)
         for c0 in range(0, C, BK):
@@ -296,7 +303,7 @@ if triton is not None:
             if EXPONENTS:
                 top = tl.maximum(top, tl.max(v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
         if EXPONENTS:
-            tl.store(e_ptr + p.to(tl.int64) * n + rows, ((top >> 23) & 0xFF) - 126, mask=live)
+            tl.store(e_ptr + p.to(tl.int64) * n + rows, _exponent_of(top), mask=live)
 
     @triton.jit
     def _kept_tiles(r_ptr, plane_digits, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr):
