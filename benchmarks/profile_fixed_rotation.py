@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--configs", default="", help='"rows,warps,stages,tile,spread;..." (both directions; past RESIDENT_BLOCK: rows,warps,stages,tile,depth)')
     ap.add_argument("--rope", action="store_true",
                     help="also time both directions turning the keys by a RoPE (heads of 128, theta 500000)")
-    ap.add_argument("--rope-configs", default="", help='"rows,channels,warps;..." of the turning pass')
+    ap.add_argument("--rope-configs", default="", help='"rows,pairs,warps;..." of the turning pass')
     a = ap.parse_args()
     L, C, H, T, S = 32, 1024, a.blocks, a.tokens, 1
     D = C // H
@@ -152,7 +152,7 @@ def rope_rows(a, words, dig, dig_t, sums, q_words, steps, b, S, nbytes) -> None:
     if a.rope_configs:
         configs = [tuple(int(v) for v in item.split(",")) for item in a.rope_configs.split(";")]
     for cfg in configs:
-        fm.TURN_LAUNCH = dict(zip(("rows", "channels", "warps"), cfg))
+        fm.TURN_LAUNCH = dict(zip(("rows", "pairs", "warps"), cfg))
         try:
             me = timed_ms(lambda: fm.rotate_rows(words, dig, S, y, rope=ang), a.repeats)
             md = timed_ms(lambda: fm.unrotate_values(q_words, dig_t, sums, steps, b, S, out, rope=ang), a.repeats)

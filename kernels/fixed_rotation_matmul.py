@@ -150,61 +150,47 @@ if triton is not None:
         return v
 
     @triton.jit
-    def _rope_partners(chans, HD: tl.constexpr, RD: tl.constexpr, STYLE: tl.constexpr):
-        """For absolute channels ``chans`` under a RoPE of heads of HD channels whose first RD
-        are turned (kernels/rope.pair_channels): (turned, first of its pair, the partner's
-        channel, the pair's index j in its head)."""
+    def _pair_channels(i, HD: tl.constexpr, RD: tl.constexpr, STYLE: tl.constexpr):
+        """Channels (a, b) of the row's pairs i under a RoPE of heads of HD channels (even) whose
+        first RD are turned (kernels/rope.pair_channels; head i // (HD / 2)), the rest of a
+        head paired as (RD + 2u, RD + 2u + 1) and never turned; whether pair i is turned, and
+        its index j in its head."""
+        PH: tl.constexpr = HD // 2
         RH: tl.constexpr = RD // 2
-        a = chans % HD
-        turned = a < RD
+        head = i // PH
+        jj = i % PH
+        turned = jj < RH
         if STYLE == 0:
-            first = a < RH
-            j = tl.where(first, a, a - RH)
-            partner = tl.where(first, chans + RH, chans - RH)
+            a = jj
+            b = jj + RH
         else:
-            first = (a % 2) == 0
-            j = a // 2
-            partner = tl.where(first, chans + 1, chans - 1)
-        return turned, first, tl.where(turned, partner, chans), tl.where(turned, j, 0)
+            a = 2 * jj
+            b = 2 * jj + 1
+        u = jj - RH
+        a = tl.where(turned, a, RD + 2 * u)
+        b = tl.where(turned, b, RD + 2 * u + 1)
+        return head * HD + a, head * HD + b, turned, tl.where(turned, jj, 0)
 
     @triton.jit
-    def _turned(v, w, first, s, c, FORWARD: tl.constexpr):
-        """Values v (float32) turned with their partners w by the angles whose sines and cosines
-        are s, c (kernels/rope.unturn, or turn when FORWARD: its inputs saturated first), each
-        product and sum rounded in float64 (the launches turn off fused multiply-adds), then
+    def _turn_pair(xa, xb, s, c, FORWARD: tl.constexpr):
+        """A pair of float32 values turned by the angle whose sine and cosine are s, c: back
+        (kernels/rope.unturn: x_a = k_a c + k_b s, x_b = k_b c - k_a s) or, FORWARD, forward
+        (rope.turn: k_a = x_a c - x_b s, k_b = x_b c + x_a s, its inputs saturated first); each
+        product and sum rounded in float64 (the launch turns off fused multiply-adds), then
         saturated to float32."""
         F32_MAX: tl.constexpr = 3.4028234663852886e38
-        v = v.to(tl.float64)
-        w = w.to(tl.float64)
-        if FORWARD:  # k_a = x_a c - x_b s, k_b = x_b c + x_a s
-            v = tl.minimum(tl.maximum(v, -F32_MAX), F32_MAX)
-            w = tl.minimum(tl.maximum(w, -F32_MAX), F32_MAX)
-            ws = w * s
-            x = v * c + tl.where(first, -ws, ws)
-        else:  # x_a = k_a c + k_b s, x_b = k_b c - k_a s
-            ws = w * s
-            x = v * c + tl.where(first, ws, -ws)
-        return tl.minimum(tl.maximum(x, -F32_MAX), F32_MAX).to(tl.float32)
-
-    @triton.jit
-    def _rope_tile(x_ptr, p, rows, live, row_at, chans, C, sin_ptr, cos_ptr, NF, n, HD: tl.constexpr,
-                   RD: tl.constexpr, STYLE: tl.constexpr, FORWARD: tl.constexpr, BF16_WORDS: tl.constexpr):
-        """The float32 values of channels ``chans`` (those < C) of rows ``row_at`` of plane p: a key
-        plane's (even p) turned by its RoPE (rows t_first + rows; angles from the tables of
-        cuda_pipeline.rope_angles, row l of them when NF > 1), a value plane's as they are."""
-        mask = live[:, None] & (chans < C)[None, :]
-        at = row_at[:, None] + chans[None, :]
-        v = _load_values(x_ptr, at, mask, BF16_WORDS)
-        if p % 2 == 0:
-            turned, first, partner, j = _rope_partners(chans, HD, RD, STYLE)
-            tm = mask & turned[None, :]
-            frow = tl.where(NF > 1, p // 2, 0).to(tl.int64)
-            ang = (frow * n + rows)[:, None] * (RD // 2) + j[None, :]
-            s = tl.load(sin_ptr + ang, mask=tm, other=0.0)
-            c = tl.load(cos_ptr + ang, mask=tm, other=1.0)
-            w = _load_values(x_ptr, row_at[:, None] + partner[None, :], tm, BF16_WORDS)
-            v = tl.where(tm, _turned(v, w, first[None, :], s, c, FORWARD), v)
-        return v
+        a = xa.to(tl.float64)
+        b = xb.to(tl.float64)
+        if FORWARD:
+            a = tl.minimum(tl.maximum(a, -F32_MAX), F32_MAX)
+            b = tl.minimum(tl.maximum(b, -F32_MAX), F32_MAX)
+            ra = a * c - b * s
+            rb = b * c + a * s
+        else:
+            ra = a * c + b * s
+            rb = b * c - a * s
+        return (tl.minimum(tl.maximum(ra, -F32_MAX), F32_MAX).to(tl.float32),
+                tl.minimum(tl.maximum(rb, -F32_MAX), F32_MAX).to(tl.float32))
 
     @triton.jit
     def _nearest_integer(t):
@@ -284,24 +270,39 @@ if triton is not None:
 
     @triton.jit
     def _turn_rows_kernel(x_ptr, out_ptr, e_ptr, sin_ptr, cos_ptr, NF, T, n, t_first, C: tl.constexpr,
-                          BM: tl.constexpr, BK: tl.constexpr, BF16_WORDS: tl.constexpr, HD: tl.constexpr,
+                          BM: tl.constexpr, BP: tl.constexpr, BF16_WORDS: tl.constexpr, HD: tl.constexpr,
                           RD: tl.constexpr, STYLE: tl.constexpr, FORWARD: tl.constexpr, BF16_OUT: tl.constexpr,
                           EXPONENTS: tl.constexpr):
         """out = x with the keys turned by their RoPE (rope.turn_keys: back, or FORWARD), for rows
         t_first .. of every plane (the values copied), as float32 or (BF16_OUT) bfloat16 words
         (saturating); with EXPONENTS also e as _row_exponents_kernel over the turned rows.  One
-        program per BM rows of a plane, BK channels a step (small tiles: the float64 turn keeps
-        few values a thread)."""
+        program per BM rows of a plane, BP pairs of channels a step: both channels of a pair
+        and their angle's sine and cosine (the tables of cuda_pipeline.rope_angles, row l of
+        them when NF > 1) loaded once, small tiles (the float64 turn keeps few values a thread)."""
         p, rows, live, row_at = _program_rows(T, n, t_first, C, BM)
-        ks = tl.arange(0, BK)
+        ps = tl.arange(0, BP)
         top = tl.zeros([BM], dtype=tl.int32)
-        for c0 in range(0, C, BK):
-            v = _rope_tile(x_ptr, p, rows, live, row_at, c0 + ks, C, sin_ptr, cos_ptr, NF, n, HD, RD, STYLE, FORWARD,
-                           BF16_WORDS)
-            _store_values(out_ptr, row_at[:, None] + (c0 + ks)[None, :], live[:, None] & ((c0 + ks) < C)[None, :], v,
-                          BF16_OUT)
+        NPAIRS: tl.constexpr = C // 2
+        frow = tl.where(NF > 1, p // 2, 0).to(tl.int64)
+        for i0 in range(0, NPAIRS, BP):
+            ca, cb, turned, j = _pair_channels(i0 + ps, HD, RD, STYLE)
+            mask = live[:, None] & ((i0 + ps) < NPAIRS)[None, :]
+            at_a = row_at[:, None] + ca[None, :]
+            at_b = row_at[:, None] + cb[None, :]
+            va = _load_values(x_ptr, at_a, mask, BF16_WORDS)
+            vb = _load_values(x_ptr, at_b, mask, BF16_WORDS)
+            if p % 2 == 0:
+                tm = mask & turned[None, :]
+                ang = (frow * n + rows)[:, None] * (RD // 2) + j[None, :]
+                ka, kb = _turn_pair(va, vb, tl.load(sin_ptr + ang, mask=tm, other=0.0),
+                                    tl.load(cos_ptr + ang, mask=tm, other=1.0), FORWARD)
+                va = tl.where(tm, ka, va)
+                vb = tl.where(tm, kb, vb)
+            _store_values(out_ptr, at_a, mask, va, BF16_OUT)
+            _store_values(out_ptr, at_b, mask, vb, BF16_OUT)
             if EXPONENTS:
-                top = tl.maximum(top, tl.max(v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
+                top = tl.maximum(top, tl.max(va.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
+                top = tl.maximum(top, tl.max(vb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
         if EXPONENTS:
             tl.store(e_ptr + p.to(tl.int64) * n + rows, _exponent_of(top), mask=live)
 
@@ -473,10 +474,18 @@ class RopeAngles(NamedTuple):
     rotary_dim: int
 
 
-#: The turning pass's launch: rows and channels per step of a program, warps.  Small tiles: the
-#: turn is float64 arithmetic on every value of the tile (a first version turned the keys inside
-#: the product's programs, on their [64, 128] tiles: 22 ms against 2.2 on an H100, 2026-12-05).
-TURN_LAUNCH = {"rows": 16, "channels": 64, "warps": 4}
+#: The turning pass's launch: rows and pairs of channels per step of a program, warps.  Small
+#: tiles: the turn is float64 arithmetic on every value of the tile (a first version turned the
+#: keys inside the product's programs, on their [64, 128] tiles: 22 ms against 2.2 on an H100,
+#: 2026-12-05; a second, channel by channel with each partner and angle loaded for each channel of
+#: a pair, took ~3 ms for the 1.07 GB cache each way there).  Not yet swept on a GPU.
+TURN_LAUNCH = {"rows": 16, "pairs": 32, "warps": 4}
+
+
+def turns(head_dim: int) -> bool:
+    """True when turn_rows takes a RoPE of heads of ``head_dim`` channels (its pairs tile a
+    head: an even size; rope.turn_keys takes the rest)."""
+    return head_dim % 2 == 0
 
 
 def turn_rows(x: torch.Tensor, rope: RopeAngles, t_first: int, out: torch.Tensor, forward: bool,
@@ -492,13 +501,13 @@ def turn_rows(x: torch.Tensor, rope: RopeAngles, t_first: int, out: torch.Tensor
     if (rope.sin.dtype != torch.float64 or rope.sin.shape != rope.cos.shape or F not in (1, L)
             or tuple(rope.sin.shape[1:]) != (n, rope.rotary_dim // 2) or not rope.sin.is_contiguous()
             or not rope.cos.is_contiguous() or C % rope.head_dim or rope.rotary_dim % 2
-            or not 2 <= rope.rotary_dim <= rope.head_dim):
-        raise ValueError(f"rope: sin / cos float64 [1 or {L}, {n}, {rope.rotary_dim // 2}] and heads dividing {C} "
-                         f"channels, not {rope.sin.dtype} {tuple(rope.sin.shape)}, heads of {rope.head_dim}")
+            or not 2 <= rope.rotary_dim <= rope.head_dim or not turns(rope.head_dim)):
+        raise ValueError(f"rope: sin / cos float64 [1 or {L}, {n}, {rope.rotary_dim // 2}] and heads of an even size "
+                         f"dividing {C} channels, not {rope.sin.dtype} {tuple(rope.sin.shape)}, heads of {rope.head_dim}")
     go = TURN_LAUNCH
     _turn_rows_kernel[(triton.cdiv(n, go["rows"]), L * K)](
         x, out, out if e is None else e, rope.sin, rope.cos, F, T, n, t_first, C=C, BM=go["rows"],
-        BK=min(go["channels"], triton.next_power_of_2(C)), BF16_WORDS=x.dtype == torch.int16, HD=rope.head_dim,
+        BP=min(go["pairs"], triton.next_power_of_2(C // 2)), BF16_WORDS=x.dtype == torch.int16, HD=rope.head_dim,
         RD=rope.rotary_dim, STYLE=rope.style, FORWARD=forward, BF16_OUT=out.dtype == torch.int16,
         EXPONENTS=e is not None, num_warps=go["warps"],
         enable_fp_fusion=False)  # the turn's products and sums rounded one by one, as the CPU's

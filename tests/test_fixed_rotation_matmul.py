@@ -284,3 +284,37 @@ def test_decoder_turns_the_keys_as_the_cpu(H, D, style, head_dim, rotary_dim, ro
     else:
         assert np.array_equal(out.numpy()[:, :, S:].view(np.int32), want[:, :, S:].view(np.int32))
     assert (out[:, :, :S] == 5).all()
+
+
+@pytest.mark.parametrize("style, head_dim, rotary_dim, rows, forward, bf16", [
+    (0, 16, 16, 1, False, True), (1, 12, 8, 2, True, False), (0, 20, 6, 2, False, False), (1, 8, 8, 1, True, True)])
+def test_turn_rows_is_turn_keys(style, head_dim, rotary_dim, rows, forward, bf16):
+    """fm.turn_rows (pairs of channels a step, the values planes copied) gives rope.turn_keys' bits
+    on a float32 copy, back or forward, float32 or bfloat16 words in and out, with heads whose
+    size is not a power of two and a RoPE row per layer; rows before t_first untouched."""
+    from cachegen_cli.kernels import rope as rk
+
+    rng = np.random.default_rng(head_dim + rotary_dim)
+    L, T, S = 2, 37, 4
+    C = 3 * head_dim
+    x = _rows(rng, L, T, C, torch.bfloat16 if bf16 else torch.float32)
+    x[0, 0, S + 1, :4] = 3.0e38  # pairs that saturate
+    rope = _rope(rng, style, head_dim, rotary_dim, rows if rows == 1 else L)
+    want = x.to(torch.float32).numpy().copy()
+    rk.turn_keys(want, rope.inv_freq, rope, 0, S, forward)
+    out = torch.full((L, 2, T, C), 9, dtype=torch.int16 if bf16 else torch.float32, device=DEV)
+    xin = (x.view(torch.int16) if bf16 else x).to(DEV)
+    fm.turn_rows(xin, _angles(rope, S, T), S, out, forward)
+    out = out.cpu()
+    if bf16:
+        lim = float(torch.finfo(torch.bfloat16).max)
+        ref = torch.from_numpy(want).clamp(-lim, lim).to(torch.bfloat16).view(torch.int16)
+        assert torch.equal(out[:, :, S:], ref[:, :, S:])
+    else:
+        assert np.array_equal(out.numpy()[:, :, S:].view(np.int32), want[:, :, S:].view(np.int32))
+    assert (out[:, :, :S] == 9).all()
+    assert fm.turns(head_dim) and not fm.turns(7)
+    with pytest.raises(ValueError, match="even size"):
+        odd = fm.RopeAngles(torch.zeros(1, T - S, 2, dtype=torch.float64, device=DEV),
+                            torch.ones(1, T - S, 2, dtype=torch.float64, device=DEV), 0, 5, 4)
+        fm.turn_rows(torch.zeros(L, 2, T, 15, device=DEV), odd, S, torch.zeros(L, 2, T, 15, device=DEV), forward)

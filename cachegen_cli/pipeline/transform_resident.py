@@ -301,13 +301,13 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
         digits = _matmul_digits(rot_h, digest, dev, False) if fixed_rot else None
         # The matrix units' rotation turns the keys back in the pass that finds its rows' exponents
         # (fixed_rotation_matmul.rotate_rows).
-        rope_in_pass = rope is not None and digits is not None
+        from ..kernels import fixed_rotation_matmul as fm
+
+        rope_in_pass = rope is not None and digits is not None and fm.turns(rope.head_dim)
         if rope is not None and not rope_in_pass:
             # The keys without their RoPE (float32) replace the cache's words as the kernels' values;
             # the step still comes from the keys as they are (rms_sums below).
-            from ..kernels import fixed_rotation_matmul as fm
-
-            if fm.runs_on(dev) and T > sink:  # one pass from the cache's words (Triton)
+            if fm.runs_on(dev) and fm.turns(rope.head_dim) and T > sink:  # one pass from the cache's words (Triton)
                 x32 = _empty((L, 2, T, C), torch.float32, dev)
                 x32[:, :, :sink] = x[:, :, :sink]  # (read by no kernel, but never garbage)
                 src = (words if x.dtype == torch.bfloat16 else x if x.dtype == torch.float32
@@ -338,8 +338,6 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
             if digits is not None:
                 # rows, integer product and values in one pass on the matrix units (the keys turned
                 # back by their RoPE in the pass before it)
-                from ..kernels import fixed_rotation_matmul as fm
-
                 angles = _rope_angles(rope, sink, T, dev) if rope_in_pass else None
                 fm.rotate_rows(x32.contiguous(), digits[0], sink, y, rope=angles)
                 del angles
@@ -765,7 +763,7 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
             from ..kernels import fixed_rotation_matmul as fm
 
             # the keys turned forward by their RoPE by the product's call (its pass to the words)
-            rope_in_pass = rope is not None and digits is not None
+            rope_in_pass = rope is not None and digits is not None and fm.turns(rope.head_dim)
             direct = dtype == torch.bfloat16 and (rope is None or rope_in_pass)  # bfloat16 words out, saturating
             data = _empty((L, 2, T, C), torch.int16 if direct else torch.float32, dev)
             if digits is not None:
@@ -792,7 +790,7 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
         if rope is not None and not turned:  # the keys turned forward by their RoPE (float32, saturating)
             from ..kernels import fixed_rotation_matmul as fm
 
-            if fm.runs_on(dev) and T > S and data.dtype == torch.float32:
+            if fm.runs_on(dev) and fm.turns(rope.head_dim) and T > S and data.dtype == torch.float32:
                 # one pass to the words (Triton): bfloat16 ones straight from it
                 direct = dtype == torch.bfloat16
                 out = _empty((L, 2, T, C), torch.int16 if direct else torch.float32, dev)
