@@ -162,16 +162,26 @@ def turn_keys(x, freq, rope, t_first, sink, forward):
     (the sink tokens are stored verbatim, never turned).  ``rope``: format.params.Rope; ``freq``:
     its frequencies, float64 [F, rotary_dim / 2] (F = 1: every layer, or L); token t's position
     is rope.position_start + t.  The signature of cuda_pipeline.turn_keys."""
-    _turn_keys(x, np.ascontiguousarray(freq, np.float64), rope.style, rope.rotary_dim, rope.head_dim,
-               rope.position_start, t_first, sink, forward)
+    freq = np.ascontiguousarray(freq, np.float64)
+    T = x.shape[2]
+    # One row of frequencies (every layer's): each token's angles once, not once per layer.
+    shared = freq.shape[0] == 1 and x.shape[0] > 1
+    sin_t = np.empty((T if shared else 0, rope.rotary_dim // 2), np.float64)
+    cos_t = np.empty_like(sin_t)
+    if shared:
+        _angles(freq[0], rope.position_start + t_first + np.arange(T, dtype=np.int64), sin_t, cos_t)
+    _turn_keys(x, freq, rope.style, rope.rotary_dim, rope.head_dim, rope.position_start, t_first, sink, forward,
+               sin_t, cos_t)
 
 
 @njit(parallel=True, **_FAST)
-def _turn_keys(x, inv_freq, style, rotary_dim, head_dim, pos0, t_first, sink, forward):
-    """turn_keys: one job per (layer, token); each pair's angle once, for every head."""
+def _turn_keys(x, inv_freq, style, rotary_dim, head_dim, pos0, t_first, sink, forward, sin_t, cos_t):
+    """turn_keys: one job per (layer, token); each pair's angle once, for every head (taken from
+    sin_t / cos_t [T, rotary_dim / 2] when they hold every token's, else computed)."""
     L, _, T, C = x.shape
     H = C // head_dim
     F = rotary_dim // 2
+    tabled = sin_t.shape[0] == T
     for job in prange(L * T):
         l = job // T
         i = job % T
@@ -181,7 +191,10 @@ def _turn_keys(x, inv_freq, style, rotary_dim, head_dim, pos0, t_first, sink, fo
         freq = inv_freq[l if inv_freq.shape[0] > 1 else 0]
         row = x[l, 0, i]
         for j in range(F):
-            s, c = sincos(np.float64(pos0 + t) * freq[j])
+            if tabled:
+                s, c = sin_t[i, j], cos_t[i, j]
+            else:
+                s, c = sincos(np.float64(pos0 + t) * freq[j])
             a, b = pair_channels(j, style, rotary_dim)
             for h in range(H):
                 ca = h * head_dim + a
