@@ -143,6 +143,7 @@ def rope_rows(a, words, dig, dig_t, sums, q_words, steps, b, S, nbytes) -> None:
     ang = _rope_angles(r, S, T, words.device)
     y = torch.zeros(words.shape, device="cuda")
     out = torch.zeros(words.shape, dtype=torch.int16, device="cuda")
+    keys = torch.zeros((L, 1, T, C), device="cuda")
     plain = (("encode, no RoPE", lambda: fm.rotate_rows(words, dig, S, y)),
              ("decode, no RoPE", lambda: fm.unrotate_values(q_words, dig_t, sums, steps, b, S, out)))
     for label, fn in plain:
@@ -155,7 +156,10 @@ def rope_rows(a, words, dig, dig_t, sums, q_words, steps, b, S, nbytes) -> None:
         fm.TURN_LAUNCH = dict(zip(("rows", "pairs", "warps"), cfg))
         try:
             me = timed_ms(lambda: fm.rotate_rows(words, dig, S, y, rope=ang), a.repeats)
-            md = timed_ms(lambda: fm.unrotate_values(q_words, dig_t, sums, steps, b, S, out, rope=ang), a.repeats)
+            # the values' words straight from the product, the keys' float32 values apart, then
+            # turned into the words (the pipeline's decoder)
+            md = timed_ms(lambda: (fm.unrotate_values(q_words, dig_t, sums, steps, b, S, out, keys=keys),
+                                   fm.turn_rows(keys, ang, S, out, True)), a.repeats)
         except Exception as e:  # noqa: BLE001 - a config the compiler refuses: say so, go on
             print(f"RoPE, turning pass {cfg}: failed ({type(e).__name__}: {str(e)[:120]})")
             continue

@@ -241,12 +241,20 @@ if triton is not None:
         return g0.to(tl.int8), ((Q - g0) >> 8).to(tl.int8)
 
     @triton.jit
-    def _program_rows(T, n, t_first, C: tl.constexpr, BM: tl.constexpr):
-        """This program's plane p (axis 1) and rows (axis 0: BM rows from t_first), which are
-        live, and their first words."""
-        p = tl.program_id(1)
+    def _program_rows(T, n, t_first, C: tl.constexpr, BM: tl.constexpr, P0, PS):
+        """This program's plane p = P0 + PS x axis 1 and rows (axis 0: BM rows from t_first),
+        which are live, and their first words."""
+        p = P0 + PS * tl.program_id(1)
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         return p, rows, rows < n, (p.to(tl.int64) * T + t_first + rows) * C
+
+    @triton.jit
+    def _row_words(p, rows, t_first, T, C: tl.constexpr, KEYS_APART: tl.constexpr):
+        """First words of rows of plane p in a tensor of both planes of each layer [L, 2, T, C],
+        or (KEYS_APART) of key plane p in a tensor of the keys alone [L, 1, T, C]."""
+        if KEYS_APART:
+            return ((p // 2).to(tl.int64) * T + t_first + rows) * C
+        return (p.to(tl.int64) * T + t_first + rows) * C
 
     @triton.jit
     def _exponent_of(top):
@@ -254,11 +262,11 @@ if triton is not None:
         return ((top >> 23) & 0xFF) - 126
 
     @triton.jit
-    def _row_exponents_kernel(x_ptr, e_ptr, T, n, t_first, C: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr,
-                              BF16_WORDS: tl.constexpr):
+    def _row_exponents_kernel(x_ptr, e_ptr, T, n, t_first, P0, PS, C: tl.constexpr, BM: tl.constexpr,
+                              BK: tl.constexpr, BF16_WORDS: tl.constexpr):
         """e[p, t - t_first] = fixed_rotation.row_exponent of row t of plane p (max |x| < 2^e, over
-        every channel): one program per BM rows of a plane."""
-        p, rows, live, row_at = _program_rows(T, n, t_first, C, BM)
+        every channel): one program per BM rows of a plane, planes P0, P0 + PS, ..."""
+        p, rows, live, row_at = _program_rows(T, n, t_first, C, BM, P0, PS)
         ks = tl.arange(0, BK)
         top = tl.zeros([BM], dtype=tl.int32)
         for c0 in range(0, C, BK):
@@ -272,14 +280,17 @@ if triton is not None:
     def _turn_rows_kernel(x_ptr, out_ptr, e_ptr, sin_ptr, cos_ptr, NF, T, n, t_first, C: tl.constexpr,
                           BM: tl.constexpr, BP: tl.constexpr, BF16_WORDS: tl.constexpr, HD: tl.constexpr,
                           RD: tl.constexpr, STYLE: tl.constexpr, FORWARD: tl.constexpr, BF16_OUT: tl.constexpr,
-                          EXPONENTS: tl.constexpr):
+                          EXPONENTS: tl.constexpr, X_KEYS: tl.constexpr, OUT_KEYS: tl.constexpr):
         """out = x with the keys turned by their RoPE (rope.turn_keys: back, or FORWARD), for rows
         t_first .. of every plane (the values copied), as float32 or (BF16_OUT) bfloat16 words
-        (saturating); with EXPONENTS also e as _row_exponents_kernel over the turned rows.  One
-        program per BM rows of a plane, BP pairs of channels a step: both channels of a pair
+        (saturating); with EXPONENTS also e as _row_exponents_kernel over the turned rows.  When
+        x (X_KEYS) or out (OUT_KEYS) holds the keys alone ([L, 1, T, C]), only the key planes.
+        One program per BM rows of a plane, BP pairs of channels a step: both channels of a pair
         and their angle's sine and cosine (the tables of cuda_pipeline.rope_angles, row l of
         them when NF > 1) loaded once, small tiles (the float64 turn keeps few values a thread)."""
-        p, rows, live, row_at = _program_rows(T, n, t_first, C, BM)
+        p, rows, live, _ = _program_rows(T, n, t_first, C, BM, 0, 2 if X_KEYS or OUT_KEYS else 1)
+        row_at = _row_words(p, rows, t_first, T, C, X_KEYS)
+        out_at = _row_words(p, rows, t_first, T, C, OUT_KEYS)
         ps = tl.arange(0, BP)
         top = tl.zeros([BM], dtype=tl.int32)
         NPAIRS: tl.constexpr = C // 2
@@ -298,8 +309,8 @@ if triton is not None:
                                     tl.load(cos_ptr + ang, mask=tm, other=1.0), FORWARD)
                 va = tl.where(tm, ka, va)
                 vb = tl.where(tm, kb, vb)
-            _store_values(out_ptr, at_a, mask, va, BF16_OUT)
-            _store_values(out_ptr, at_b, mask, vb, BF16_OUT)
+            _store_values(out_ptr, out_at[:, None] + ca[None, :], mask, va, BF16_OUT)
+            _store_values(out_ptr, out_at[:, None] + cb[None, :], mask, vb, BF16_OUT)
             if EXPONENTS:
                 top = tl.maximum(top, tl.max(va.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
                 top = tl.maximum(top, tl.max(vb.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1))
@@ -307,15 +318,16 @@ if triton is not None:
             tl.store(e_ptr + p.to(tl.int64) * n + rows, _exponent_of(top), mask=live)
 
     @triton.jit
-    def _kept_tiles(r_ptr, plane_digits, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BN: tl.constexpr):
-        """This program's plane p, diagonal block h and outputs n0 .. n0 + BN, and the [DP, BN]
-        digit tiles r0, r1 of that block's columns (rows past D, when D is not a power of two,
-        are zeros): loaded once, kept for every row tile."""
+    def _kept_tiles(r_ptr, plane_digits, P0, PS, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                    BN: tl.constexpr):
+        """This program's plane p (of P0, P0 + PS, ...), diagonal block h and outputs n0 .. n0 +
+        BN, and the [DP, BN] digit tiles r0, r1 of that block's columns (rows past D, when D is
+        not a power of two, are zeros): loaded once, kept for every row tile."""
         NT: tl.constexpr = D // BN
         q = tl.program_id(1)
         n0 = (q % NT) * BN
         h = (q // NT) % H
-        p = q // (NT * H)
+        p = P0 + PS * (q // (NT * H))
         ks = tl.arange(0, DP)
         r_at = (((p.to(tl.int64) * H + h) * D + ks)[:, None] * D + (n0 + tl.arange(0, BN))[None, :])
         inside = (ks < D)[:, None]
@@ -329,18 +341,20 @@ if triton is not None:
         return rows, rows < n, (p.to(tl.int64) * T + t_first + rows) * C
 
     @triton.jit
-    def _rotate_rows_kernel(x_ptr, e_ptr, r_ptr, y_ptr, T, n, t_first, plane_digits, tiles,
+    def _rotate_rows_kernel(x_ptr, e_ptr, r_ptr, y_ptr, T, n, t_first, plane_digits, tiles, P0, PS,
                             C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                             BM: tl.constexpr, BN: tl.constexpr, BF16_WORDS: tl.constexpr, XB: tl.constexpr,
-                            RB: tl.constexpr):
-        p, h, n0, r0, r1 = _kept_tiles(r_ptr, plane_digits, H, D, DP, BN)
+                            RB: tl.constexpr, X_KEYS: tl.constexpr):
+        """(X_KEYS: x holds the keys alone, [L, 1, T, C], and the planes are key planes.)"""
+        p, h, n0, r0, r1 = _kept_tiles(r_ptr, plane_digits, P0, PS, H, D, DP, BN)
         ks = tl.arange(0, DP)
         ns = tl.arange(0, BN)
         for tt in range(tl.program_id(0), tiles, tl.num_programs(0)):
             rows, live, row_at = _tile_rows(p, tt, n, t_first, T, C, BM)
             e = tl.load(e_ptr + p.to(tl.int64) * n + rows, mask=live, other=0)
             scale_a, scale_b, back = _row_scales(e, XB, RB)
-            v = _load_values(x_ptr, row_at[:, None] + (h * D + ks)[None, :], live[:, None] & (ks < D)[None, :],
+            x_at = _row_words(p, rows, t_first, T, C, X_KEYS)
+            v = _load_values(x_ptr, x_at[:, None] + (h * D + ks)[None, :], live[:, None] & (ks < D)[None, :],
                              BF16_WORDS)
             a0, a1, a2 = _row_digits(v, scale_a, scale_b)
             # the digits' products summed by their weight 2^0, 2^8, 2^16, 2^24 (exact in int32
@@ -356,10 +370,11 @@ if triton is not None:
 
     @triton.jit
     def _unrotate_values_kernel(z_ptr, r_ptr, sums_ptr, steps_ptr, b_ptr, out_ptr, T, n, t_first, plane_digits,
-                                tiles, C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                                tiles, P0, PS, C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                                 BM: tl.constexpr, BN: tl.constexpr, BF16_OUT: tl.constexpr, F32_MAX: tl.constexpr,
-                                LEVEL_WORDS: tl.constexpr):
-        p, h, n0, r0, r1 = _kept_tiles(r_ptr, plane_digits, H, D, DP, BN)
+                                LEVEL_WORDS: tl.constexpr, OUT_KEYS: tl.constexpr):
+        """(OUT_KEYS: out holds the keys alone, [L, 1, T, C], and the planes are key planes.)"""
+        p, h, n0, r0, r1 = _kept_tiles(r_ptr, plane_digits, P0, PS, H, D, DP, BN)
         ks = tl.arange(0, DP)
         cols = h * D + n0 + tl.arange(0, BN)
         # A x 256 x s 2^-14 / 256: the step times 2^-22 (exact: a power of two)
@@ -382,7 +397,8 @@ if triton is not None:
             # the column sums
             acc = sums[None, :] + p0.to(tl.int64) + (p8.to(tl.int64) << 8) + (p16.to(tl.int64) << 16)
             v = acc.to(tl.float64) * unit + b[None, :]
-            _store_values(out_ptr, row_at[:, None] + cols[None, :], live[:, None],
+            out_at = _row_words(p, rows, t_first, T, C, OUT_KEYS)
+            _store_values(out_ptr, out_at[:, None] + cols[None, :], live[:, None],
                           tl.minimum(tl.maximum(v, -F32_MAX), F32_MAX).to(tl.float32), BF16_OUT)
 
     @triton.jit
@@ -394,15 +410,16 @@ if triton is not None:
         return tl.load(r_ptr + r_at), tl.load(r_ptr + plane_digits + r_at)
 
     @triton.jit
-    def _rotate_rows_streaming_kernel(x_ptr, e_ptr, r_ptr, y_ptr, T, n, t_first, plane_digits,
+    def _rotate_rows_streaming_kernel(x_ptr, e_ptr, r_ptr, y_ptr, T, n, t_first, plane_digits, P0, PS,
                                       C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                                       BN: tl.constexpr, BK: tl.constexpr, BF16_WORDS: tl.constexpr,
-                                      XB: tl.constexpr, RB: tl.constexpr):
+                                      XB: tl.constexpr, RB: tl.constexpr, X_KEYS: tl.constexpr):
         """_rotate_rows_kernel for blocks past RESIDENT_BLOCK: one program per BM rows of a plane
         walks every block, BN outputs at a time, BK channels a step, reading the digit tiles as
         it goes (the int32 sums chained over the whole block, as there)."""
-        p = tl.program_id(1)
+        p = P0 + PS * tl.program_id(1)
         rows, live, row_at = _tile_rows(p, tl.program_id(0), n, t_first, T, C, BM)
+        x_at = _row_words(p, rows, t_first, T, C, X_KEYS)
         e = tl.load(e_ptr + p.to(tl.int64) * n + rows, mask=live, other=0)
         scale_a, scale_b, back = _row_scales(e, XB, RB)
         ks = tl.arange(0, BK)
@@ -414,7 +431,7 @@ if triton is not None:
                 p16 = tl.zeros([BM, BN], dtype=tl.int32)
                 p24 = tl.zeros([BM, BN], dtype=tl.int32)
                 for k0 in range(0, D, BK):
-                    v = _load_values(x_ptr, row_at[:, None] + (h * D + k0 + ks)[None, :], live[:, None], BF16_WORDS)
+                    v = _load_values(x_ptr, x_at[:, None] + (h * D + k0 + ks)[None, :], live[:, None], BF16_WORDS)
                     a0, a1, a2 = _row_digits(v, scale_a, scale_b)
                     r0, r1 = _digit_tiles(r_ptr, plane_digits, p, h, k0, n0, D, BK, BN, H)
                     p0 = tl.dot(a0, r0, p0, out_dtype=tl.int32)
@@ -428,12 +445,14 @@ if triton is not None:
 
     @triton.jit
     def _unrotate_values_streaming_kernel(z_ptr, r_ptr, sums_ptr, steps_ptr, b_ptr, out_ptr, T, n, t_first,
-                                          plane_digits, C: tl.constexpr, H: tl.constexpr, D: tl.constexpr,
-                                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                                          BF16_OUT: tl.constexpr, F32_MAX: tl.constexpr, LEVEL_WORDS: tl.constexpr):
+                                          plane_digits, P0, PS, C: tl.constexpr, H: tl.constexpr,
+                                          D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                                          BF16_OUT: tl.constexpr, F32_MAX: tl.constexpr, LEVEL_WORDS: tl.constexpr,
+                                          OUT_KEYS: tl.constexpr):
         """_unrotate_values_kernel for blocks past RESIDENT_BLOCK, walked as the streaming encoder."""
-        p = tl.program_id(1)
+        p = P0 + PS * tl.program_id(1)
         rows, live, row_at = _tile_rows(p, tl.program_id(0), n, t_first, T, C, BM)
+        out_at = _row_words(p, rows, t_first, T, C, OUT_KEYS)
         unit = tl.load(steps_ptr + p) * 2.384185791015625e-07
         ks = tl.arange(0, BK)
         ns = tl.arange(0, BN)
@@ -457,7 +476,7 @@ if triton is not None:
                 acc = (tl.load(sums_ptr + p * C + cols)[None, :] + p0.to(tl.int64) + (p8.to(tl.int64) << 8)
                        + (p16.to(tl.int64) << 16))
                 v = acc.to(tl.float64) * unit + tl.load(b_ptr + p * C + cols)[None, :]
-                _store_values(out_ptr, row_at[:, None] + cols[None, :], live[:, None],
+                _store_values(out_ptr, out_at[:, None] + cols[None, :], live[:, None],
                               tl.minimum(tl.maximum(v, -F32_MAX), F32_MAX).to(tl.float32), BF16_OUT)
 
 
@@ -489,13 +508,16 @@ def turns(head_dim: int) -> bool:
 
 
 def turn_rows(x: torch.Tensor, rope: RopeAngles, t_first: int, out: torch.Tensor, forward: bool,
-               e: torch.Tensor | None = None) -> None:
+              e: torch.Tensor | None = None) -> None:
     """out[:, :, t] = x[:, :, t] with the keys (x[:, 0]) turned by ``rope`` for t >= t_first, as
     kernels/rope.turn_keys (back, or ``forward``) on a float32 copy would, in one pass
     (_turn_rows_kernel): x float32, or a bfloat16 cache's int16 words; out float32, or int16 for
-    bfloat16 words (saturating), [L, 2, T, C], not x; ``e`` (int32 [L x 2, T - t_first]): also
-    the turned rows' exponents (rotate_rows')."""
-    L, K, T, C = x.shape
+    bfloat16 words (saturating), not x; both [L, 2, T, C], or one of them the keys alone [L, 1,
+    T, C] (then only the keys are turned: the values stay where they are); ``e`` (int32 [L x 2,
+    T - t_first]): also the turned rows' exponents (rotate_rows'; the keys' rows alone when only
+    the keys are turned)."""
+    L, Kx, T, C = x.shape
+    Ko = out.shape[1]
     n = T - t_first
     F = rope.sin.shape[0]
     if (rope.sin.dtype != torch.float64 or rope.sin.shape != rope.cos.shape or F not in (1, L)
@@ -504,12 +526,15 @@ def turn_rows(x: torch.Tensor, rope: RopeAngles, t_first: int, out: torch.Tensor
             or not 2 <= rope.rotary_dim <= rope.head_dim or not turns(rope.head_dim)):
         raise ValueError(f"rope: sin / cos float64 [1 or {L}, {n}, {rope.rotary_dim // 2}] and heads of an even size "
                          f"dividing {C} channels, not {rope.sin.dtype} {tuple(rope.sin.shape)}, heads of {rope.head_dim}")
+    if (Kx, Ko) not in ((2, 2), (2, 1), (1, 2)) or (out.shape[0], out.shape[2], out.shape[3]) != (L, T, C):
+        raise ValueError(f"turn_rows: x {tuple(x.shape)} and out {tuple(out.shape)}: both planes, or one of them "
+                         "the keys alone")
     go = TURN_LAUNCH
-    _turn_rows_kernel[(triton.cdiv(n, go["rows"]), L * K)](
+    _turn_rows_kernel[(triton.cdiv(n, go["rows"]), L * min(Kx, Ko))](
         x, out, out if e is None else e, rope.sin, rope.cos, F, T, n, t_first, C=C, BM=go["rows"],
         BP=min(go["pairs"], triton.next_power_of_2(C // 2)), BF16_WORDS=x.dtype == torch.int16, HD=rope.head_dim,
         RD=rope.rotary_dim, STYLE=rope.style, FORWARD=forward, BF16_OUT=out.dtype == torch.int16,
-        EXPONENTS=e is not None, num_warps=go["warps"],
+        EXPONENTS=e is not None, X_KEYS=Kx == 1, OUT_KEYS=Ko == 1, num_warps=go["warps"],
         enable_fp_fusion=False)  # the turn's products and sums rounded one by one, as the CPU's
 
 
@@ -530,83 +555,93 @@ def _check(t: torch.Tensor, name: str, dtypes: tuple, ndim: int) -> None:
         raise ValueError(f"{name}: a contiguous {ndim}-d tensor of {dtypes}, not {t.dtype} {tuple(t.shape)}")
 
 
+def _planes(L: int, keys_apart: bool) -> list[tuple[int, int, int, bool]]:
+    """The product's launches: (first plane, plane stride, planes, whether they are the keys
+    held apart): every plane of the L layers, or the key planes and then the value planes."""
+    return [(0, 2, L, True), (1, 2, L, False)] if keys_apart else [(0, 1, 2 * L, False)]
+
+
 def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Tensor,
                 rope: RopeAngles | None = None) -> None:
     """y[:, :, t] = the fixed-point rotation of x[:, :, t] for t >= t_first (fixed_rotation.
     rotate_rows' values): x float32 [L, 2, T, C], or a bfloat16 cache's int16 words; digits:
     rotation_digits of the encoder's blocks [L, 2, H, D, D]; y float32 [L, 2, T, C] (rows before
     t_first untouched).  ``rope``: the keys (x[:, 0]) are first turned back by it, as
-    kernels/rope.turn_keys(forward=False) would in place (a pass that also finds the rows'
-    exponents, into a float32 copy of the rows from t_first)."""
+    kernels/rope.turn_keys(forward=False) would in place: a pass over the keys alone that also
+    finds their rows' exponents, into a float32 copy of them that the product reads (the
+    values are read from x, as without a RoPE)."""
     _check(x, "x", (torch.float32, torch.int16), 4)
     _check(y, "y", (torch.float32,), 4)
     L, K, T, C = x.shape
     _, _, _, H, D, _ = digits.shape
-    if H * D != C or tuple(y.shape) != (L, K, T, C) or not supports(D):
+    if K != 2 or H * D != C or tuple(y.shape) != (L, K, T, C) or not supports(D):
         raise ValueError(f"rotate_rows: blocks {H} x {D} for {C} channels")
     n = T - t_first
-    if n <= 0 or L * K == 0:
+    if n <= 0 or L == 0:
         return
     e = torch.empty((L * K, n), dtype=torch.int32, device=x.device)
+    keys = None
     if rope is not None:
-        turned = torch.empty((L, K, T, C), dtype=torch.float32, device=x.device)
-        turn_rows(x, rope, t_first, turned, False, e)
-        x = turned
+        keys = torch.empty((L, 1, T, C), dtype=torch.float32, device=x.device)
+        turn_rows(x, rope, t_first, keys, False, e)
     bf16 = x.dtype == torch.int16
-    if rope is None:
-        _row_exponents_kernel[(triton.cdiv(n, 32), L * K)](x, e, T, n, t_first, C=C, BM=32,
-                                                            BK=min(128, triton.next_power_of_2(C)), BF16_WORDS=bf16,
-                                                            num_warps=4)
-    if D > RESIDENT_BLOCK:
-        go = STREAM_ENCODE_LAUNCH
-        _rotate_rows_streaming_kernel[(triton.cdiv(n, go["rows"]), L * K)](
-            x, e, digits, y, T, n, t_first, digits[0].numel(), C=C, H=H, D=D, BM=go["rows"], BN=_tile(D, go["tile"]),
-            BK=_tile(D, go["depth"]), BF16_WORDS=bf16, XB=X_BITS, RB=R_BITS, num_warps=go["warps"],
-            num_stages=go["stages"])
-        return
-    go = ENCODE_LAUNCH
-    tile, DP, tiles, grid = _launch(n, D, L * K * H, go)
-    _rotate_rows_kernel[grid](x, e, digits, y, T, n, t_first, digits[0].numel(), tiles, C=C, H=H, D=D, DP=DP,
-                              BM=go["rows"], BN=tile, BF16_WORDS=bf16, XB=X_BITS, RB=R_BITS, num_warps=go["warps"],
-                              num_stages=go["stages"])
+    _row_exponents_kernel[(triton.cdiv(n, 32), L * K if keys is None else L)](
+        x, e, T, n, t_first, 0 if keys is None else 1, 1 if keys is None else 2, C=C, BM=32,
+        BK=min(128, triton.next_power_of_2(C)), BF16_WORDS=bf16, num_warps=4)
+    for p0, ps, planes, apart in _planes(L, keys is not None):
+        src = keys if apart else x
+        if D > RESIDENT_BLOCK:
+            go = STREAM_ENCODE_LAUNCH
+            _rotate_rows_streaming_kernel[(triton.cdiv(n, go["rows"]), planes)](
+                src, e, digits, y, T, n, t_first, digits[0].numel(), p0, ps, C=C, H=H, D=D, BM=go["rows"],
+                BN=_tile(D, go["tile"]), BK=_tile(D, go["depth"]), BF16_WORDS=src.dtype == torch.int16, XB=X_BITS,
+                RB=R_BITS, X_KEYS=apart, num_warps=go["warps"], num_stages=go["stages"])
+            continue
+        go = ENCODE_LAUNCH
+        tile, DP, tiles, grid = _launch(n, D, planes * H, go)
+        _rotate_rows_kernel[grid](src, e, digits, y, T, n, t_first, digits[0].numel(), tiles, p0, ps, C=C, H=H, D=D,
+                                  DP=DP, BM=go["rows"], BN=tile, BF16_WORDS=src.dtype == torch.int16, XB=X_BITS,
+                                  RB=R_BITS, X_KEYS=apart, num_warps=go["warps"], num_stages=go["stages"])
 
 
 def unrotate_values(z: torch.Tensor, digits_t: torch.Tensor, sums: torch.Tensor, steps: torch.Tensor,
-                    b: torch.Tensor, t_first: int, out: torch.Tensor, rope: RopeAngles | None = None) -> None:
+                    b: torch.Tensor, t_first: int, out: torch.Tensor, keys: torch.Tensor | None = None) -> None:
     """out[:, :, t] = x' of the levels q' in z[:, :, t] for t >= t_first (fixed_rotation.
     unrotate_values' values): z float32 [L, 2, T, C], the levels q', or int16 words 256 q' - 1
     (cuda_pipeline.dequantize's levels words); digits_t: rotation_digits of the decoder's
     (transposed) blocks; sums: column_sums of those blocks; steps float64 [L, 2]; b float64
     [L, 2, C] (offset_sums); out float32, or int16 for bfloat16 words (saturating), [L, 2, T, C].
-    ``rope``: the keys' values are then turned forward by it, as kernels/rope.turn_keys(forward=
-    True) would after this (through a float32 copy: a pass that also makes out's words)."""
+    ``keys`` (float32 [L, 1, T, C]): the keys' values go there instead (out's key planes are not
+    written), for turn_rows to turn forward by their RoPE into out."""
     _check(z, "z", (torch.float32, torch.int16), 4)
     _check(out, "out", (torch.float32, torch.int16), 4)
     L, K, T, C = z.shape
     _, _, _, H, D, _ = digits_t.shape
-    if H * D != C or tuple(out.shape) != (L, K, T, C) or not supports(D):
+    if K != 2 or H * D != C or tuple(out.shape) != (L, K, T, C) or not supports(D):
         raise ValueError(f"unrotate_values: blocks {H} x {D} for {C} channels")
+    if keys is not None:
+        _check(keys, "keys", (torch.float32,), 4)
+        if tuple(keys.shape) != (L, 1, T, C):
+            raise ValueError(f"unrotate_values: keys {tuple(keys.shape)}, not {(L, 1, T, C)}")
     n = T - t_first
-    if n <= 0 or L * K == 0:
+    if n <= 0 or L == 0:
         return
     steps = steps.to(torch.float64).contiguous()
     b = b.to(torch.float64).contiguous()
-    if rope is not None:
-        values = torch.empty((L, K, T, C), dtype=torch.float32, device=z.device)
-        unrotate_values(z, digits_t, sums, steps, b, t_first, values)
-        turn_rows(values, rope, t_first, out, True)
-        return
     words = z.dtype == torch.int16
-    bf16 = out.dtype == torch.int16
-    if D > RESIDENT_BLOCK:
-        go = STREAM_DECODE_LAUNCH
-        _unrotate_values_streaming_kernel[(triton.cdiv(n, go["rows"]), L * K)](
-            z, digits_t, sums, steps, b, out, T, n, t_first, digits_t[0].numel(), C=C, H=H, D=D, BM=go["rows"],
-            BN=_tile(D, go["tile"]), BK=_tile(D, go["depth"]), BF16_OUT=bf16, F32_MAX=_F32_MAX, LEVEL_WORDS=words,
-            num_warps=go["warps"], num_stages=go["stages"])
-        return
-    go = DECODE_LAUNCH
-    tile, DP, tiles, grid = _launch(n, D, L * K * H, go)
-    _unrotate_values_kernel[grid](z, digits_t, sums, steps, b, out, T, n, t_first, digits_t[0].numel(), tiles, C=C,
-                                  H=H, D=D, DP=DP, BM=go["rows"], BN=tile, BF16_OUT=bf16, F32_MAX=_F32_MAX,
-                                  LEVEL_WORDS=words, num_warps=go["warps"], num_stages=go["stages"])
+    for p0, ps, planes, apart in _planes(L, keys is not None):
+        dst = keys if apart else out
+        bf16 = dst.dtype == torch.int16
+        if D > RESIDENT_BLOCK:
+            go = STREAM_DECODE_LAUNCH
+            _unrotate_values_streaming_kernel[(triton.cdiv(n, go["rows"]), planes)](
+                z, digits_t, sums, steps, b, dst, T, n, t_first, digits_t[0].numel(), p0, ps, C=C, H=H, D=D,
+                BM=go["rows"], BN=_tile(D, go["tile"]), BK=_tile(D, go["depth"]), BF16_OUT=bf16, F32_MAX=_F32_MAX,
+                LEVEL_WORDS=words, OUT_KEYS=apart, num_warps=go["warps"], num_stages=go["stages"])
+            continue
+        go = DECODE_LAUNCH
+        tile, DP, tiles, grid = _launch(n, D, planes * H, go)
+        _unrotate_values_kernel[grid](z, digits_t, sums, steps, b, dst, T, n, t_first, digits_t[0].numel(), tiles,
+                                      p0, ps, C=C, H=H, D=D, DP=DP, BM=go["rows"], BN=tile, BF16_OUT=bf16,
+                                      F32_MAX=_F32_MAX, LEVEL_WORDS=words, OUT_KEYS=apart, num_warps=go["warps"],
+                                      num_stages=go["stages"])

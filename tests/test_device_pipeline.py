@@ -114,17 +114,17 @@ def test_keys_without_rope_same_bytes_and_values_as_the_cpu(dtype, quality, styl
                                                             monkeypatch):
     """Flags bit 2 (kernels/rope.py over dmul_rn on the device), alone and with a per-head
     rotation; positions far from 0, so the angles' reduction is exercised.  With blocks of 32
-    channels or more the matrix-unit kernels' calls turn the keys (fixed_rotation_matmul's
-    turning pass)."""
+    channels or more the keys are turned by fixed_rotation_matmul's turning pass (encoding, in
+    rotate_rows' call; decoding, after the product)."""
     from cachegen_cli.kernels import fixed_rotation_matmul as fm
     from cachegen_cli.methods import calibration as calib
     from cachegen_cli.methods import rope
 
     turned = []
-    for name in ("rotate_rows", "unrotate_values"):
-        real = getattr(fm, name)
-        monkeypatch.setattr(fm, name, lambda *a, _real=real, _name=name, **kw: (
-            turned.append((_name, kw.get("rope") is not None)), _real(*a, **kw))[1])
+    real_rotate, real_turn = fm.rotate_rows, fm.turn_rows
+    monkeypatch.setattr(fm, "rotate_rows", lambda *a, **kw: (
+        turned.append(("rotate_rows", kw.get("rope") is not None)), real_rotate(*a, **kw))[1])
+    monkeypatch.setattr(fm, "turn_rows", lambda *a, **kw: (turned.append(("turn_rows", a[4])), real_turn(*a, **kw))[1])
     C = 2 * head_dim
     cal = None
     if blocks:
@@ -137,7 +137,7 @@ def test_keys_without_rope_same_bytes_and_values_as_the_cpu(dtype, quality, styl
     assert h.flags & container.FLAG_ROPE
     block = C // max(blocks, 1)
     if blocks and fm.supports(block) and fm.runs_on(transform_resident.device()):
-        assert ("rotate_rows", True) in turned and ("unrotate_values", True) in turned
+        assert ("rotate_rows", True) in turned and ("turn_rows", True) in turned  # back encoding, forward decoding
 
 
 @pytest.mark.parametrize("quality, dtype", [

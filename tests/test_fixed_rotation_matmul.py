@@ -274,8 +274,12 @@ def test_decoder_turns_the_keys_as_the_cpu(H, D, style, head_dim, rotary_dim, ro
     rk.turn_keys(want, rope.inv_freq, rope, 0, S, True)
     out = torch.full((L, 2, T, C), 5, dtype=torch.int16 if bf16_out else torch.float32, device=DEV)
     rt = rint_t.to(DEV)
+    # the keys' float32 values apart (the values' words straight into out), then turned into out
+    keys = torch.full((L, 1, T, C), 6.0, device=DEV)
     fm.unrotate_values(torch.from_numpy(z).to(DEV), fm.rotation_digits(rt), fm.column_sums(rt), steps.to(DEV),
-                       torch.from_numpy(b).to(DEV), S, out, rope=_angles(rope, S, T))
+                       torch.from_numpy(b).to(DEV), S, out, keys=keys)
+    assert (out[:, 0, S:] == 5).all()  # the key planes left for the turn
+    fm.turn_rows(keys, _angles(rope, S, T), S, out, True)
     out = out.cpu()
     if bf16_out:
         lim = float(torch.finfo(torch.bfloat16).max)
@@ -288,10 +292,13 @@ def test_decoder_turns_the_keys_as_the_cpu(H, D, style, head_dim, rotary_dim, ro
 
 @pytest.mark.parametrize("style, head_dim, rotary_dim, rows, forward, bf16", [
     (0, 16, 16, 1, False, True), (1, 12, 8, 2, True, False), (0, 20, 6, 2, False, False), (1, 8, 8, 1, True, True)])
-def test_turn_rows_is_turn_keys(style, head_dim, rotary_dim, rows, forward, bf16):
+@pytest.mark.parametrize("planes", ["both", "keys out", "keys in"])
+def test_turn_rows_is_turn_keys(style, head_dim, rotary_dim, rows, forward, bf16, planes):
     """fm.turn_rows (pairs of channels a step, the values planes copied) gives rope.turn_keys' bits
     on a float32 copy, back or forward, float32 or bfloat16 words in and out, with heads whose
-    size is not a power of two and a RoPE row per layer; rows before t_first untouched."""
+    size is not a power of two and a RoPE row per layer; rows before t_first untouched.  With
+    the keys alone on one side ([L, 1, T, C]): the keys turned, the values' plane of out
+    untouched."""
     from cachegen_cli.kernels import rope as rk
 
     rng = np.random.default_rng(head_dim + rotary_dim)
@@ -302,10 +309,18 @@ def test_turn_rows_is_turn_keys(style, head_dim, rotary_dim, rows, forward, bf16
     rope = _rope(rng, style, head_dim, rotary_dim, rows if rows == 1 else L)
     want = x.to(torch.float32).numpy().copy()
     rk.turn_keys(want, rope.inv_freq, rope, 0, S, forward)
-    out = torch.full((L, 2, T, C), 9, dtype=torch.int16 if bf16 else torch.float32, device=DEV)
+    out = torch.full((L, 2 if planes != "keys out" else 1, T, C), 9, dtype=torch.int16 if bf16 else torch.float32,
+                     device=DEV)
     xin = (x.view(torch.int16) if bf16 else x).to(DEV)
+    if planes == "keys in":
+        xin = xin[:, :1].contiguous()
     fm.turn_rows(xin, _angles(rope, S, T), S, out, forward)
     out = out.cpu()
+    if planes != "both":
+        want = want[:, :1]
+    if planes == "keys in":
+        assert (out[:, 1] == 9).all()
+        out = out[:, :1]
     if bf16:
         lim = float(torch.finfo(torch.bfloat16).max)
         ref = torch.from_numpy(want).clamp(-lim, lim).to(torch.bfloat16).view(torch.int16)

@@ -754,7 +754,7 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
         data = words.view(dtype)
     elif rotated or rope is not None:
         data = words.view(torch.float32)
-        turned = False  # the keys' RoPE restored in the product's pass (below)
+        keys_turned = False
         if fixed:
             # x' = sat32(A s 2^-14 + b), A = q' Rint^T exact (kernels/fixed_rotation): on the
             # matrix units in one pass (fixed_rotation_matmul), else cuBLAS's float64 product
@@ -762,15 +762,20 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
             k.offset_sums(_nb(file_offsets), _nb(rot_t), _nb(b_d))
             from ..kernels import fixed_rotation_matmul as fm
 
-            # the keys turned forward by their RoPE by the product's call (its pass to the words)
-            rope_in_pass = rope is not None and digits is not None and fm.turns(rope.head_dim)
-            direct = dtype == torch.bfloat16 and (rope is None or rope_in_pass)  # bfloat16 words out, saturating
+            # keys coded without their RoPE: their float32 values apart, turned forward into the
+            # words by the pass after the product (the values' words straight from the product)
+            keys_apart = (rope is not None and digits is not None and fm.turns(rope.head_dim) and T > S)
+            direct = dtype == torch.bfloat16 and (rope is None or keys_apart)  # bfloat16 words out, saturating
             data = _empty((L, 2, T, C), torch.int16 if direct else torch.float32, dev)
             if digits is not None:
-                angles = _rope_angles(rope, S, T, dev) if rope_in_pass else None
-                fm.unrotate_values(words, digits[0], digits[1], file_steps, b_d, S, data, rope=angles)
-                del words, angles
-                turned = rope_in_pass
+                keys = _empty((L, 1, T, C), torch.float32, dev) if keys_apart else None
+                fm.unrotate_values(words, digits[0], digits[1], file_steps, b_d, S, data, keys=keys)
+                del words
+                if keys_apart:
+                    angles = _rope_angles(rope, S, T, dev)
+                    fm.turn_rows(keys, angles, S, data, True)
+                    del keys, angles
+                    keys_turned = True
             else:
                 from ..kernels.fixed_rotation import block_product
 
@@ -787,7 +792,7 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
             data = _empty((L, 2, T, C), torch.float32, dev)
             k.rotate_blocks(_nb(words.view(torch.float32)), _nb(rot_t), S, _nb(data))
             del words
-        if rope is not None and not turned:  # the keys turned forward by their RoPE (float32, saturating)
+        if rope is not None and not keys_turned:  # the keys turned forward by their RoPE (float32, saturating)
             from ..kernels import fixed_rotation_matmul as fm
 
             if fm.runs_on(dev) and fm.turns(rope.head_dim) and T > S and data.dtype == torch.float32:
