@@ -497,8 +497,12 @@ class RopeAngles(NamedTuple):
 #: tiles: the turn is float64 arithmetic on every value of the tile (a first version turned the
 #: keys inside the product's programs, on their [64, 128] tiles: 22 ms against 2.2 on an H100,
 #: 2026-12-05; a second, channel by channel with each partner and angle loaded for each channel of
-#: a pair, took ~3 ms for the 1.07 GB cache each way there).  Not yet swept on a GPU.
-TURN_LAUNCH = {"rows": 16, "pairs": 32, "warps": 4}
+#: a pair, took ~3 ms for the 1.07 GB cache each way there).  The keys alone, by pairs: the
+#: fastest of a sweep on an H100 (benchmarks/profile_fixed_rotation.py --rope --rope-configs,
+#: 2026-12-05 14:20 UTC, 1f0a02c: 8 rows x 64 pairs took 3.33 / 3.17 ms with the product against
+#: 4.47 / 4.64 at 16 x 32 and 2.22 / 2.03 without a RoPE; docs/results/2026-12-05_profile_rope_
+#: keys_apart_1f0a02c_h100.txt).
+TURN_LAUNCH = {"rows": 8, "pairs": 64, "warps": 4}
 
 
 def turns(head_dim: int) -> bool:
