@@ -498,11 +498,12 @@ class RopeAngles(NamedTuple):
 #: keys inside the product's programs, on their [64, 128] tiles: 22 ms against 2.2 on an H100,
 #: 2026-12-05; a second, channel by channel with each partner and angle loaded for each channel of
 #: a pair, took ~3 ms for the 1.07 GB cache each way there).  The keys alone, by pairs: the
-#: fastest of a sweep on an H100 (benchmarks/profile_fixed_rotation.py --rope --rope-configs,
-#: 2026-12-05 14:20 UTC, 1f0a02c: 8 rows x 64 pairs took 3.33 / 3.17 ms with the product against
-#: 4.47 / 4.64 at 16 x 32 and 2.22 / 2.03 without a RoPE; docs/results/2026-12-05_profile_rope_
-#: keys_apart_1f0a02c_h100.txt).
-TURN_LAUNCH = {"rows": 8, "pairs": 64, "warps": 4}
+#: fastest of a sweep on an H200 (benchmarks/profile_fixed_rotation.py --rope --rope-configs,
+#: 2026-12-05 ~16:27 UTC, ba46c2f): 4 rows x 64 pairs took 2.84 / 2.52 ms with the product against
+#: 3.37 / 3.09 at 8 x 64 and 2.07 / 1.97 without a RoPE (docs/results/2026-12-05_profile_rope_
+#: keys_apart_ba46c2f_h200.txt); on an H100 8 x 64 beat 16 x 32 and 32 x 32 (3.33 / 3.17 ms against
+#: 4.47 / 4.64; ..._1f0a02c_h100.txt).  Smaller tiles: more programs to hide the float64 latency.
+TURN_LAUNCH = {"rows": 4, "pairs": 64, "warps": 4}
 
 
 def turns(head_dim: int) -> bool:
