@@ -146,6 +146,10 @@ def main() -> None:
     p.add_argument("--stream-symbols", type=int, default=None,
                    help="symbols per stream the version-2 writer aims at (container.STREAM_SYMBOLS_V2; the CPU == GPU "
                         "check then compares files written with it on both devices)")
+    p.add_argument("--maxreg", default="",
+                   help="register caps to time, e.g. 'quantize=64;quantize=80' (kernels/cuda_pipeline.REG_CAPS, 0: "
+                        "none; ';' separates settings, each timed after the default one, on the kernels made per call "
+                        "shape: quantize, dequantize; the bytes do not change)")
     p.add_argument("--rot-tiles", default="",
                    help="extra tilings of the rotation kernel to time on the calibrated methods: "
                         "'TM,TN,TK,RM,RN;...' (cuda_pipeline.ROT_*; the bytes do not depend on them)")
@@ -213,6 +217,31 @@ def main() -> None:
                   f"{nbytes / d[0] / 1e9:.1f} GB/s, same bytes {same_w}", flush=True)
             cuda_pipeline.WIDTH.clear()
             cuda_pipeline.WIDTH.update(default)
+        row["maxreg"] = []
+        default_caps = dict(cuda_pipeline.REG_CAPS)
+        for setting in filter(None, args.maxreg.split(";")):
+            cuda_pipeline.REG_CAPS.update({k: int(v) for k, v in (kv_.split("=") for kv_ in setting.split(","))})
+            cuda_pipeline._MADE.clear()  # made again under the new caps (compiled at the first call)
+            cg.encode_to_device(kv, **kw)
+            cg.decode(blob, device="cuda", **dkw)
+            e = timed(lambda: cg.encode_to_device(kv, **kw), args.repeats)
+            d = timed(lambda: cg.decode(blob, device="cuda", **dkw), args.repeats)
+            st_c = Stages()
+            transform_resident.STAGE_HOOK = st_c.hook
+            for _ in range(3):
+                cg.encode_to_device(kv, **kw)
+            transform_resident.STAGE_HOOK = None
+            same_c = cg.encode_to_device(kv, **kw).equal(blob)
+            row["maxreg"].append({"caps": dict(cuda_pipeline.REG_CAPS), "encode_GBps": nbytes / e[0] / 1e9,
+                                  "encode_GBps_range": [nbytes / e[2] / 1e9, nbytes / e[1] / 1e9],
+                                  "decode_GBps": nbytes / d[0] / 1e9, "encode_stages_ms": st_c.table(),
+                                  "same_bytes": same_c})
+            print(f"  caps {cuda_pipeline.REG_CAPS}: encode {nbytes / e[0] / 1e9:.1f} GB/s, decode "
+                  f"{nbytes / d[0] / 1e9:.1f} GB/s, same bytes {same_c}; encode: "
+                  + ", ".join(f"{n} {ms:.2f}" for n, ms in st_c.table()), flush=True)
+            cuda_pipeline.REG_CAPS.clear()
+            cuda_pipeline.REG_CAPS.update(default_caps)
+            cuda_pipeline._MADE.clear()
         row["rotation_tiles"] = []
         default_tiles = (cuda_pipeline.ROT_TM, cuda_pipeline.ROT_TN, cuda_pipeline.ROT_TK, cuda_pipeline.ROT_RM,
                          cuda_pipeline.ROT_RN)

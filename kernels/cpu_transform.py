@@ -584,11 +584,11 @@ def transform_stats_carry(src, rot, sink, t_first, num_tokens, s1, s2, b1, b2, s
     block's (all zero before the first slab).  The same additions in the same order as
     transform_stats, so after the last slab s1 and s2 are bit for bit its sums and sumsq.
     src: float32 values, their bits (``shift`` as for _fill_rows), or rotated float64 rows
-    with an empty rot."""
-    L, _, Tx, C = src.shape
-    for p in prange(L * 2):
-        l = p // 2
-        kv = p % 2
+    with an empty rot; src [L, 1, T, C]: the key planes alone (the values' sums untouched)."""
+    L, P, Tx, C = src.shape
+    for p in prange(L * P):
+        l = p // P
+        kv = p % P
         y = np.empty((ROT_ROWS, C), np.float64)
         r64 = np.empty(C, np.float64)
         a1 = s1[l, kv]

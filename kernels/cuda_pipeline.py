@@ -496,10 +496,16 @@ def _make_stats_partial(V, B):
     @jit_kernel
     def kernel(wf, L, T, CW, fmt, sink, part1, part2):
         i = cuda.grid(1)
+        P = part1.shape[1]  # planes a layer summed: both, or (1) its keys alone
         NB = part1.shape[2]
-        if i >= L * 2 * NB * CW:
+        if i >= L * P * NB * CW:
             return
-        l, kv, b, cw = _word_thread(i, NB, CW)
+        cw = i % CW
+        r = i // CW
+        lk = r // NB
+        b = r % NB
+        l = lk // P
+        kv = lk % P
         p = 2 * l + kv
         s1 = cuda.local.array(V, np.float64)
         s2 = cuda.local.array(V, np.float64)
@@ -532,13 +538,13 @@ def _make_stats_partial(V, B):
 @jit_kernel
 def _stats_reduce_kernel(part1, part2, sums, sumsq):
     i = cuda.grid(1)
-    L, _, NB, C = part1.shape
-    if i >= L * 2 * C:
+    L, P, NB, C = part1.shape
+    if i >= L * P * C:
         return
     c = i % C
     p = i // C
-    l = p // 2
-    kv = p % 2
+    l = p // P
+    kv = p % P
     s1 = 0.0
     s2 = 0.0
     for b in range(NB):
@@ -551,16 +557,19 @@ def _stats_reduce_kernel(part1, part2, sums, sumsq):
 def transform_stats(words, itemsize, fmt, sink, part1, part2, sums, sumsq, stream=0):
     """sums / sumsq [L, 2, C]: cpu_transform.transform_stats of an unrotated cache given as its
     raw words [L, 2, T, C / V], V = words.itemsize // itemsize values each; part1 / part2:
-    float64 scratch [L, 2, ceil(T / STATS_BLOCK), C]."""
-    L, _, NB, C = part1.shape
+    float64 scratch [L, P, ceil(T / STATS_BLOCK), C].  P = 1: the key planes alone (the values'
+    sums are not written)."""
+    L, P, NB, C = part1.shape
     CW = words.shape[3]
     V = C // CW if CW else 1
-    if L * 2 * NB * CW:
+    if P not in (1, 2) or words.shape[1] != 2 or sums.shape[:2] != (L, 2):
+        raise ValueError(f"transform_stats: words {words.shape}, scratch {part1.shape}, sums {sums.shape}")
+    if L * P * NB * CW:
         T = words.shape[2]
-        _made(_make_stats_partial, V, 8 * itemsize)[(*_cfg(L * 2 * NB * CW), stream)](
+        _made(_make_stats_partial, V, 8 * itemsize)[(*_cfg(L * P * NB * CW), stream)](
             as_device(flat(words)), np.int64(L), np.int64(T), np.int64(CW), np.int64(fmt), np.int64(sink),
             as_device(part1), as_device(part2))
-    _stats_reduce_kernel[(*_cfg(L * 2 * C), stream)](as_device(part1), as_device(part2), as_device(sums),
+    _stats_reduce_kernel[(*_cfg(L * P * C), stream)](as_device(part1), as_device(part2), as_device(sums),
                                                       as_device(sumsq))
 
 

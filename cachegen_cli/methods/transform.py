@@ -156,7 +156,8 @@ def step_params(sums: np.ndarray, sumsq: np.ndarray, n: int, rel: np.ndarray, se
     ``rms_sums``: the (sums, sumsq) the RMS comes from when they are not the coded values' (keys
     coded without RoPE: the step is relative to the keys as the model has them, so that a preset
     means the same error with and without RoPE removal; removing it moves key energy into the
-    channel means, which would shrink a step relative to the residuals)."""
+    channel means, which would shrink a step relative to the residuals).  Their value planes
+    are the coded values' sums (the encoders read the keys alone a second time)."""
     L, _, C = sums.shape
     offsets_bits = np.empty((L, 2, C), np.uint16)
     m = np.empty((L, 2, C), np.float64)
@@ -396,11 +397,12 @@ class _SlabEncoder:
         for t0, t1 in self.bounds:
             src, shift, rot = self._values(t0, t1, check)
             k2.transform_stats_carry(src, rot, sink, t0, T, s1, s2, b1, b2, shift)
-            if self.rope is not None:
+            if self.rope is not None:  # the keys as the model has them (step_params' rms_sums)
                 osrc, oshift = self._source_bits(t0, t1)
-                k2.transform_stats_carry(osrc, _NO_ROTATION, sink, t0, T, r1, r2, rb1, rb2, oshift)
+                k2.transform_stats_carry(osrc[:, :1], _NO_ROTATION, sink, t0, T, r1, r2, rb1, rb2, oshift)
         if check is not None:
             check.raise_if_bad()
+        r1[:, 1], r2[:, 1] = s1[:, 1], s2[:, 1]  # the values' RMS: their coded sums'
         offsets_bits, m, steps_bits, self.steps = step_params(s1, s2, T - sink, cfg.steps_table(L),
                                                               plane_sensitivity(cfg, calibration),
                                                               None if self.rope is None else (r1, r2))

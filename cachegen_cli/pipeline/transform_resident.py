@@ -372,11 +372,14 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
         part = _empty((2, L, 2, NB, C), torch.float64, dev)
         sums = _empty((2, L, 2, C), torch.float64, dev)
         k.transform_stats(_nb(wv), vitem, fmt, sink, _nb(part[0]), _nb(part[1]), _nb(sums[0]), _nb(sums[1]))
-        if rope is not None:  # the keys' own sums, for the step (and the finiteness check)
-            rope_sums = _empty((2, L, 2, C), torch.float64, dev)
+        if rope is not None:
+            # The keys' own sums, for their step (and the finiteness check); the values' RMS from
+            # their coded sums (methods/transform.step_params).
+            rope_sums = sums.clone()
             Vs = k.lanes(C, itemsize, k.WIDTH["levels"])
-            k.transform_stats(_nb(words.view(_TORCH_WORD[Vs * itemsize])), itemsize, _FMT[dt], sink, _nb(part[0]),
-                              _nb(part[1]), _nb(rope_sums[0]), _nb(rope_sums[1]))
+            kpart = part.view(2, 2 * L * NB * C)[:, : L * NB * C].view(2, L, 1, NB, C)  # (contiguous)
+            k.transform_stats(_nb(words.view(_TORCH_WORD[Vs * itemsize])), itemsize, _FMT[dt], sink,
+                              _nb(kpart[0]), _nb(kpart[1]), _nb(rope_sums[0]), _nb(rope_sums[1]))
             sums = torch.cat([sums, rope_sums])
         _mark("statistics")
         R, bits = tc.refine_plan(cfg, T, sink)
