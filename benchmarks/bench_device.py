@@ -32,7 +32,7 @@ from bench import build_cache  # noqa: E402
 import cachegen_cli as cg  # noqa: E402
 from cachegen_cli.format import container  # noqa: E402
 from cachegen_cli.pipeline import transform_resident, lmcache_device  # noqa: E402
-from cachegen_cli.kernels import cuda_pipeline  # noqa: E402
+from cachegen_cli.kernels import cuda_pipeline, launch  # noqa: E402
 from cachegen_cli.methods import rope  # noqa: E402
 
 METHODS = {
@@ -219,6 +219,10 @@ def main() -> None:
             cuda_pipeline.WIDTH.update(default)
         row["maxreg"] = []
         default_caps = dict(cuda_pipeline.REG_CAPS)
+        disk_cache = launch.DISK_CACHE
+        # numba's disk cache keys a kernel on its source, not its compile options: kernels made
+        # under other caps are compiled here, not served the default caps' binaries
+        launch.DISK_CACHE = False
         for setting in filter(None, args.maxreg.split(";")):
             cuda_pipeline.REG_CAPS.update({k: int(v) for k, v in (kv_.split("=") for kv_ in setting.split(","))})
             cuda_pipeline._MADE.clear()  # made again under the new caps (compiled at the first call)
@@ -242,6 +246,7 @@ def main() -> None:
             cuda_pipeline.REG_CAPS.clear()
             cuda_pipeline.REG_CAPS.update(default_caps)
             cuda_pipeline._MADE.clear()
+        launch.DISK_CACHE = disk_cache
         row["rotation_tiles"] = []
         default_tiles = (cuda_pipeline.ROT_TM, cuda_pipeline.ROT_TN, cuda_pipeline.ROT_TK, cuda_pipeline.ROT_RM,
                          cuda_pipeline.ROT_RN)
