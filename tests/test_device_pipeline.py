@@ -704,3 +704,33 @@ def test_a_version_2_file_without_chunks_decodes_to_a_file_on_the_device(tmp_pat
     for dev in ("cuda", "cpu"):
         api.decode_file(tmp_path / "z.cgen", tmp_path / f"{dev}.safetensors", device=dev)
     assert (tmp_path / "cuda.safetensors").read_bytes() == (tmp_path / "cpu.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("head_dim, kv_index, value", [
+    (8, 1, float("inf")),  # blocks the numba fixed-point rows take
+    (32, 1, float("nan")),  # blocks the matrix-unit kernels take (Triton's interpreter here)
+    (32, 0, float("-inf")),
+])
+def test_unchecked_calibrated_cache_gets_the_finiteness_error(head_dim, kv_index, value, monkeypatch):
+    """With a per-head rotation the sums come from the rotated rows: a NaN or an Inf in a row
+    must still reach them (the pipeline's only finiteness check for encode_to_device), so the
+    encoder raises check_finite's error naming the layer, never writes a file."""
+    from cachegen_cli.errors import NonFiniteError
+    from cachegen_cli.kernels import fixed_rotation_matmul as fm
+    from cachegen_cli.methods import calibration as calib
+
+    products = []
+    real_rotate = fm.rotate_rows
+    monkeypatch.setattr(fm, "rotate_rows", lambda *a, **kw: (products.append(1), real_rotate(*a, **kw))[1])
+
+    C = 2 * head_dim
+    sample = realistic_kv(layers=2, tokens=30, heads=2, head_dim=head_dim, dtype=torch.float32, seed=11)
+    cal = calib.fit([sample.reshape(2, 2, 30, C)], blocks=2)
+    kv = realistic_kv(layers=2, tokens=12, heads=2, head_dim=head_dim, dtype=torch.bfloat16, seed=8)
+    cfg = resolve_quantization(2, quality="balanced")
+    bad = kv.clone()
+    bad[1, kv_index, 9, 1, 3] = value
+    with pytest.raises(NonFiniteError, match="layer 1"):
+        transform_resident.encode(kvio.from_tensors(bad, "auto", None, check=False), cfg, 8, cal, checked=False)
+    if fm.runs_on(transform_resident.device()):
+        assert bool(products) == fm.supports(head_dim)  # the path the case is meant for
