@@ -198,13 +198,19 @@ def _signed_word(w, nbytes):
 
 
 @cuda.jit(device=True)
-def _word_thread(i, K, CW):
-    """(layer, K/V, block or chunk, word) of thread i of a launch over (layer, K/V, K blocks or
-    chunks, CW words of channels), word fastest: adjacent threads read adjacent words."""
+def _word_thread_of(i, P, K, CW):
+    """(layer, plane, block or chunk, word) of thread i of a launch over (layer, P planes of it,
+    K blocks or chunks, CW words of channels), word fastest: adjacent threads read adjacent words."""
     cw = i % CW
     r = i // CW
     p = r // K
-    return p // 2, p % 2, r % K, cw
+    return p // P, p % P, r % K, cw
+
+
+@cuda.jit(device=True)
+def _word_thread(i, K, CW):
+    """_word_thread_of over both planes of each layer: (layer, K/V, block or chunk, word)."""
+    return _word_thread_of(i, 2, K, CW)
 
 
 # ---------------------------------------------------------------- finite values
@@ -500,12 +506,7 @@ def _make_stats_partial(V, B):
         NB = part1.shape[2]
         if i >= L * P * NB * CW:
             return
-        cw = i % CW
-        r = i // CW
-        lk = r // NB
-        b = r % NB
-        l = lk // P
-        kv = lk % P
+        l, kv, b, cw = _word_thread_of(i, P, NB, CW)
         p = 2 * l + kv
         s1 = cuda.local.array(V, np.float64)
         s2 = cuda.local.array(V, np.float64)

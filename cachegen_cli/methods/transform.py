@@ -402,7 +402,8 @@ class _SlabEncoder:
                 k2.transform_stats_carry(osrc[:, :1], _NO_ROTATION, sink, t0, T, r1, r2, rb1, rb2, oshift)
         if check is not None:
             check.raise_if_bad()
-        r1[:, 1], r2[:, 1] = s1[:, 1], s2[:, 1]  # the values' RMS: their coded sums'
+        if self.rope is not None:
+            r1[:, 1], r2[:, 1] = s1[:, 1], s2[:, 1]  # the values' RMS: their coded sums'
         offsets_bits, m, steps_bits, self.steps = step_params(s1, s2, T - sink, cfg.steps_table(L),
                                                               plane_sensitivity(cfg, calibration),
                                                               None if self.rope is None else (r1, r2))

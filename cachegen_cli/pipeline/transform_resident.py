@@ -377,7 +377,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
             # their coded sums (methods/transform.step_params).
             rope_sums = sums.clone()
             Vs = k.lanes(C, itemsize, k.WIDTH["levels"])
-            kpart = part.view(2, 2 * L * NB * C)[:, : L * NB * C].view(2, L, 1, NB, C)  # (contiguous)
+            kpart = part.view(-1)[: 2 * L * NB * C].view(2, L, 1, NB, C)  # contiguous scratch for the keys
             k.transform_stats(_nb(words.view(_TORCH_WORD[Vs * itemsize])), itemsize, _FMT[dt], sink,
                               _nb(kpart[0]), _nb(kpart[1]), _nb(rope_sums[0]), _nb(rope_sums[1]))
             sums = torch.cat([sums, rope_sums])
