@@ -1688,8 +1688,13 @@ def write_tables(out, at, excl, shared, modes, lo, alphabet, codes, stream=0):
 
 
 @jit_kernel
-def _lengths_payload_kernel(out, payload_at, lengths_at, lengths, excl, per, slots):
-    # A warp per stream: lane 0 writes the u16 length, all lanes copy the stream's bytes.
+def _lengths_payload_kernel(out, out32, payload_at, lengths_at, lengths, excl, per, slots, slots32):
+    # A warp per stream: lane 0 writes the u16 length; the lanes copy the stream's bytes, the
+    # whole 4-byte words of the file inside them as words (each made of two slot words
+    # shifted: a stream starts at any byte), the at most 3 + 3 bytes at its ends one by one
+    # (the words there are shared with the streams beside it).  A store a byte took 0.43 ms
+    # for the 0.25 GB payload of a high encode on an H100, words 0.37 (2026-12-06,
+    # benchmarks/timeline_device.py; docs/benchmarks.md).
     s = cuda.grid(1) // LANES
     lane = cuda.threadIdx.x % LANES
     if s >= lengths.shape[0]:
@@ -1701,20 +1706,44 @@ def _lengths_payload_kernel(out, payload_at, lengths_at, lengths, excl, per, slo
         out[a] = n & 0xFF
         out[a + 1] = (n >> 8) & 0xFF
     o = payload_at[k] + excl[s] - excl[k * per]
+    e = o + n
     src = slots[s]
-    for i in range(lane, n, LANES):
-        out[o + i] = src[i]
+    src32 = slots32[s]
+    a0 = min((o + 3) & ~3, e)  # the first whole word of the file inside the stream
+    a1 = max(e & ~3, a0)  # the end of the whole words
+    for t in range(o + lane, a0, LANES):
+        out[t] = src[t - o]
+    for t in range(a1 + lane, e, LANES):
+        out[t] = src[t - o]
+    sh = 8 * ((a0 - o) & 3)  # every whole word's first byte sits at this bit offset of a slot word
+    for w in range(a0 + 4 * lane, a1, 4 * LANES):
+        j = (w - o) >> 2
+        v = np.int64(src32[j]) & MASK32
+        if sh:  # the next slot word holds the rest (inside the slot's row: w + 3 < e)
+            v = (v >> sh) | ((np.int64(src32[j + 1]) & MASK32) << (32 - sh))
+        v &= MASK32
+        out32[w >> 2] = np.int32(v - ((v >> 31) << 32))  # the word's bits as an int32
 
 
-def write_streams(out, payload_at, lengths_at, lengths, excl, per, slots, stream=0):
+def write_streams(out, out32, payload_at, lengths_at, lengths, excl, per, slots, slots32, stream=0):
     """Each chunk's stream lengths (u16 LE at lengths_at[k]) and streams (back to back from
-    payload_at[k]; excl: exclusive prefix sums of all lengths; per: streams per chunk)."""
+    payload_at[k]; excl: exclusive prefix sums of all lengths; per: streams per chunk).
+    out32: out's first len(out) // 4 bytes as int32 words; slots32: slots' rows as
+    4-byte words (rows of whole words)."""
     n = lengths.shape[0]
     if n == 0:
         return
-    _lengths_payload_kernel[(*_cfg(LANES * n, 256), stream)](as_device(out), as_device(payload_at),
+    if slots32.shape != (slots.shape[0], slots.shape[1] // 4) or out32.shape[0] != out.shape[0] // 4:
+        raise ValueError(f"write_streams: word views {out32.shape}, {slots32.shape} of {out.shape}, {slots.shape}")
+    if SIM:  # host arrays are copied in and back by the simulator, each view on its own, and the
+        # later copy would undo the other's writes: one buffer, seen through both views in place
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+        out, out32 = (FakeCUDAArray(a) if isinstance(a, np.ndarray) else a for a in (out, out32))
+    _lengths_payload_kernel[(*_cfg(LANES * n, 256), stream)](as_device(out), as_device(out32), as_device(payload_at),
                                                              as_device(lengths_at), as_device(lengths),
-                                                             as_device(excl), np.int64(per), as_device(slots))
+                                                             as_device(excl), np.int64(per), as_device(slots),
+                                                             as_device(slots32))
 
 
 @cuda.jit(device=True)

@@ -734,3 +734,39 @@ def test_unchecked_calibrated_cache_gets_the_finiteness_error(head_dim, kv_index
         transform_resident.encode(kvio.from_tensors(bad, "auto", None, check=False), cfg, 8, cal, checked=False)
     if fm.runs_on(transform_resident.device()):
         assert bool(products) == fm.supports(head_dim)  # the path the case is meant for
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_write_streams_copies_words_and_edge_bytes(seed):
+    """write_streams copies each stream's whole 4-byte words of the file as words made of two
+    shifted slot words, and the bytes at its ends one by one: streams of 0 to 40 bytes at every
+    alignment, back to back, with their u16 lengths, against numpy; the bytes around them are
+    left as they were."""
+    rng = np.random.default_rng(seed)
+    per, K = 5, 3
+    n = per * K
+    row = 48  # slot rows of whole words, up to 40 bytes used
+    lengths = rng.integers(0, 41, n).astype(np.int32)
+    lengths[:4] = [0, 1, 3, 40]
+    slots = rng.integers(0, 256, (n, row)).astype(np.uint8)
+    excl = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+    lengths_at = np.zeros(K, np.int64)
+    payload_at = np.zeros(K, np.int64)
+    at = int(rng.integers(0, 4))
+    for k in range(K):  # a chunk's lengths, its streams, then a gap of a few bytes
+        lengths_at[k] = at
+        payload_at[k] = at + 2 * per
+        at = payload_at[k] + int(lengths[k * per : (k + 1) * per].sum()) + int(rng.integers(1, 6))
+    size = -(-(at + 5) // 4) * 4
+    fill = rng.integers(0, 256, size).astype(np.uint8)
+    want = fill.copy()
+    for s in range(n):
+        k = s // per
+        want[lengths_at[k] + 2 * (s % per) : lengths_at[k] + 2 * (s % per) + 2] = [lengths[s] & 0xFF, lengths[s] >> 8]
+        o = payload_at[k] + excl[s] - excl[k * per]
+        want[o : o + lengths[s]] = slots[s, : lengths[s]]
+    out = cuda.to_device(fill)  # one buffer, two views (a host array would be copied for each)
+    slots_d = cuda.to_device(slots)
+    cuda_pipeline.write_streams(out, out.view(np.int32), payload_at, lengths_at, lengths, excl, per, slots_d,
+                                slots_d.view(np.int32))
+    assert out.copy_to_host().tobytes() == want.tobytes()

@@ -507,7 +507,8 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
     out = _empty((total_max,), torch.uint8, dev)
     out_nb = _nb(out)
     k.write_tables(out_nb, tables_at, _nb(texcl), _nb(shared), _nb(modes), _nb(lo), _nb(alphabet), _nb(codes))
-    k.write_streams(out_nb, _nb(payload_at_d), _nb(lengths_at_d), _nb(lengths), _nb(excl), per, _nb(slots))
+    k.write_streams(out_nb, _nb(out[: total_max // 4 * 4].view(torch.int32)), _nb(payload_at_d), _nb(lengths_at_d),
+                    _nb(lengths), _nb(excl), per, _nb(slots), _nb(slots.view(torch.int32)))
     del slots  # (stream-ordered: its block may serve a later allocation once the copy has run)
     k.write_raw(out_nb, _nb(raw_at_d), _nb(raw_first_d), ct, T - R, bits, _nb(ref), _nb(wv), itemsize, nraw,
                 int(raw_first[-1]))
