@@ -770,3 +770,35 @@ def test_write_streams_copies_words_and_edge_bytes(seed):
     cuda_pipeline.write_streams(out, out.view(np.int32), payload_at, lengths_at, lengths, excl, per, slots_d,
                                 slots_d.view(np.int32))
     assert out.copy_to_host().tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("V", [1, 2, 4])
+def test_histogram_counts_runs_as_numpy(V):
+    """histogram's counts, with a channel's runs of one symbol added when they end (at a change
+    or a chunk's end), equal numpy's count of every token's symbol (level - lo, or the token
+    delta's level - previous - lo, mod 256): levels with long runs, short ones and none, chunks
+    of 5 tokens and a short last one, channels direct and delta."""
+    rng = np.random.default_rng(V)
+    L, T, C, ct = 1, 23, 32, 5
+    levels = rng.integers(-3, 4, (L, 2, T, C)).astype(np.int8)
+    levels[:, :, :, :8] = levels[:, :, :1, :8]  # constant channels: one run a chunk
+    levels[:, :, 10:, 8:12] = 7  # runs that start mid-chunk and cross chunk ends
+    levels[:, :, :, 12:16] = rng.integers(-128, 128, (L, 2, T, 4)).astype(np.int8)  # rarely a run
+    lo = rng.integers(-4, 1, (L, 2, C)).astype(np.int64)
+    delta = rng.integers(0, 2, (L, 2, C)).astype(bool)
+    lob = (lo & 0xFF).astype(np.uint8)
+    dmb = np.where(delta, 0xFF, 0).astype(np.uint8)
+    u = levels.astype(np.int64) & 0xFF
+    prev = np.zeros_like(u)
+    prev[:, :, 1:] = u[:, :, :-1]
+    prev[:, :, ::ct] = 0  # each chunk's first token codes its level
+    sym = (u - np.where(delta[:, :, None, :], prev, 0) - lo[:, :, None, :]) & 0xFF
+    want = np.zeros((L, 2, C, 256), np.int32)
+    for l in range(L):
+        for kv in range(2):
+            for c in range(C):
+                want[l, kv, c] = np.bincount(sym[l, kv, :, c], minlength=256)
+    q = levels.view(np.uint8).view({1: np.uint8, 2: np.uint16, 4: np.uint32}[V]).reshape(L, 2, T, C // V)
+    counts = np.zeros((L, 2, C, 256), np.int32)
+    cuda_pipeline.histogram(q, lob, dmb, ct, counts)
+    assert (counts == want).all()
