@@ -77,7 +77,12 @@ import os as _os
 #: 103-117 GB/s encode against 96-106 with no cap (82 registers), and the decoder without its
 #: cap 108-115 decode against 101-106 with 64.
 #: CACHEGEN_MAXREG="decode=64,encode=0,..." overrides them (0: no cap), for such measurements.
-REG_CAPS = {"encode": 64, "dequantize": 64, "quantize": 96}
+#: "quantize32": the levels kernel over 4-byte words (rotated rows, keys without their RoPE, a
+#: float32 cache), whose stage took 1.45 ms at 64 against 1.71 at 96 for high+cal/head+rope on an
+#: H100, where the bfloat16 words' kernel took 3.32 ms at 64 against 1.62 (2026-12-06 ~21:03 UTC,
+#: `bench_device.py --tokens 8192 --repeats 5 --check-tokens 64 --methods high,high+cal/head+rope
+#: --maxreg quantize=64`, docs/benchmarks.md).
+REG_CAPS = {"encode": 64, "dequantize": 64, "quantize": 96, "quantize32": 64}
 REG_CAPS.update({k: int(v) for k, v in (item.split("=") for item in
                                         filter(None, _os.environ.get("CACHEGEN_MAXREG", "").split(",")))})
 
@@ -762,7 +767,7 @@ def _make_quantize(V, B, lossless, fmt):
     vmask = _value_mask(B)
     try32 = not lossless and fmt != FMT_FLOAT64  # a float64 row's value is not a float32
 
-    @_jit("quantize")
+    @_jit("quantize32" if B == 32 else "quantize")
     def kernel(wf, L, T, CW, sink, offsets, steps, threshold, thr32, t_ref, bits, chunk_tokens, shift, qf, ref,
                stats, emask, bad):
         i = cuda.grid(1)
