@@ -773,11 +773,11 @@ def test_write_streams_copies_words_and_edge_bytes(seed):
 
 
 @pytest.mark.parametrize("V", [1, 2, 4])
-def test_histogram_counts_runs_as_numpy(V):
-    """histogram's counts, with a channel's runs of one symbol added when they end (at a change
-    or a chunk's end), equal numpy's count of every token's symbol (level - lo, or the token
-    delta's level - previous - lo, mod 256): levels with long runs, short ones and none, chunks
-    of 5 tokens and a short last one, channels direct and delta."""
+def test_histogram_counts_as_numpy(V):
+    """histogram's counts equal numpy's count of every token's symbol (level - lo, or the token
+    delta's level - previous - lo, mod 256; a chunk's first token against 0): levels with long
+    runs (which a kernel adding runs would get wrong at a chunk's end), short ones and none,
+    chunks of 5 tokens and a short last one, channels direct and delta."""
     rng = np.random.default_rng(V)
     L, T, C, ct = 1, 23, 32, 5
     levels = rng.integers(-3, 4, (L, 2, T, C)).astype(np.int8)
