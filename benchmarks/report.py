@@ -144,7 +144,7 @@ def render_gpu(runs: list[dict]) -> list[str]:
                  f"{run['versions']} | {run['ceiling']:.2f} TB/s | `{run['command']}` |")
     L.append("")
     summary = gpu_summary(runs)
-    L.append("Over the runs above (lowest-highest median; the README quotes these):")
+    L.append("Over the runs above (lowest-highest median):")
     L.append("")
     L.append("| method | ratio | runs | encode GB/s | decode GB/s |")
     L.append("|---|---:|---:|---:|---:|")
