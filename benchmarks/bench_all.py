@@ -643,7 +643,7 @@ def main(argv: list[str] | None = None) -> int:
             "numba": package_version("numba"), "numba_cuda": package_version("numba-cuda"),
             "numpy": package_version("numpy"), "git_commit": git_commit(), "command": shlex.join(sys.argv),
             "argv": list(sys.argv[1:] if argv is None else argv), "gpu": None,
-            # torch's huge pages for large CPU tensors (the children inherit it; the CLI sets it)
+            # whether torch backs large CPU tensors with huge pages (read at its start; the children inherit it)
             "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE")}
     results = {"info": info, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                "devices": devices, "gpu_na": gpu_na, "measurements": []}

@@ -79,9 +79,8 @@ import os as _os
 #: CACHEGEN_MAXREG="decode=64,encode=0,..." overrides them (0: no cap), for such measurements.
 #: "quantize32": the levels kernel over 4-byte words (rotated rows, keys without their RoPE, a
 #: float32 cache), whose stage took 1.45 ms at 64 against 1.71 at 96 for high+cal/head+rope on an
-#: H100, where the bfloat16 words' kernel took 3.32 ms at 64 against 1.62 (2026-12-06 ~21:03 UTC,
-#: `bench_device.py --tokens 8192 --repeats 5 --check-tokens 64 --methods high,high+cal/head+rope
-#: --maxreg quantize=64`, docs/benchmarks.md).
+#: H100, where the bfloat16 words' kernel took 3.32 ms at 64 against 1.62 (2026-12-06, `bench_device.py
+#: --maxreg`; docs/results/2026-12-06_maxreg_quantize32_a753f3e_h100.json, docs/benchmarks.md).
 REG_CAPS = {"encode": 64, "dequantize": 64, "quantize": 96, "quantize32": 64}
 REG_CAPS.update({k: int(v) for k, v in (item.split("=") for item in
                                         filter(None, _os.environ.get("CACHEGEN_MAXREG", "").split(",")))})
@@ -1697,9 +1696,9 @@ def _lengths_payload_kernel(out, out32, payload_at, lengths_at, lengths, excl, p
     # A warp per stream: lane 0 writes the u16 length; the lanes copy the stream's bytes, the
     # whole 4-byte words of the file inside them as words (each made of two slot words
     # shifted: a stream starts at any byte), the at most 3 + 3 bytes at its ends one by one
-    # (the words there are shared with the streams beside it).  A store a byte took 0.43 ms
-    # for the 0.25 GB payload of a high encode on an H100, words 0.37 (2026-12-06,
-    # benchmarks/timeline_device.py; docs/benchmarks.md).
+    # (the words there are shared with the streams beside it).  The encoder's "layout (device)"
+    # stage, whose largest kernel this is, went from 0.66 to 0.59-0.60 ms for a high encode on an
+    # H100 (bench_device.py's encode_stages_ms, docs/benchmarks.md, 2026-12-06 evening).
     s = cuda.grid(1) // LANES
     lane = cuda.threadIdx.x % LANES
     if s >= lengths.shape[0]:
