@@ -22,6 +22,9 @@ Who does what:
                     threads own neighbouring channel groups, so symbol reads coalesce; each
                     thread copies its CDF rows to shared memory first
   pack_streams      one thread per stream, copying its bytes
+  crc32_chunks      one thread per 2 KiB segment of a chunk record; a warp loads its 32
+                    segments' words together (256 contiguous bytes a load) into shared memory,
+                    then each lane walks its own by slicing-by-8
 """
 
 from __future__ import annotations
@@ -1344,6 +1347,18 @@ def _fill_crc_slices(slices):
 
 
 @cuda.jit(device=True)
+def _crc_word(c, w, slices):
+    """The CRC register c after the 8 bytes of int64 word w (little-endian): slicing-by-8's
+    eight independent lookups."""
+    lo = (c ^ w) & 0xFFFFFFFF
+    hi = (w >> 32) & 0xFFFFFFFF
+    return (np.int64(slices[7, lo & 0xFF]) ^ np.int64(slices[6, (lo >> 8) & 0xFF])
+            ^ np.int64(slices[5, (lo >> 16) & 0xFF]) ^ np.int64(slices[4, lo >> 24])
+            ^ np.int64(slices[3, hi & 0xFF]) ^ np.int64(slices[2, (hi >> 8) & 0xFF])
+            ^ np.int64(slices[1, (hi >> 16) & 0xFF]) ^ np.int64(slices[0, hi >> 24]))
+
+
+@cuda.jit(device=True)
 def _crc_span(data, words, aligned, start, n, slices):
     """zlib.crc32(data[start:start + n]); where ``aligned``, the 8-byte-aligned middle is read
     as int64 words (words = data viewed as int64) and each word takes the 8 independent lookups
@@ -1357,13 +1372,7 @@ def _crc_span(data, words, aligned, start, n, slices):
             c = np.int64(slices[0, (c ^ np.int64(data[p])) & 0xFF]) ^ (c >> 8)
             p += 1
         while p + 8 <= end:
-            w = words[p >> 3]
-            lo = (c ^ w) & 0xFFFFFFFF
-            hi = (w >> 32) & 0xFFFFFFFF
-            c = (np.int64(slices[7, lo & 0xFF]) ^ np.int64(slices[6, (lo >> 8) & 0xFF])
-                 ^ np.int64(slices[5, (lo >> 16) & 0xFF]) ^ np.int64(slices[4, lo >> 24])
-                 ^ np.int64(slices[3, hi & 0xFF]) ^ np.int64(slices[2, (hi >> 8) & 0xFF])
-                 ^ np.int64(slices[1, (hi >> 16) & 0xFF]) ^ np.int64(slices[0, hi >> 24]))
+            c = _crc_word(c, words[p >> 3], slices)
             p += 8
     while p < end:
         c = np.int64(slices[0, (c ^ np.int64(data[p])) & 0xFF]) ^ (c >> 8)
@@ -1371,14 +1380,10 @@ def _crc_span(data, words, aligned, start, n, slices):
     return c ^ 0xFFFFFFFF
 
 
-@jit_kernel
-def _crc_chunks_kernel(data, words, aligned, rec_at, rec_len, seg_first, out):
-    slices = cuda.shared.array((8, 256), np.uint32)
-    _fill_crc_slices(slices)
-    i = cuda.grid(1)
+@cuda.jit(device=True)
+def _chunk_segment(i, rec_at, rec_len, seg_first):
+    """Segment i of crc32_chunks: (its record, first byte, bytes, bytes of the record after it)."""
     R = rec_at.shape[0]
-    if i >= seg_first[R]:
-        return
     lo = 0
     hi = R
     while hi - lo > 1:  # the record whose segments hold i
@@ -1404,10 +1409,76 @@ def _crc_chunks_kernel(data, words, aligned, rec_at, rec_len, seg_first, out):
     after = b1 - (start + n)
     if j == 0:
         after = b1 - b0
-    c = _crc_span(data, words, aligned, start, n, slices)
-    if after > 0:  # crc(A + B) = crc(A) x^(8|B|) xor crc(B), for every later segment B at once
-        c = multmodp(x8nmodp(after), c)
-    cuda.atomic.xor(out, lo, c)
+    return lo, start, n, after
+
+
+#: crc32_chunks' staging: each warp's 32 segments, STAGE_WORDS 8-byte words of each a round (a
+#: row padded by one word, so that the lanes reading their own rows hit different banks).
+STAGE_WORDS = 32
+_STAGE_WARPS = BLOCK // 32  # (numba takes a shared array's shape from global constants, not expressions)
+_STAGE_ROW = STAGE_WORDS + 1
+
+
+@jit_kernel
+def _crc_chunks_kernel(data, words, aligned, rec_at, rec_len, seg_first, out):
+    """One thread per segment (BLOCK threads a block).  Where the data is 8-byte aligned, a warp
+    loads its 32 segments' words together, 32 words of each segment a round, lane u taking word
+    u of each (256 contiguous bytes a load, where one thread walking its own segment would
+    touch a new line of memory at every step), into shared memory; then each lane takes its
+    own segment's words from there.  Every thread runs every round (barriers); a segment holds
+    at most CHUNK_CRC_SEGMENT // 8 words.  Its unaligned first and last bytes, one at a time."""
+    slices = cuda.shared.array((8, 256), np.uint32)
+    stage = cuda.shared.array((_STAGE_WARPS, 32, _STAGE_ROW), np.int64)
+    wfirst = cuda.shared.array((_STAGE_WARPS, 32), np.int64)
+    wcount = cuda.shared.array((_STAGE_WARPS, 32), np.int64)
+    _fill_crc_slices(slices)
+    i = cuda.grid(1)
+    wp = cuda.threadIdx.x >> 5
+    lane = cuda.threadIdx.x & 31
+    live = i < seg_first[rec_at.shape[0]]
+    rec = 0
+    start = np.int64(0)
+    n = np.int64(0)
+    after = np.int64(0)
+    if live:
+        rec, start, n, after = _chunk_segment(i, rec_at, rec_len, seg_first)
+    c = np.int64(0xFFFFFFFF)
+    p = start
+    end = start + n
+    nw = np.int64(0)
+    if aligned:
+        while p < end and (p & 7) != 0:
+            c = np.int64(slices[0, (c ^ np.int64(data[p])) & 0xFF]) ^ (c >> 8)
+            p += 1
+        nw = (end - p) >> 3
+    wfirst[wp, lane] = p >> 3
+    wcount[wp, lane] = nw
+    cuda.syncthreads()
+    if aligned:
+        for r in range(0, CHUNK_CRC_SEGMENT // 8, STAGE_WORDS):
+            u = r + lane
+            for s in range(0, 32, 4):  # four loads in flight
+                v0 = words[wfirst[wp, s] + u] if u < wcount[wp, s] else np.int64(0)
+                v1 = words[wfirst[wp, s + 1] + u] if u < wcount[wp, s + 1] else np.int64(0)
+                v2 = words[wfirst[wp, s + 2] + u] if u < wcount[wp, s + 2] else np.int64(0)
+                v3 = words[wfirst[wp, s + 3] + u] if u < wcount[wp, s + 3] else np.int64(0)
+                stage[wp, s, lane] = v0
+                stage[wp, s + 1, lane] = v1
+                stage[wp, s + 2, lane] = v2
+                stage[wp, s + 3, lane] = v3
+            cuda.syncthreads()
+            for v in range(min(np.int64(STAGE_WORDS), nw - r)):
+                c = _crc_word(c, stage[wp, lane, v], slices)
+            cuda.syncthreads()
+        p += 8 * nw
+    while p < end:
+        c = np.int64(slices[0, (c ^ np.int64(data[p])) & 0xFF]) ^ (c >> 8)
+        p += 1
+    c ^= 0xFFFFFFFF
+    if live:
+        if after > 0:  # crc(A + B) = crc(A) x^(8|B|) xor crc(B), for every later segment B at once
+            c = multmodp(x8nmodp(after), c)
+        cuda.atomic.xor(out, rec, c)
 
 
 def chunk_crc_segments(rec_at: np.ndarray, rec_len: np.ndarray) -> np.ndarray:

@@ -189,8 +189,16 @@ if triton is not None:
         else:
             ra = a * c + b * s
             rb = b * c - a * s
-        return (tl.minimum(tl.maximum(ra, -F32_MAX), F32_MAX).to(tl.float32),
-                tl.minimum(tl.maximum(rb, -F32_MAX), F32_MAX).to(tl.float32))
+        # Saturated after the conversion to float32 (a float64 past float32's largest finite value
+        # rounds to it or to an infinity, then clamped: the same bits as clamping first), as float32
+        # operations: float64 ones issue at a fraction of their rate
+        return _saturate32(ra.to(tl.float32)), _saturate32(rb.to(tl.float32))
+
+    @triton.jit
+    def _saturate32(v):
+        """A float32 infinity as the largest finite float32 of its sign (v never a NaN)."""
+        F32_MAX: tl.constexpr = 3.4028234663852886e38
+        return tl.minimum(tl.maximum(v, -F32_MAX), F32_MAX)
 
     @triton.jit
     def _nearest_integer(t):
@@ -503,7 +511,11 @@ class RopeAngles(NamedTuple):
 #: 3.37 / 3.09 at 8 x 64 and 2.07 / 1.97 without a RoPE (docs/results/2026-12-05_profile_rope_
 #: keys_apart_ba46c2f_h200.txt); on an H100 8 x 64 beat 16 x 32 and 32 x 32 (3.33 / 3.17 ms against
 #: 4.47 / 4.64; ..._1f0a02c_h100.txt).  Smaller tiles: more programs to hide the float64 latency.
-TURN_LAUNCH = {"rows": 4, "pairs": 64, "warps": 4}
+#: Timed alone (benchmarks/turn_launch.py, 2026-12-06 ~23:35 UTC), one row of 512 pairs a program
+#: beat 4 x 64 both ways: back 0.69 / forward 0.65 ms against 0.80 / 0.74 on an H100 (0.55 against
+#: 0.79 back on an H200, where copying the bytes alone takes 0.41); rows of 2 and 2 warps ran slower.
+#: In the pipeline: docs/results/2026-12-06_ab_turn_sidestats_crc_h100/.
+TURN_LAUNCH = {"rows": 1, "pairs": 512, "warps": 4}
 
 
 def turns(head_dim: int) -> bool:

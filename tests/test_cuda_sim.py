@@ -129,6 +129,27 @@ def test_chunk_crcs_and_span_crc_match_zlib():
             assert int(value[0]) == zlib.crc32(data[start : start + size].tobytes())
 
 
+def test_chunk_crcs_over_several_blocks_match_zlib():
+    """crc32_chunks with more segments than a block has threads: warps whose segments end at
+    different rounds (records of a few bytes to several segments, odd places), and threads past
+    the last segment (the pipeline launches for an upper bound of the segments)."""
+    import zlib
+
+    from cachegen_cli.kernels import cuda as gpu
+
+    rng = np.random.default_rng(29)
+    lens = np.concatenate([[40, 41, 47], rng.integers(40, 3 * gpu.CHUNK_CRC_SEGMENT, 90)]).astype(np.int64)
+    rec_at = 5 + np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    data = rng.integers(0, 256, int(rec_at[-1] + lens[-1]) + 16).astype(np.uint8)
+    want = [zlib.crc32(data[a : a + 36].tobytes() + data[a + 40 : a + n].tobytes()) for a, n in zip(rec_at, lens)]
+    seg_first = gpu.chunk_crc_segments(rec_at, lens)
+    assert seg_first[-1] > 2 * gpu.BLOCK
+    out = np.zeros(lens.size, np.int64)
+    gpu.crc32_chunks(data, data[: data.size // 8 * 8].view(np.int64), rec_at, lens, seg_first, out,
+                     int(seg_first[-1]) + 37)
+    assert out.tolist() == want
+
+
 def test_tiny_rows_quantize_alike():
     """A row whose abs-max is below ~1e-37 (maxq / scale overflows float32) gives the same
     symbols on both devices: the inverse step is capped at the largest float32."""
