@@ -511,10 +511,10 @@ class RopeAngles(NamedTuple):
 #: 3.37 / 3.09 at 8 x 64 and 2.07 / 1.97 without a RoPE (docs/results/2026-12-05_profile_rope_
 #: keys_apart_ba46c2f_h200.txt); on an H100 8 x 64 beat 16 x 32 and 32 x 32 (3.33 / 3.17 ms against
 #: 4.47 / 4.64; ..._1f0a02c_h100.txt).  Smaller tiles: more programs to hide the float64 latency.
-#: Timed alone (benchmarks/turn_launch.py, 2026-12-06 ~23:35 UTC), one row of 512 pairs a program
-#: beat 4 x 64 both ways: back 0.69 / forward 0.65 ms against 0.80 / 0.74 on an H100 (0.55 against
-#: 0.79 back on an H200, where copying the bytes alone takes 0.41); rows of 2 and 2 warps ran slower.
-#: In the pipeline: docs/results/2026-12-06_ab_turn_sidestats_crc_h100/.
+#: Timed alone (benchmarks/turn_launch.py's sweep, 2026-12-06 ~23:37 UTC, an H100:
+#: docs/results/2026-12-06_turn_launch_sweep_h100.txt), one row of 512 pairs a program beat 4 x 64
+#: both ways, back 0.69 / forward 0.65 ms against 0.80 / 0.74; rows of 2 and 2 warps ran slower (the
+#: float64 turn's registers).  In the pipeline: docs/results/2026-12-06_ab_turn_sidestats_crc_h100/.
 TURN_LAUNCH = {"rows": 1, "pairs": 512, "warps": 4}
 
 
