@@ -266,7 +266,8 @@ class _SideWork:
 
 
 #: The second stream of each GPU (torch's streams are made without the legacy default stream's
-#: implicit ordering, so work on it runs beside the pipeline's; the events order it).
+#: implicit ordering, so work on it runs beside the pipeline's; the events order it, so calls
+#: from several threads may share it: their side work then runs one after another).
 _SIDE_STREAMS: dict = {}
 
 
@@ -286,7 +287,7 @@ def _raw_key_sums(words: torch.Tensor, itemsize: int, dt: str, sink: int, dev: t
         return _SideWork(sums, None, ())
     from numba import cuda
 
-    key = (dev.index if dev.index is not None else torch.cuda.current_device(), torch.cuda.current_stream(dev).cuda_stream)
+    key = dev.index if dev.index is not None else torch.cuda.current_device()
     side = _SIDE_STREAMS.get(key)
     if side is None:
         stream = torch.cuda.Stream(dev)
