@@ -262,7 +262,10 @@ class _SideWork:
         # Dropped unwaited (an error on the way): the caller's stream still waits, so that the
         # held blocks go back to the allocator only after the kernels that use them
         if self.held and self.event is not None:
-            torch.cuda.current_stream(self.sums.device).wait_event(self.event)
+            try:
+                torch.cuda.current_stream(self.sums.device).wait_event(self.event)
+            except Exception:  # noqa: BLE001 - at interpreter exit torch may be gone: nothing left to order
+                pass
 
 
 #: The second stream of each GPU (torch's streams are made without the legacy default stream's
