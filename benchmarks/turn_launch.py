@@ -13,23 +13,17 @@ out (1.61 GB at 8192 tokens): the line prints that over the time as well.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench import gpu_event_times  # noqa: E402
+from profile_fixed_rotation import timed_ms  # noqa: E402
 
 from cachegen_cli.kernels import fixed_rotation_matmul as fm  # noqa: E402
 from cachegen_cli.methods import rope as rope_methods  # noqa: E402
 from cachegen_cli.pipeline.transform_resident import _rope_angles  # noqa: E402
-
-
-def timed_ms(fn, repeats: int) -> tuple[float, float, float]:
-    ms = [t * 1e3 for t in gpu_event_times(fn, repeats)]
-    return statistics.median(ms), min(ms), max(ms)
 
 
 def main() -> None:

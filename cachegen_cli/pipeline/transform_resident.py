@@ -243,40 +243,16 @@ def encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration=
         return _encode(cache, cfg, chunk_tokens, calibration, checked, copy_out)
 
 
-class _SideWork:
-    """Sums queued on a second CUDA stream (kernels/cuda_pipeline.transform_stats of the key
-    planes): ``wait()`` makes the caller's stream wait for them (on the device: the host never
-    waits) and hands them over.  The tensors the kernels use are held here until then, so the
-    allocator cannot hand their blocks to other work while the kernels may still run."""
-
-    def __init__(self, sums: torch.Tensor, event, held: tuple) -> None:
-        self.sums, self.event, self.held = sums, event, held
-
-    def wait(self) -> torch.Tensor:
-        if self.event is not None:
-            torch.cuda.current_stream(self.sums.device).wait_event(self.event)
-        self.held = ()
-        return self.sums
-
-    def __del__(self) -> None:
-        # Dropped unwaited (an error on the way): the caller's stream still waits, so that the
-        # held blocks go back to the allocator only after the kernels that use them
-        if self.held and self.event is not None:
-            try:
-                torch.cuda.current_stream(self.sums.device).wait_event(self.event)
-            except Exception:  # noqa: BLE001 - at interpreter exit torch may be gone: nothing left to order
-                pass
-
-
 #: The second stream of each GPU (torch's streams are made without the legacy default stream's
 #: implicit ordering, so work on it runs beside the pipeline's; the events order it, so calls
 #: from several threads may share it: their side work then runs one after another).
 _SIDE_STREAMS: dict = {}
 
 
-def _raw_key_sums(words: torch.Tensor, itemsize: int, dt: str, sink: int, dev: torch.device) -> _SideWork:
-    """The key planes' sums and sums of squares of the cache as it is (sums [2, L, 2, C]: the
-    values' entries left for the caller), on a second stream on a GPU, inline otherwise."""
+def _raw_key_sums(words: torch.Tensor, itemsize: int, dt: str, sink: int, dev: torch.device):
+    """(sums, done): the key planes' sums and sums of squares of the cache as it is (sums [2, L,
+    2, C]: the values' entries left for the caller), on a second stream on a GPU (``done``: the
+    event the caller's stream waits for before reading them), inline otherwise (``done`` None)."""
     k = _k()
     L, _, T, C = words.shape
     NB = -(-T // STATS_BLOCK)
@@ -287,7 +263,7 @@ def _raw_key_sums(words: torch.Tensor, itemsize: int, dt: str, sink: int, dev: t
     args = (_nb(kw), itemsize, _FMT[dt], sink, _nb(kpart[0]), _nb(kpart[1]), _nb(sums[0]), _nb(sums[1]))
     if dev.type != "cuda":
         k.transform_stats(*args)
-        return _SideWork(sums, None, ())
+        return sums, None
     from numba import cuda
 
     key = dev.index if dev.index is not None else torch.cuda.current_device()
@@ -297,9 +273,11 @@ def _raw_key_sums(words: torch.Tensor, itemsize: int, dt: str, sink: int, dev: t
         side = _SIDE_STREAMS[key] = (stream, cuda.external_stream(stream.cuda_stream))
     side[0].wait_stream(torch.cuda.current_stream(dev))  # the cache's words are on the device
     k.transform_stats(*args, stream=side[1])
+    for t in (kpart, sums):
+        t.record_stream(side[0])  # their blocks go back to the allocator only after this work
     done = torch.cuda.Event()
     done.record(side[0])
-    return _SideWork(sums, done, (kw, kpart))
+    return sums, done
 
 
 def _nonfinite(cache: KVCache) -> None:
@@ -356,7 +334,8 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
         rope = rope_methods.resolve(cache, cfg, calibration)
         # The keys' own sums (their step and the finiteness check) read only the cache: queued
         # first, on a second stream, they overlap the turning pass and the product below
-        raw_key_sums = _raw_key_sums(words, itemsize, dt, sink, dev) if rope is not None else None
+        rope_sums, rope_done = (_raw_key_sums(words, itemsize, dt, sink, dev) if rope is not None
+                                else (None, None))
         vitem, fmt = itemsize, _FMT[dt]
         x32 = None
         fixed_rot = bool(rot_h.size) and tc.FIXED_ROTATION
@@ -437,10 +416,10 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
         if rope is not None:
             # The keys' own sums, for their step (and the finiteness check); the values' RMS from
             # their coded sums (methods/transform.step_params).
-            rope_sums = raw_key_sums.wait()
+            if rope_done is not None:
+                torch.cuda.current_stream(dev).wait_event(rope_done)  # on the device: the host goes on
             rope_sums[:, :, 1] = sums[:, :, 1]
             sums = torch.cat([sums, rope_sums])
-            del raw_key_sums
         _mark("statistics")
         R, bits = tc.refine_plan(cfg, T, sink)
         ref = _empty((L, 2, max(R, 1), C), torch.uint8, dev)
