@@ -33,8 +33,8 @@ from .coding_params import PROB_BITS
 from .cpu import _FAST, INTERLEAVE, _decode_plane_streams, _encode_plane_streams, _plane_index, build_lut
 from .range_coder import decode_stream, encode_stream, stream_coords
 from .tables import STAT_EMPTY, share_plane
-from .transform import (STATS_BLOCK, pairwise_sum, refine_index, rotate_row, symbol_top_byte, token_level, token_value,
-                        top_byte_symbol, unrotate_row)
+from .transform import (STATS_BLOCK, STATS_GROUP, pairwise_sum, refine_index, rotate_row, symbol_top_byte, token_level,
+                        token_value, top_byte_symbol, unrotate_row)
 
 _JIT = dict(cache=True, nogil=True)
 
@@ -575,6 +575,73 @@ def rotate_rows(src, shift, rot, y):
         t = (job % nb) * ROT_ROWS
         n = min(ROT_ROWS, T - t)
         _fill_rows(src[l, kv], shift, rot[l, kv], t, n, y[l, kv, t : t + n], np.empty(C, np.float64))
+
+
+@njit(**_FAST)
+def _pair_tree(g, n):
+    """g[0] = the pairwise tree of adjacent pairs over rows 0 .. n - 1 of g (n a power of two;
+    transform.STATS_GROUP), in place."""
+    C = g.shape[1]
+    while n > 1:
+        n //= 2
+        for i in range(n):  # row i is written after rows 2i and 2i + 1 (>= i) are read
+            a = g[2 * i]
+            b = g[2 * i + 1]
+            out = g[i]
+            for c in range(C):
+                out[c] = a[c] + b[c]
+
+
+@njit(parallel=True, **_FAST)
+def transform_stats_tree(src, rot, sink, t_first, num_tokens, s1, s2, b1, b2, g1, g2, shift=0):
+    """transform_stats_carry's sums in the order of transform.STATS_GROUP (the fixed-point
+    rotation's values): g1 / g2 float64 [L, P, STATS_GROUP, C] carry the open group's values and
+    squares between slabs (their content before the first slab does not matter)."""
+    L, P, Tx, C = src.shape
+    G = STATS_GROUP
+    for p in prange(L * P):
+        l = p // P
+        kv = p % P
+        y = np.empty((ROT_ROWS, C), np.float64)
+        r64 = np.empty(C, np.float64)
+        a1 = s1[l, kv]
+        a2 = s2[l, kv]
+        o1 = b1[l, kv]
+        o2 = b2[l, kv]
+        q1 = g1[l, kv]
+        q2 = g2[l, kv]
+        i0 = min(max(sink - t_first, 0), Tx)  # tokens below the sink are not counted
+        while i0 < Tx:
+            n = min(ROT_ROWS, Tx - i0)
+            _fill_rows(src[l, kv], shift, rot[l, kv], i0, n, y, r64)
+            for b in range(n):
+                t = t_first + i0 + b
+                i = t % G
+                if t == max(sink, t - i):  # the group's first counted token: the rows before it are +0.0
+                    for r in range(i):
+                        q1[r, :] = 0.0
+                        q2[r, :] = 0.0
+                yb = y[b]
+                for c in range(C):
+                    v = np.float64(np.float32(yb[c]))
+                    q1[i, c] = v
+                    q2[i, c] = v * v
+                if i == G - 1 or t == num_tokens - 1:
+                    for r in range(i + 1, G):  # past the end
+                        q1[r, :] = 0.0
+                        q2[r, :] = 0.0
+                    _pair_tree(q1, G)
+                    _pair_tree(q2, G)
+                    for c in range(C):
+                        o1[c] += q1[0, c]
+                        o2[c] += q2[0, c]
+                if (t + 1) % STATS_BLOCK == 0 or t == num_tokens - 1:
+                    for c in range(C):
+                        a1[c] += o1[c]
+                        a2[c] += o2[c]
+                        o1[c] = 0.0
+                        o2[c] = 0.0
+            i0 += n
 
 
 @njit(parallel=True, **_FAST)

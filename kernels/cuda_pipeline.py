@@ -22,6 +22,7 @@ thread, as many as one 8-byte word holds, see ``lanes``):
   stats_partial      one thread per (layer, K/V, 256-token block, V channels): the block's sum
                      and sum of squares in token order (transform.STATS_BLOCK's tree)
   stats_reduce       one thread per (layer, K/V, channel): the block sums in block order
+                     (reduce_stats; also the fixed-point product's partial sums)
   quantize_levels    one thread per (layer, K/V, chunk, V channels), walking the chunk's tokens:
                      levels (int8), refinement indices, and the chunk's level statistics
   split_levels       the same for the lossless method: top-byte symbols and statistics
@@ -93,8 +94,8 @@ def _jit(role: str):
 
 from .range_coder import _add_carry, flush_stream
 from .tables import COST_ONE, SHARE_SPAN, STAT_EMPTY, choose_table, table_bytes
-from .transform import (MODE_DELTA, STATS_BLOCK, TRANSFORM_QMAX, fast_level32, level_value, refine_index,
-                        step_level, symbol_top_byte, token_level, token_value, top_byte_symbol)
+from .transform import (MODE_DELTA, STATS_BLOCK, STATS_GROUP, TRANSFORM_QMAX, fast_level32, level_value,
+                        refine_index, step_level, symbol_top_byte, token_level, token_value, top_byte_symbol)
 
 #: Histogram blocks: 32 channels (lanes) x HIST_SLICES chunk slices (one under the simulator,
 #: which runs every thread in Python).
@@ -540,6 +541,59 @@ def _make_stats_partial(V, B):
     return kernel
 
 
+def _make_stats_partial_tree(V, B):
+    """_make_stats_partial's block sums in transform.STATS_GROUP's order (the fixed-point
+    rotation's values): each group of STATS_GROUP tokens by the pairwise tree of adjacent pairs,
+    kept as a binary counter's stack (level k holds the sum of the last 2^k tokens' subtree),
+    the group sums added in order."""
+    vmask = _value_mask(B)
+    G = STATS_GROUP
+    LEVELS = G.bit_length()  # G a power of two: levels 0 .. log2(G)
+
+    @jit_kernel
+    def kernel(wf, L, T, CW, fmt, sink, part1, part2):
+        i = cuda.grid(1)
+        P = part1.shape[1]
+        NB = part1.shape[2]
+        if i >= L * P * NB * CW:
+            return
+        l, kv, b, cw = _word_thread_of(i, P, NB, CW)
+        p = 2 * l + kv
+        s1 = cuda.local.array(V, np.float64)
+        s2 = cuda.local.array(V, np.float64)
+        st1 = cuda.local.array(LEVELS * V, np.float64)
+        st2 = cuda.local.array(LEVELS * V, np.float64)
+        for j in range(V):
+            s1[j] = 0.0
+            s2[j] = 0.0
+        for g in range(b * STATS_BLOCK, min(T, (b + 1) * STATS_BLOCK), G):
+            for r in range(G):
+                t = g + r
+                w = np.int64(0)
+                if sink <= t and t < T:  # others count as +0.0
+                    w = np.int64(wf[(p * T + t) * CW + cw])
+                for j in range(V):
+                    a = np.float64(_word_value((w >> (B * j)) & vmask, fmt))
+                    q = a * a
+                    k = 0
+                    m = r
+                    while m & 1:  # close the subtrees this token completes (left + right)
+                        a = st1[k * V + j] + a
+                        q = st2[k * V + j] + q
+                        k += 1
+                        m >>= 1
+                    st1[k * V + j] = a
+                    st2[k * V + j] = q
+            for j in range(V):
+                s1[j] += st1[(LEVELS - 1) * V + j]
+                s2[j] += st2[(LEVELS - 1) * V + j]
+        for j in range(V):
+            part1[l, kv, b, cw * V + j] = s1[j]
+            part2[l, kv, b, cw * V + j] = s2[j]
+
+    return kernel
+
+
 @jit_kernel
 def _stats_reduce_kernel(part1, part2, sums, sumsq):
     i = cuda.grid(1)
@@ -559,11 +613,12 @@ def _stats_reduce_kernel(part1, part2, sums, sumsq):
     sumsq[l, kv, c] = s2
 
 
-def transform_stats(words, itemsize, fmt, sink, part1, part2, sums, sumsq, stream=0):
+def transform_stats(words, itemsize, fmt, sink, part1, part2, sums, sumsq, stream=0, tree=False):
     """sums / sumsq [L, 2, C]: cpu_transform.transform_stats of an unrotated cache given as its
     raw words [L, 2, T, C / V], V = words.itemsize // itemsize values each; part1 / part2:
     float64 scratch [L, P, ceil(T / STATS_BLOCK), C].  P = 1: the key planes alone (the values'
-    sums are not written)."""
+    sums are not written).  ``tree``: the fixed-point rotation's values, summed as
+    cpu_transform.transform_stats_tree."""
     L, P, NB, C = part1.shape
     CW = words.shape[3]
     V = C // CW if CW else 1
@@ -571,9 +626,20 @@ def transform_stats(words, itemsize, fmt, sink, part1, part2, sums, sumsq, strea
         raise ValueError(f"transform_stats: words {words.shape}, scratch {part1.shape}, sums {sums.shape}")
     if L * P * NB * CW:
         T = words.shape[2]
-        _made(_make_stats_partial, V, 8 * itemsize)[(*_cfg(L * P * NB * CW), stream)](
+        make = _make_stats_partial_tree if tree else _make_stats_partial
+        _made(make, V, 8 * itemsize)[(*_cfg(L * P * NB * CW), stream)](
             as_device(flat(words)), np.int64(L), np.int64(T), np.int64(CW), np.int64(fmt), np.int64(sink),
             as_device(part1), as_device(part2))
+    reduce_stats(part1, part2, sums, sumsq, stream)
+
+
+def reduce_stats(part1, part2, sums, sumsq, stream=0):
+    """sums / sumsq [L, 2, C] from the statistics blocks' partial sums part1 / part2 [L, P,
+    NB, C] (transform_stats', or the fixed-point product's: fixed_rotation_matmul.rotate_rows),
+    added in block order from 0 as the CPU's."""
+    L, P, NB, C = part1.shape
+    if part2.shape != part1.shape or sums.shape[:2] != (L, 2) or sums.shape[2] != C or sumsq.shape != sums.shape:
+        raise ValueError(f"reduce_stats: partial sums {part1.shape}, sums {sums.shape}")
     _stats_reduce_kernel[(*_cfg(L * P * C), stream)](as_device(part1), as_device(part2), as_device(sums),
                                                       as_device(sumsq))
 

@@ -53,6 +53,7 @@ from typing import NamedTuple
 import torch
 
 from .fixed_rotation import R_BITS, X_BITS
+from .transform import STATS_BLOCK, STATS_GROUP
 
 try:  # Triton ships with CUDA builds of torch; without it the callers use block_product
     import triton
@@ -349,16 +350,51 @@ if triton is not None:
         return rows, rows < n, (p.to(tl.int64) * T + t_first + rows) * C
 
     @triton.jit
-    def _rotate_rows_kernel(x_ptr, e_ptr, r_ptr, y_ptr, T, n, t_first, plane_digits, tiles, P0, PS,
+    def _halve(w, M: tl.constexpr, N: tl.constexpr):
+        """[M // 2, N]: rows 2i + 2i + 1 of w [M, N] (split and added as themselves: no
+        reduction whose order the compiler picks)."""
+        a, b = tl.split(tl.permute(tl.reshape(w, [M // 2, 2, N]), [0, 2, 1]))
+        return a + b
+
+    @triton.jit
+    def _pair_tree64(w, N: tl.constexpr):
+        """[N]: the pairwise tree of adjacent pairs down the 64 rows of w (transform.STATS_GROUP)."""
+        w = _halve(w, 64, N)
+        w = _halve(w, 32, N)
+        w = _halve(w, 16, N)
+        w = _halve(w, 8, N)
+        w = _halve(w, 4, N)
+        w = _halve(w, 2, N)
+        return tl.reshape(w, [N])
+
+    @triton.jit
+    def _rotate_rows_kernel(x_ptr, e_ptr, r_ptr, y_ptr, s1_ptr, s2_ptr, T, n, t_first, plane_digits, P0, PS,
                             C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                            BM: tl.constexpr, BN: tl.constexpr, BF16_WORDS: tl.constexpr, XB: tl.constexpr,
-                            RB: tl.constexpr, X_KEYS: tl.constexpr):
-        """(X_KEYS: x holds the keys alone, [L, 1, T, C], and the planes are key planes.)"""
+                            BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, BF16_WORDS: tl.constexpr,
+                            XB: tl.constexpr, RB: tl.constexpr, X_KEYS: tl.constexpr, STATS: tl.constexpr):
+        """(X_KEYS: x holds the keys alone, [L, 1, T, C], and the planes are key planes.)  Row
+        tiles are BM tokens by absolute position, SB // BM of them a statistics block of SB; a
+        program takes whole blocks (blocks i, i + P, ...) and their tiles in token order, so that
+        (STATS, BM = transform.STATS_GROUP) it can sum its outputs' float32 values as
+        cpu_transform.transform_stats_tree does, written to s1 / s2 [planes, blocks, C].  (Summed
+        in token order instead, the tile read back a row at a time after a barrier, the product
+        took 3.30 ms against 2.72 for the tree and 2.36 without sums: H100, build-only script,
+        2026-12-07.)"""
         p, h, n0, r0, r1 = _kept_tiles(r_ptr, plane_digits, P0, PS, H, D, DP, BN)
         ks = tl.arange(0, DP)
         ns = tl.arange(0, BN)
-        for tt in range(tl.program_id(0), tiles, tl.num_programs(0)):
-            rows, live, row_at = _tile_rows(p, tt, n, t_first, T, C, BM)
+        TPB: tl.constexpr = SB // BM
+        NBLK = tl.cdiv(T, SB)
+        P = tl.num_programs(0)
+        mine = tl.cdiv(NBLK - tl.program_id(0), P)
+        o1 = tl.zeros([BN], dtype=tl.float64)
+        o2 = tl.zeros([BN], dtype=tl.float64)
+        out_at = p.to(tl.int64) * T * C + h * D + n0 + ns
+        for it in range(0, mine * TPB):
+            bb = tl.program_id(0) + (it // TPB) * P
+            t0 = bb * SB + (it % TPB) * BM
+            rows = t0 - t_first + tl.arange(0, BM)  # rows from t_first; those before it are not live
+            live = (rows >= 0) & (rows < n)
             e = tl.load(e_ptr + p.to(tl.int64) * n + rows, mask=live, other=0)
             scale_a, scale_b, back = _row_scales(e, XB, RB)
             x_at = _row_words(p, rows, t_first, T, C, X_KEYS)
@@ -374,7 +410,20 @@ if triton is not None:
             acc = (p0.to(tl.int64) + (p8.to(tl.int64) << 8) + (p16.to(tl.int64) << 16)
                    + (p24.to(tl.int64) << 24))
             y = (acc.to(tl.float64) * back).to(tl.float32)
-            tl.store(y_ptr + row_at[:, None] + (h * D + n0 + ns)[None, :], y, mask=live[:, None])
+            tl.store(y_ptr + out_at[None, :] + (t0 + tl.arange(0, BM)).to(tl.int64)[:, None] * C, y,
+                     mask=live[:, None])
+            if STATS:
+                # the group's sums in registers, in transform.STATS_GROUP's tree (rows outside
+                # t_first .. T - 1 count as +0.0), added in order into the block's
+                w = tl.where(live[:, None], y, 0.0).to(tl.float64)
+                o1 += _pair_tree64(w, BN)
+                o2 += _pair_tree64(w * w, BN)
+                if it % TPB == TPB - 1:
+                    s_at = (p.to(tl.int64) * NBLK + bb) * C + h * D + n0 + ns
+                    tl.store(s1_ptr + s_at, o1)
+                    tl.store(s2_ptr + s_at, o2)
+                    o1 = tl.zeros([BN], dtype=tl.float64)
+                    o2 = tl.zeros([BN], dtype=tl.float64)
 
     @triton.jit
     def _unrotate_values_kernel(z_ptr, r_ptr, sums_ptr, steps_ptr, b_ptr, out_ptr, T, n, t_first, plane_digits,
@@ -579,14 +628,18 @@ def _planes(L: int, keys_apart: bool) -> list[tuple[int, int, int, bool]]:
 
 
 def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Tensor,
-                rope: RopeAngles | None = None) -> None:
+                rope: RopeAngles | None = None, stats: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
     """y[:, :, t] = the fixed-point rotation of x[:, :, t] for t >= t_first (fixed_rotation.
     rotate_rows' values): x float32 [L, 2, T, C], or a bfloat16 cache's int16 words; digits:
     rotation_digits of the encoder's blocks [L, 2, H, D, D]; y float32 [L, 2, T, C] (rows before
     t_first untouched).  ``rope``: the keys (x[:, 0]) are first turned back by it, as
     kernels/rope.turn_keys(forward=False) would in place: a pass over the keys alone that also
     finds their rows' exponents, into a float32 copy of them that the product reads (the
-    values are read from x, as without a RoPE)."""
+    values are read from x, as without a RoPE).  ``stats`` (part1, part2: float64 [L, 2,
+    ceil(T / STATS_BLOCK), C]): also each statistics block's sums of y's values and of their
+    squares, cuda_pipeline.transform_stats(tree=True)'s partial sums (reduce_stats makes the
+    sums), while the values are in hand; True when they were made (blocks past RESIDENT_BLOCK:
+    not, False)."""
     _check(x, "x", (torch.float32, torch.int16), 4)
     _check(y, "y", (torch.float32,), 4)
     L, K, T, C = x.shape
@@ -594,8 +647,18 @@ def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Te
     if K != 2 or H * D != C or tuple(y.shape) != (L, K, T, C) or not supports(D):
         raise ValueError(f"rotate_rows: blocks {H} x {D} for {C} channels")
     n = T - t_first
+    sb = STATS_BLOCK
+    for t in stats or ():
+        _check(t, "stats", (torch.float64,), 4)
+        if tuple(t.shape) != (L, 2, triton.cdiv(T, sb), C):
+            raise ValueError(f"rotate_rows: stats {tuple(t.shape)}, not {(L, 2, triton.cdiv(T, sb), C)}")
+    made = stats is not None and D <= RESIDENT_BLOCK
+    if made:
+        if n <= 0:
+            for t in stats:
+                t.zero_()
     if n <= 0 or L == 0:
-        return
+        return made
     e = torch.empty((L * K, n), dtype=torch.int32, device=x.device)
     keys = None
     if rope is not None:
@@ -615,10 +678,16 @@ def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Te
                 RB=R_BITS, X_KEYS=apart, num_warps=go["warps"], num_stages=go["stages"])
             continue
         go = ENCODE_LAUNCH
-        tile, DP, tiles, grid = _launch(n, D, planes * H, go)
-        _rotate_rows_kernel[grid](src, e, digits, y, T, n, t_first, digits[0].numel(), tiles, p0, ps, C=C, H=H, D=D,
-                                  DP=DP, BM=go["rows"], BN=tile, BF16_WORDS=src.dtype == torch.int16, XB=X_BITS,
-                                  RB=R_BITS, X_KEYS=apart, num_warps=go["warps"], num_stages=go["stages"])
+        if sb % go["rows"] or (made and go["rows"] != STATS_GROUP):
+            raise ValueError(f"rotate_rows: tiles of {go['rows']} rows, not a divisor of the statistics block of {sb} "
+                             f"({STATS_GROUP} with its sums)")
+        # programs along the rows take whole statistics blocks (their tiles by absolute position)
+        tile, DP, _, grid = _launch(T, D, planes * H, dict(go, rows=sb))
+        _rotate_rows_kernel[grid](src, e, digits, y, stats[0] if made else y, stats[1] if made else y, T, n, t_first,
+                                  digits[0].numel(), p0, ps, C=C, H=H, D=D, DP=DP, BM=go["rows"], BN=tile,
+                                  SB=sb, BF16_WORDS=src.dtype == torch.int16, XB=X_BITS, RB=R_BITS, X_KEYS=apart,
+                                  STATS=made, num_warps=go["warps"], num_stages=go["stages"])
+    return made
 
 
 def unrotate_values(z: torch.Tensor, digits_t: torch.Tensor, sums: torch.Tensor, steps: torch.Tensor,

@@ -249,3 +249,37 @@ def test_device_decode_checks_like_the_cpu():
             cg.decode(case, device="cpu")
         with pytest.raises(type(cpu_error.value), match="^" + str(cpu_error.value).replace("(", r"\(").replace(")", r"\)") + "$"):
             lmcache_device.decode_device(_as_tensor(case))
+
+
+@pytest.mark.parametrize("sink", [0, 3, 70])
+def test_device_stats_in_groups_match_the_cpu(sink):
+    """cuda_pipeline.transform_stats(tree=True) (the fixed-point rotation's values: pairwise
+    trees of 64-token groups as a binary counter's stack) gives cpu_transform.
+    transform_stats_tree's sums bit for bit, for bfloat16 and float32 words (2 or 1 values a
+    word), a sink inside and past the first group, the last group cut short; float32's sequential
+    sums (tree=False) are other bits."""
+    from cachegen_cli.kernels import cpu_transform as ct
+    from cachegen_cli.kernels import cuda_pipeline as cp
+    from cachegen_cli.kernels.transform import STATS_BLOCK, STATS_GROUP
+
+    rng = np.random.default_rng(5 + sink)
+    L, T, C = 1, STATS_BLOCK + 77, 4
+    x = (rng.standard_normal((L, 2, T, C)) * np.exp(rng.standard_normal((L, 2, T, 1)))).astype(np.float32)
+    nb = -(-T // STATS_BLOCK)
+    for words, fmt, vals in ((x.view(np.int32).astype(np.int64), 0, x),
+                             ((x.view(np.uint32) >> 16).astype(np.uint16).view(np.int16).reshape(L, 2, T, C // 2, 2)
+                              .view(np.int32).reshape(L, 2, T, C // 2), 1,
+                              ((x.view(np.uint32) >> 16) << 16).view(np.float32))):
+        want = [np.zeros((L, 2, C)) for _ in range(4)]
+        ct.transform_stats_tree(np.ascontiguousarray(vals).view(np.uint32), np.zeros((0, 0, 0, 0, 0), np.float32),
+                                sink, 0, T, *want, *[np.zeros((L, 2, STATS_GROUP, C)) for _ in range(2)])
+        got = {}
+        for tree in (True, False):
+            part = np.zeros((2, L, 2, nb, C))
+            sums = np.zeros((2, L, 2, C))
+            w = words if fmt == 1 else x.view(np.int32)
+            cp.transform_stats(w, 2 if fmt == 1 else 4, fmt, sink, part[0], part[1], sums[0], sums[1], tree=tree)
+            got[tree] = sums
+        assert np.array_equal(got[True][0], want[0]) and np.array_equal(got[True][1], want[1])
+        if fmt == 0:  # (bfloat16's squares, 16 bits, add up exactly in either order)
+            assert not np.array_equal(got[False][1], want[1])

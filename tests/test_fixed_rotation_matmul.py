@@ -68,6 +68,89 @@ def test_encoder_rows_are_the_cpu_bits(L, T, H, D, S, dtype, seed):
     assert (got[:, :, :S] == 7.0).all(), "rows before t_first are not written"
 
 
+def _block_sums(y, S, tree=True):
+    """The block partial sums of float32 rows y [L, 2, T, C] (tokens from S) as float64 [L, 2,
+    blocks, C]: transform.STATS_GROUP's tree (each 64-token group by pairs of adjacent rows, the
+    rows outside S .. T - 1 as +0.0, the groups added in order), or (tree=False) token order."""
+    from cachegen_cli.kernels.transform import STATS_BLOCK, STATS_GROUP
+
+    L, _, T, C = y.shape
+    nb = -(-T // STATS_BLOCK)
+    s1, s2 = np.zeros((L, 2, nb, C)), np.zeros((L, 2, nb, C))
+    for g in range(0, T, STATS_GROUP if tree else 1):
+        v = np.zeros((L, 2, STATS_GROUP if tree else 1, C))
+        for t in range(max(g, S), min(T, g + v.shape[2])):
+            v[:, :, t - g] = y[:, :, t]
+        v2 = v * v
+        while v.shape[2] > 1:
+            v, v2 = v[:, :, 0::2] + v[:, :, 1::2], v2[:, :, 0::2] + v2[:, :, 1::2]
+        s1[:, :, g // STATS_BLOCK] += v[:, :, 0]
+        s2[:, :, g // STATS_BLOCK] += v2[:, :, 0]
+    return s1, s2
+
+
+@pytest.mark.parametrize("rope_on, spread, S", [(False, 1, 5), (False, 8, 0), (True, 8, 70)])
+def test_encoder_block_sums_are_the_cpu_sums(monkeypatch, rope_on, spread, S):
+    """rotate_rows(stats=...) sums its outputs per statistics block in transform.STATS_GROUP's
+    tree, bit for bit, and cuda_pipeline.reduce_stats then gives cpu_transform.
+    transform_stats_tree's sums; several programs along the rows (spread 8) each take whole
+    blocks; a sink past the first group (S = 70)."""
+    from cachegen_cli.kernels import cpu_transform as ct
+    from cachegen_cli.kernels import cuda_pipeline as cp
+    from cachegen_cli.kernels import rope as rk
+    from cachegen_cli.kernels.transform import STATS_BLOCK, STATS_GROUP
+
+    monkeypatch.setitem(fm.ENCODE_LAUNCH, "spread", spread)
+    rng = np.random.default_rng(23 + spread + S)
+    L, T, H, D = 1, 2 * STATS_BLOCK + 90, 2, 32
+    C = H * D
+    x = _rows(rng, L, T, C, torch.bfloat16)
+    x *= torch.from_numpy(np.exp(rng.normal(0, 1, (L, 2, T, 1))).astype(np.float32)).to(torch.bfloat16)
+    x[0, 1, S + 1] = -0.0  # a row of negative zeros (+0.0 where the tree pads)
+    rint = torch.from_numpy(fx.fixed_matrix(_rotation(rng, L, H, D), False))
+    turned = x.to(torch.float32).numpy().copy()
+    rope = _rope(rng, 0, D, D, 1) if rope_on else None
+    if rope_on:
+        rk.turn_keys(turned, rope.inv_freq, rope, 0, S, False)
+    want = np.zeros((L, 2, T, C), np.float32)
+    fx.rotate_rows(turned, rint, S, want)
+    w1, w2 = _block_sums(want, S)
+    nb = w1.shape[2]
+    part = torch.full((2, L, 2, nb, C), 7.0, dtype=torch.float64, device=DEV)
+    got = torch.zeros((L, 2, T, C), device=DEV)
+    made = fm.rotate_rows(x.view(torch.int16).to(DEV), fm.rotation_digits(rint.to(DEV)), S, got,
+                          rope=_angles(rope, S, T) if rope_on else None, stats=(part[0], part[1]))
+    assert made
+    assert np.array_equal(got.cpu().numpy()[:, :, S:].view(np.int32), want[:, :, S:].view(np.int32))
+    part = part.cpu().numpy()
+    assert np.array_equal(part[0].view(np.int64), w1.view(np.int64))
+    assert np.array_equal(part[1].view(np.int64), w2.view(np.int64))
+    # sums whose order shows: token order gives other bits
+    assert not np.array_equal(_block_sums(want, S, tree=False)[1], w2)
+    r1, r2 = np.zeros((L, 2, C)), np.zeros((L, 2, C))
+    cp.reduce_stats(np.ascontiguousarray(part[0]), np.ascontiguousarray(part[1]), r1, r2)
+    # the CPU's sums, over the whole cache and over slabs that cut groups (the open group carried)
+    for cuts in ([0, T], [0, 37, 300, 301, T]):
+        s = [np.zeros((L, 2, C)) for _ in range(4)]
+        g = [np.full((L, 2, STATS_GROUP, C), np.nan) for _ in range(2)]
+        for t0, t1 in zip(cuts, cuts[1:]):
+            ct.transform_stats_tree(np.ascontiguousarray(want[:, :, t0:t1]).view(np.uint32),
+                                    np.zeros((0, 0, 0, 0, 0), np.float32), S, t0, T, *s, *g)
+        assert np.array_equal(r1, s[0]) and np.array_equal(r2, s[1]), cuts
+
+
+def test_encoder_block_sums_of_a_block_past_the_registers_are_not_made():
+    rng = np.random.default_rng(3)
+    L, T, H, D = 1, 8, 1, 256
+    x = _rows(rng, L, T, D, torch.float32)
+    rint = torch.from_numpy(fx.fixed_matrix(_rotation(rng, L, H, D), False))
+    part = torch.zeros((2, L, 2, 1, D), dtype=torch.float64, device=DEV)
+    got = torch.zeros((L, 2, T, D), device=DEV)
+    assert not fm.rotate_rows(x.to(DEV), fm.rotation_digits(rint.to(DEV)), 0, got, stats=(part[0], part[1]))
+    with pytest.raises(ValueError, match="stats"):
+        fm.rotate_rows(x.to(DEV), fm.rotation_digits(rint.to(DEV)), 0, got, stats=(part[0, :, :, :, :8], part[1]))
+
+
 @pytest.mark.parametrize("bf16_out, D", [(False, 32), (True, 32), (False, 96)])
 def test_decoder_values_are_the_cpu_bits_at_the_levels_bounds(bf16_out, D):
     rng = np.random.default_rng(7)

@@ -41,7 +41,7 @@ from ..kernels import fixed_rotation as fixed_kernels
 from ..kernels import rope as rope_kernels
 from ..kernels.coding_params import max_stream_bytes
 from ..kernels.tables import SYMBOL_COST
-from ..kernels.transform import MODE_DELTA, MODE_DIRECT, TRANSFORM_QMAX
+from ..kernels.transform import MODE_DELTA, MODE_DIRECT, STATS_GROUP, TRANSFORM_QMAX
 from ..storage.kvio import KVCache, SlabBuffers, TensorSource
 from ..format.params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, Params, bf16_values
 from ..format.params import check_level_range, expand_shared
@@ -394,9 +394,14 @@ class _SlabEncoder:
         self.rope = rope_methods.resolve(self.source.cache, cfg, calibration)
         s1, s2, b1, b2 = (np.zeros((L, 2, C), np.float64) for _ in range(4))
         r1, r2, rb1, rb2 = (np.zeros((L, 2, C), np.float64) for _ in range(4))
+        # the fixed-point rotation's values: summed in transform.STATS_GROUP's tree (the GPU's)
+        groups = [np.empty((L, 2, STATS_GROUP, C)) for _ in range(2)] if self.fixed is not None else None
         for t0, t1 in self.bounds:
             src, shift, rot = self._values(t0, t1, check)
-            k2.transform_stats_carry(src, rot, sink, t0, T, s1, s2, b1, b2, shift)
+            if groups is not None:
+                k2.transform_stats_tree(src, rot, sink, t0, T, s1, s2, b1, b2, *groups, shift)
+            else:
+                k2.transform_stats_carry(src, rot, sink, t0, T, s1, s2, b1, b2, shift)
             if self.rope is not None:  # the keys as the model has them (step_params' rms_sums)
                 osrc, oshift = self._source_bits(t0, t1)
                 k2.transform_stats_carry(osrc[:, :1], _NO_ROTATION, sink, t0, T, r1, r2, rb1, rb2, oshift)

@@ -337,7 +337,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
         rope_sums, rope_done = (_raw_key_sums(words, itemsize, dt, sink, dev) if rope is not None
                                 else (None, None))
         vitem, fmt = itemsize, _FMT[dt]
-        x32 = None
+        x32 = part = None  # part: the statistics blocks' sums, when a pass made them
         fixed_rot = bool(rot_h.size) and tc.FIXED_ROTATION
         digits = _matmul_digits(rot_h, digest, dev, False) if fixed_rot else None
         # The matrix units' rotation turns the keys back in the pass that finds its rows' exponents
@@ -378,9 +378,11 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
             y[:, :, :sink].zero_()  # the sink tokens' rows: read by no kernel, but never garbage
             if digits is not None:
                 # rows, integer product and values in one pass on the matrix units (the keys turned
-                # back by their RoPE in the pass before it)
+                # back by their RoPE in the pass before it), and the values' block sums with them
                 angles = _rope_angles(rope, sink, T, dev) if rope_in_pass else None
-                fm.rotate_rows(x32.contiguous(), digits[0], sink, y, rope=angles)
+                part = _empty((2, L, 2, -(-T // STATS_BLOCK), C), torch.float64, dev)
+                if not fm.rotate_rows(x32.contiguous(), digits[0], sink, y, rope=angles, stats=(part[0], part[1])):
+                    part = None
                 del angles
             else:
                 Xr = _empty((L, 2, T - sink, C), torch.float64, dev)
@@ -409,10 +411,14 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
             wv = y.view(torch.int64)
             qv = q.view(_TORCH_WORD[V])
             _mark("rotation")
-        NB = -(-T // STATS_BLOCK)
-        part = _empty((2, L, 2, NB, C), torch.float64, dev)
         sums = _empty((2, L, 2, C), torch.float64, dev)
-        k.transform_stats(_nb(wv), vitem, fmt, sink, _nb(part[0]), _nb(part[1]), _nb(sums[0]), _nb(sums[1]))
+        if part is not None:  # the product's block sums
+            k.reduce_stats(_nb(part[0]), _nb(part[1]), _nb(sums[0]), _nb(sums[1]))
+        else:
+            part = _empty((2, L, 2, -(-T // STATS_BLOCK), C), torch.float64, dev)
+            k.transform_stats(_nb(wv), vitem, fmt, sink, _nb(part[0]), _nb(part[1]), _nb(sums[0]), _nb(sums[1]),
+                              tree=fixed_rot)  # the fixed-point rotation's values: transform.STATS_GROUP's tree
+        del part
         if rope is not None:
             # The keys' own sums, for their step (and the finiteness check); the values' RMS from
             # their coded sums (methods/transform.step_params).
