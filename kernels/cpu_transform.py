@@ -577,26 +577,46 @@ def rotate_rows(src, shift, rot, y):
         _fill_rows(src[l, kv], shift, rot[l, kv], t, n, y[l, kv, t : t + n], np.empty(C, np.float64))
 
 
+#: Channels a group's tree takes at a time (its two [STATS_GROUP / 2, TREE_TILE] float64 tiles
+#: stay in the L1 cache).
+TREE_TILE = 64
+
+
 @njit(**_FAST)
-def _pair_tree(g, n):
-    """g[0] = the pairwise tree of adjacent pairs over rows 0 .. n - 1 of g (n a power of two;
-    transform.STATS_GROUP), in place."""
-    C = g.shape[1]
-    while n > 1:
-        n //= 2
-        for i in range(n):  # row i is written after rows 2i and 2i + 1 (>= i) are read
-            a = g[2 * i]
-            b = g[2 * i + 1]
-            out = g[i]
-            for c in range(C):
-                out[c] = a[c] + b[c]
+def _close_group(g, o1, o2, t1, t2):
+    """o1 += the pairwise tree of adjacent pairs down the rows of g (float32 [STATS_GROUP, C]),
+    o2 += that of their squares (transform.STATS_GROUP), TREE_TILE channels at a time: the first
+    level from g into the scratch tiles t1 / t2 [STATS_GROUP / 2, TREE_TILE], the rest in place."""
+    G, C = g.shape
+    for c0 in range(0, C, TREE_TILE):
+        w = min(TREE_TILE, C - c0)
+        for i in range(G // 2):
+            a = g[2 * i, c0 : c0 + w]
+            b = g[2 * i + 1, c0 : c0 + w]
+            u1 = t1[i]
+            u2 = t2[i]
+            for c in range(w):
+                x = np.float64(a[c])
+                y = np.float64(b[c])
+                u1[c] = x + y
+                u2[c] = x * x + y * y  # (each square exact in float64)
+        n = G // 2
+        while n > 1:
+            n //= 2
+            for i in range(n):  # row i is written after rows 2i and 2i + 1 (>= i) are read
+                for c in range(w):
+                    t1[i, c] = t1[2 * i, c] + t1[2 * i + 1, c]
+                    t2[i, c] = t2[2 * i, c] + t2[2 * i + 1, c]
+        for c in range(w):
+            o1[c0 + c] += t1[0, c]
+            o2[c0 + c] += t2[0, c]
 
 
 @njit(parallel=True, **_FAST)
-def transform_stats_tree(src, rot, sink, t_first, num_tokens, s1, s2, b1, b2, g1, g2, shift=0):
+def transform_stats_tree(src, rot, sink, t_first, num_tokens, s1, s2, b1, b2, group, shift=0):
     """transform_stats_carry's sums in the order of transform.STATS_GROUP (the fixed-point
-    rotation's values): g1 / g2 float64 [L, P, STATS_GROUP, C] carry the open group's values and
-    squares between slabs (their content before the first slab does not matter)."""
+    rotation's values): ``group`` float32 [L, P, STATS_GROUP, C] carries the open group's values
+    between slabs (its content before the first slab does not matter)."""
     L, P, Tx, C = src.shape
     G = STATS_GROUP
     for p in prange(L * P):
@@ -604,12 +624,13 @@ def transform_stats_tree(src, rot, sink, t_first, num_tokens, s1, s2, b1, b2, g1
         kv = p % P
         y = np.empty((ROT_ROWS, C), np.float64)
         r64 = np.empty(C, np.float64)
+        t1 = np.empty((G // 2, TREE_TILE), np.float64)
+        t2 = np.empty((G // 2, TREE_TILE), np.float64)
         a1 = s1[l, kv]
         a2 = s2[l, kv]
         o1 = b1[l, kv]
         o2 = b2[l, kv]
-        q1 = g1[l, kv]
-        q2 = g2[l, kv]
+        g = group[l, kv]
         i0 = min(max(sink - t_first, 0), Tx)  # tokens below the sink are not counted
         while i0 < Tx:
             n = min(ROT_ROWS, Tx - i0)
@@ -618,23 +639,14 @@ def transform_stats_tree(src, rot, sink, t_first, num_tokens, s1, s2, b1, b2, g1
                 t = t_first + i0 + b
                 i = t % G
                 if t == max(sink, t - i):  # the group's first counted token: the rows before it are +0.0
-                    for r in range(i):
-                        q1[r, :] = 0.0
-                        q2[r, :] = 0.0
+                    g[:i] = 0.0
                 yb = y[b]
+                gi = g[i]
                 for c in range(C):
-                    v = np.float64(np.float32(yb[c]))
-                    q1[i, c] = v
-                    q2[i, c] = v * v
+                    gi[c] = np.float32(yb[c])
                 if i == G - 1 or t == num_tokens - 1:
-                    for r in range(i + 1, G):  # past the end
-                        q1[r, :] = 0.0
-                        q2[r, :] = 0.0
-                    _pair_tree(q1, G)
-                    _pair_tree(q2, G)
-                    for c in range(C):
-                        o1[c] += q1[0, c]
-                        o2[c] += q2[0, c]
+                    g[i + 1 :] = 0.0  # past the end
+                    _close_group(g, o1, o2, t1, t2)
                 if (t + 1) % STATS_BLOCK == 0 or t == num_tokens - 1:
                     for c in range(C):
                         a1[c] += o1[c]

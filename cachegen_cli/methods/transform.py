@@ -395,11 +395,11 @@ class _SlabEncoder:
         s1, s2, b1, b2 = (np.zeros((L, 2, C), np.float64) for _ in range(4))
         r1, r2, rb1, rb2 = (np.zeros((L, 2, C), np.float64) for _ in range(4))
         # the fixed-point rotation's values: summed in transform.STATS_GROUP's tree (the GPU's)
-        groups = [np.empty((L, 2, STATS_GROUP, C)) for _ in range(2)] if self.fixed is not None else None
+        group = np.empty((L, 2, STATS_GROUP, C), np.float32) if self.fixed is not None else None
         for t0, t1 in self.bounds:
             src, shift, rot = self._values(t0, t1, check)
-            if groups is not None:
-                k2.transform_stats_tree(src, rot, sink, t0, T, s1, s2, b1, b2, *groups, shift)
+            if group is not None:
+                k2.transform_stats_tree(src, rot, sink, t0, T, s1, s2, b1, b2, group, shift)
             else:
                 k2.transform_stats_carry(src, rot, sink, t0, T, s1, s2, b1, b2, shift)
             if self.rope is not None:  # the keys as the model has them (step_params' rms_sums)
