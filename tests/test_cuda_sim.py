@@ -271,8 +271,7 @@ def test_device_stats_in_groups_match_the_cpu(sink):
                               .view(np.int32).reshape(L, 2, T, C // 2), 1,
                               ((x.view(np.uint32) >> 16) << 16).view(np.float32))):
         want = [np.zeros((L, 2, C)) for _ in range(4)]
-        ct.transform_stats_tree(np.ascontiguousarray(vals).view(np.uint32), np.zeros((0, 0, 0, 0, 0), np.float32),
-                                sink, 0, T, *want, np.zeros((L, 2, STATS_GROUP, C), np.float32))
+        ct.transform_stats_tree(np.ascontiguousarray(vals), sink, 0, T, *want, np.zeros((L, 2, STATS_GROUP, C), np.float32))
         got = {}
         for tree in (True, False):
             part = np.zeros((2, L, 2, nb, C))

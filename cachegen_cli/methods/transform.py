@@ -398,8 +398,8 @@ class _SlabEncoder:
         group = np.empty((L, 2, STATS_GROUP, C), np.float32) if self.fixed is not None else None
         for t0, t1 in self.bounds:
             src, shift, rot = self._values(t0, t1, check)
-            if group is not None:
-                k2.transform_stats_tree(src, rot, sink, t0, T, s1, s2, b1, b2, group, shift)
+            if group is not None:  # (src: fixed_rotate's float32 bits)
+                k2.transform_stats_tree(src.view(np.float32), sink, t0, T, s1, s2, b1, b2, group)
             else:
                 k2.transform_stats_carry(src, rot, sink, t0, T, s1, s2, b1, b2, shift)
             if self.rope is not None:  # the keys as the model has them (step_params' rms_sums)
