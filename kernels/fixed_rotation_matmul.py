@@ -376,10 +376,13 @@ if triton is not None:
         tiles are BM tokens by absolute position, SB // BM of them a statistics block of SB; a
         program takes whole blocks (blocks i, i + P, ...) and their tiles in token order, so that
         (STATS, BM = transform.STATS_GROUP) it can sum its outputs' float32 values as
-        cpu_transform.transform_stats_tree does, written to s1 / s2 [planes, blocks, C].  (Summed
-        in token order instead, the tile read back a row at a time after a barrier, the product
-        took 3.30 ms against 2.72 for the tree and 2.36 without sums: H100, build-only script,
-        2026-12-07.)"""
+        cpu_transform.transform_stats_tree does, written to s1 / s2 [planes, blocks, C].  Why a
+        tree: a sum in registers in token order is not something Triton can be asked for (its
+        reductions pick their own order), and the tile read back a row at a time after a barrier
+        cost more than the separate pass it replaced (a scratch script on an H100, 2026-12-07:
+        3.30 ms with the read-back sums, 2.72 with the tree, 2.36 without sums, 2.22 + 0.91 for
+        the kernel before this one and the pass; benchmarks/rotation_stats.py times the kept
+        variants)."""
         p, h, n0, r0, r1 = _kept_tiles(r_ptr, plane_digits, P0, PS, H, D, DP, BN)
         ks = tl.arange(0, DP)
         ns = tl.arange(0, BN)
