@@ -501,17 +501,24 @@ def _value_mask(B):
     return (1 << B) - 1 if B < 64 else -1
 
 
+@cuda.jit(device=True)
+def _stats_thread(i, L, CW, part1):
+    """(live, layer, plane, block, word) of thread i of a statistics launch over part1 [L, P,
+    blocks, C]: P planes a layer summed, both or (1) its keys alone."""
+    P = part1.shape[1]
+    NB = part1.shape[2]
+    l, kv, b, cw = _word_thread_of(i, P, NB, CW)
+    return i < L * P * NB * CW, l, kv, b, cw
+
+
 def _make_stats_partial(V, B):
     vmask = _value_mask(B)
 
     @jit_kernel
     def kernel(wf, L, T, CW, fmt, sink, part1, part2):
-        i = cuda.grid(1)
-        P = part1.shape[1]  # planes a layer summed: both, or (1) its keys alone
-        NB = part1.shape[2]
-        if i >= L * P * NB * CW:
+        live, l, kv, b, cw = _stats_thread(cuda.grid(1), L, CW, part1)
+        if not live:
             return
-        l, kv, b, cw = _word_thread_of(i, P, NB, CW)
         p = 2 * l + kv
         s1 = cuda.local.array(V, np.float64)
         s2 = cuda.local.array(V, np.float64)
@@ -552,12 +559,9 @@ def _make_stats_partial_tree(V, B):
 
     @jit_kernel
     def kernel(wf, L, T, CW, fmt, sink, part1, part2):
-        i = cuda.grid(1)
-        P = part1.shape[1]
-        NB = part1.shape[2]
-        if i >= L * P * NB * CW:
+        live, l, kv, b, cw = _stats_thread(cuda.grid(1), L, CW, part1)
+        if not live:
             return
-        l, kv, b, cw = _word_thread_of(i, P, NB, CW)
         p = 2 * l + kv
         s1 = cuda.local.array(V, np.float64)
         s2 = cuda.local.array(V, np.float64)
