@@ -9,7 +9,8 @@ only measured against a baseline run on the same machine, alternated to spread t
 
 Each tree runs its own ``benchmarks/bench_device.py`` with its own package first on the import
 path, and ``cachegen_cli/kernels`` must point at its top-level ``kernels/`` (``--link`` makes that
-symbolic link where it is missing; without it, an installed package would lend its own kernels).  ``--summarize`` prints
+symbolic link where it is missing, and links ``sample_data/`` to the other tree's in a tree exported
+without it; without it, an installed package would lend its own kernels).  ``--summarize`` prints
 the table again from the JSONs an earlier call left in --out.
 """
 
@@ -37,6 +38,18 @@ def link_kernels(tree: Path) -> None:
     target = tree / "cachegen_cli" / "kernels"
     if not target.exists() and not target.is_symlink():
         target.symlink_to(Path("..") / "kernels")
+
+
+def link_sample(tree: Path, others: list[Path]) -> None:
+    """sample_data -> the first of ``others``' sample_data/ in ``tree`` when it has none (a tree
+    exported with ``git archive`` of the code alone; bench_device.py builds its cache from it)."""
+    target = tree / "sample_data"
+    if target.exists() or target.is_symlink():
+        return
+    for other in others:
+        if (other / "sample_data").is_dir():
+            target.symlink_to((other / "sample_data").resolve())
+            return
 
 
 def bench_command(tree: Path, json_path: Path, args) -> list[str]:
@@ -106,7 +119,8 @@ def main(argv=None) -> int:
     p.add_argument("--check-tokens", type=int, default=64)
     p.add_argument("--extra", default="", help="more arguments for bench_device.py (both trees)")
     p.add_argument("--timeout", type=int, default=300, help="seconds a run may take")
-    p.add_argument("--link", action="store_true", help="link cachegen_cli/kernels in a tree that lacks it")
+    p.add_argument("--link", action="store_true",
+                   help="link cachegen_cli/kernels, and sample_data/ to the other tree's, in a tree that lacks them")
     p.add_argument("--summarize", action="store_true", help="only print the table of the JSONs in --out")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
@@ -120,9 +134,14 @@ def main(argv=None) -> int:
                 return 1
             if a.link:
                 link_kernels(tree)
+                link_sample(tree, [t for t in trees.values() if t != tree])
             if not (tree / "cachegen_cli" / "kernels").exists():
                 # (an installed package would otherwise lend the tree its own kernels)
                 print(f"error: {tag} tree {tree} has no cachegen_cli/kernels: pass --link", file=sys.stderr)
+                return 1
+            if not (tree / "sample_data").is_dir():
+                print(f"error: {tag} tree {tree} has no sample_data/ (bench_device.py's cache): pass --link, "
+                      "with the other tree holding it", file=sys.stderr)
                 return 1
         for tag, r in run_order(a.rounds):
             tree = trees[tag]

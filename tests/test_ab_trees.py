@@ -57,3 +57,7 @@ def test_refuses_missing_trees_and_empty_results(tmp_path, capsys):
     assert "has no cachegen_cli/kernels: pass --link" in capsys.readouterr().err
     ab.link_kernels(tree)
     assert (tree / "cachegen_cli" / "kernels").resolve() == (tree / "kernels").resolve()
+    assert ab.main(["--out", str(tmp_path / "o"), "--old", str(tree), "--new", str(tree)]) == 1
+    assert "has no sample_data/" in capsys.readouterr().err
+    ab.link_sample(tree, [tmp_path / "elsewhere", ROOT])
+    assert (tree / "sample_data").resolve() == (ROOT / "sample_data").resolve()
