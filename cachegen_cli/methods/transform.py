@@ -260,7 +260,7 @@ class _SlabEncoder:
         self.buf = None if self.single else SlabBuffers()
         check = source.finite_check()
         self.rope = None  # the RoPE removed from the keys (_prepare_transform)
-        self.fixed = None  # the fixed-point rotation's blocks (torch float64), when it is the one used
+        self.fixed = None  # the fixed-point rotation's blocks (torch: int8 digit blocks, or float64), when used
         if self.lossless:
             self.nraw = ITEMSIZE[cache.dtype_name] - 1
             params, sink = self._prepare_lossless(check), 0
@@ -390,7 +390,8 @@ class _SlabEncoder:
         self.sink = sink = min(cfg.sink_tokens, T)
         self.rot, digest = encoder_rotation(calibration, L, C)
         if self.rot.size and FIXED_ROTATION:
-            self.fixed = fixed_kernels.fixed_matrix_kept(self.rot, digest, False)
+            # int8 digit blocks where torch multiplies int8 matrices (the same bits, several times faster)
+            self.fixed = fixed_kernels.fixed_matrix_kept(self.rot, digest, False, fixed_kernels.int8_products())
         self.rope = rope_methods.resolve(self.source.cache, cfg, calibration)
         s1, s2, b1, b2 = (np.zeros((L, 2, C), np.float64) for _ in range(4))
         r1, r2, rb1, rb2 = (np.zeros((L, 2, C), np.float64) for _ in range(4))
@@ -696,7 +697,7 @@ class V2SlabDecoder:
         self.word = np.uint16 if self.itemsize == 2 else np.uint32
         self.buf = SlabBuffers()
         self.sink = None
-        self.fixed_t = None  # the fixed-point rotation's transposed blocks (torch float64), flags bit 3
+        self.fixed_t = None  # the fixed-point rotation's transposed blocks (torch: int8 digit blocks, or float64), flags bit 3
         if h.method == METHOD_TRANSFORM:
             self.offsets = bf16_values(p.offsets).astype(np.float32)
             self.steps = bf16_values(p.steps)
@@ -704,9 +705,11 @@ class V2SlabDecoder:
                 # The levels q' decode alone (step 1, offset 0: exact), then the integer product
                 # and the offsets carried through it (kernels/fixed_rotation).
                 self.unit_offsets, self.unit_steps = np.zeros_like(self.offsets), np.ones_like(self.steps)
-                self.fixed_t = fixed_kernels.fixed_matrix_kept(rot, p.calibration, True)
+                rint_t = fixed_kernels.fixed_matrix_kept(rot, p.calibration, True)
                 self.fixed_b = np.empty((L, 2, C), np.float64)
-                fixed_kernels.offset_sums(self.offsets, self.fixed_t.numpy(), self.fixed_b)
+                fixed_kernels.offset_sums(self.offsets, rint_t.numpy(), self.fixed_b)
+                self.fixed_t = (fixed_kernels.fixed_matrix_kept(rot, p.calibration, True, True)
+                                if fixed_kernels.int8_products() else rint_t)
                 self.rot_t = _NO_ROTATION
             if h.sink_tokens:
                 self.sink = np.ascontiguousarray(p.sink).reshape(-1).view(self.word).reshape(L, 2, h.sink_tokens, C)
@@ -764,14 +767,16 @@ class V2SlabDecoder:
             # x' straight to bfloat16 words (the rounding of _store, in the same pass)
             tmp = self.buf.get("f32", (L, 2, Ts, C), np.float32)
             k2.decode_transform_planes(*args, tmp, 0, False)
-            fixed_kernels.unrotate_values(tmp, self.fixed_t, self.steps, self.fixed_b, sink, out, t_out)
+            fixed_kernels.unrotate_values(tmp, self.fixed_t, self.steps, self.fixed_b, sink, out, t_out,
+                                           first_refined)
         elif fixed or p.rope is not None:
             # float32 values (x' through the fixed-point rotation; the keys turned back by their
             # RoPE), then the source dtype, saturating
             tmp = self.buf.get("f32", (L, 2, Ts, C), np.float32)
             k2.decode_transform_planes(*args, tmp, 0, False)
             if fixed:
-                fixed_kernels.unrotate_values(tmp, self.fixed_t, self.steps, self.fixed_b, sink, tmp)
+                fixed_kernels.unrotate_values(tmp, self.fixed_t, self.steps, self.fixed_b, sink, tmp, None,
+                                               first_refined)
             if p.rope is not None:
                 rope_kernels.turn_keys(tmp, p.rope.inv_freq, p.rope, T0, h.sink_tokens, True)
             self._store(tmp, sink, out, t_out, Ts)
