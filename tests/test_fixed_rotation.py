@@ -197,3 +197,98 @@ def test_fixed_values_bf16_is_fixed_values_then_store_values():
     np.testing.assert_array_equal(got, want)
     assert not ((got & 0x7FFF) == 0x7F80).any()  # no infinity
     assert got[1, 1, t_out + t_first, 0] == 0x3F80  # the tie went to the even neighbour, 1.0
+
+
+# ---- the CPU's product in int8 digits (torch._int_mm): the float64 product's bits
+
+
+needs_int8 = pytest.mark.skipif(not fr.int8_products(), reason="this torch has no CPU int8 matrix product")
+
+
+def test_digit_blocks_rebuild_the_integers_at_the_bounds():
+    g = np.random.default_rng(21)
+    rint = g.integers(-(1 << fr.R_BITS), (1 << fr.R_BITS) + 1, size=(1, 2, 2, 8, 8)).astype(np.float64)
+    rint[0, 0, 0, 0, :4] = [1 << fr.R_BITS, -(1 << fr.R_BITS), 128, -129]
+    d = fr.digit_blocks(torch.from_numpy(rint)).numpy().astype(np.int64)
+    assert d.shape == (1, 2, 2, 8, 16)
+    assert np.array_equal(d[..., :8] + 256 * d[..., 8:], rint.astype(np.int64))
+    assert np.abs(d[..., 8:]).max() <= 64
+
+
+def _rotation(L, H, D, seed):
+    q = np.linalg.qr(np.random.default_rng(seed).standard_normal((L * 2 * H, D, D)))[0]
+    return q.reshape(L, 2, H, D, D).astype(np.float32)
+
+
+@needs_int8
+@pytest.mark.parametrize("H, D, T, t_first", [(2, 16, 23, 3), (1, 32, 9, 0), (4, 8, 17, 5)])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_digit_product_rotates_rows_as_the_float64_product(monkeypatch, H, D, T, t_first, bf16):
+    """rotate_rows with the digit blocks gives the float64 product's bits: rows cut into tiles
+    (DIGIT_ROWS made small), an outlier channel, a row of zeros, a subnormal row, a row whose top
+    value is a power of two (X = +-2^20 exactly)."""
+    monkeypatch.setattr(fr, "DIGIT_ROWS", 4)
+    g = np.random.default_rng(T)
+    C = H * D
+    x = (g.standard_normal((2, 2, T, C)) * 3).astype(np.float32)
+    x[..., 1] *= 300.0
+    x[0, 0, t_first] = 0.0
+    x[0, 1, t_first] = np.float32(1e-40)
+    x[1, 0, -1, :2] = [-4.0, 3.999]
+    src = torch.from_numpy(x).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16) if bf16 else x
+    rint = torch.from_numpy(fr.fixed_matrix(_rotation(2, H, D, T), False))
+    want = np.zeros_like(x)
+    got = np.zeros_like(x)
+    fr.rotate_rows(src, rint, t_first, want)
+    fr.rotate_rows(src, fr.digit_blocks(rint), t_first, got)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.abs(want[:, :, t_first:]).max() > 0
+
+
+@needs_int8
+@pytest.mark.parametrize("first_refined", [0, 6, 13])
+@pytest.mark.parametrize("bf16_out", [False, True])
+def test_digit_product_decodes_as_the_float64_product(monkeypatch, first_refined, bf16_out):
+    """unrotate_values with the digit blocks: integer levels (one digit) and refined ones (256 q'
+    in three, +-127.5 included), tiles that hold both, in place and into bfloat16 words."""
+    monkeypatch.setattr(fr, "DIGIT_ROWS", 4)
+    g = np.random.default_rng(first_refined)
+    L, H, D, T, t_first = 2, 2, 16, 13, 2
+    C = H * D
+    z = g.integers(-127, 128, (L, 2, T, C)).astype(np.float32)
+    z[:, :, first_refined:] += g.integers(-127, 129, (L, 2, T - first_refined, C)).astype(np.float32) / 256
+    if first_refined < T:
+        z[0, 0, -1, :2] = [127.5, -127.5]
+    z[1, 1, t_first, :] = 127.0
+    steps = np.ldexp(1.0, g.integers(-12, 3, (L, 2))).astype(np.float64)
+    b = g.standard_normal((L, 2, C)) * 5
+    rint_t = torch.from_numpy(fr.fixed_matrix(_rotation(L, H, D, 7), True))
+    digits = fr.digit_blocks(rint_t)
+    if bf16_out:
+        want = np.zeros((L, 2, T + 3, C), np.uint16)
+        got = want.copy()
+        fr.unrotate_values(z, rint_t, steps, b, t_first, want, 3)
+        fr.unrotate_values(z, digits, steps, b, t_first, got, 3, first_refined)
+        assert np.array_equal(got, want)
+        return
+    want = np.zeros_like(z)
+    fr.unrotate_values(z, rint_t, steps, b, t_first, want)
+    got = z.copy()
+    fr.unrotate_values(got, digits, steps, b, t_first, got, None, first_refined)  # in place
+    assert np.array_equal(got[:, :, t_first:].view(np.uint32), want[:, :, t_first:].view(np.uint32))
+
+
+@needs_int8
+def test_files_and_values_are_the_same_without_the_int8_product(monkeypatch):
+    """A whole encode and decode of a calibrated method with the int8 digits and with the float64
+    product (a torch without a CPU int8 product) give the same bytes and values."""
+    g = torch.Generator().manual_seed(13)
+    x = (torch.randn(2, 2, 40, 2, 8, generator=g) * torch.linspace(0.2, 6, 16).view(2, 8)).to(torch.bfloat16)
+    cal = calib.fit([x.reshape(2, 2, 40, 16).float()])
+    kw = dict(quality="high", calibration=cal, chunk_tokens=8, device="cpu")
+    blob = cg.encode(x, **kw)
+    values = cg.decode(blob, calibration=cal, device="cpu")["kv"]
+    monkeypatch.setattr(fr, "_INT8_PRODUCT", [False])
+    monkeypatch.setattr(fr, "_KEPT", {})
+    assert cg.encode(x, **kw) == blob
+    assert torch.equal(cg.decode(blob, calibration=cal, device="cpu")["kv"].view(torch.int16), values.view(torch.int16))
