@@ -7,8 +7,9 @@ memory mapped for the next call) change.
 
     NUMBA_NUM_THREADS=1 python benchmarks/cpu_call_faults.py high+cal/head+rope 1024
 
-The cache is bench.py's (tiled from the real sample); the calibration is bench_all.py's
-head+rope one, fitted on the other sample.
+The cache is bench.py's (tiled from the real sample); the calibration is the method's as
+bench_all.py fits it on the other sample (+cal: one rotation per plane; +cal/head: one block per
+KV head; +cal/head+rope: per head, without SmolLM2's RoPE).
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from bench import build_cache  # noqa: E402
-from bench_all import decode_kwargs, encode_kwargs, tile_calibration_cache  # noqa: E402
+from bench_all import cal_kind, decode_kwargs, encode_kwargs, tile_calibration_cache  # noqa: E402
 from bench_device import SMOL_ROPE  # noqa: E402
 
 import cachegen_cli as cg  # noqa: E402
+from cachegen_cli.methods import calibration  # noqa: E402
 from cachegen_cli.model.calibrate import fit_samples  # noqa: E402
 
 
@@ -36,7 +38,11 @@ def main() -> None:
     method = sys.argv[1] if len(sys.argv) > 1 else "high+cal/head+rope"
     tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 1024
     torch.set_num_threads(1)
-    cal = fit_samples([tile_calibration_cache()], 8, [SMOL_ROPE]) if "+cal" in method else None
+    cal = None
+    if "+cal" in method:  # the method's own calibration, fitted as bench_all.py fits it
+        kind, sample = cal_kind(method), tile_calibration_cache()
+        cal = (fit_samples([sample], 8, [SMOL_ROPE]) if kind == "head_rope"
+               else calibration.fit([sample], blocks=8 if kind == "head" else 1))
     kv = build_cache(tokens)
     n = kv.numel() * kv.element_size()
     ekw, dkw = encode_kwargs(method, cal), decode_kwargs(method, cal)
