@@ -1,0 +1,59 @@
+"""scripts/preset_targets.py's bookkeeping: the attention entropy it reports is the entropy of
+the proxy queries' causal attention (checked against a direct softmax), and its report states
+each preset's spreads and the KL's growth with the context from the rows it is given."""
+
+import importlib.util
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def pt():
+    sys.path.insert(0, str(ROOT / "scripts"))
+    spec = importlib.util.spec_from_file_location("preset_targets", ROOT / "scripts" / "preset_targets.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_attention_entropy_is_the_causal_softmax_entropy(pt):
+    from cachegen_cli.model.tune import AttentionMeasure
+
+    g = torch.Generator().manual_seed(3)
+    L, T, H, D = 2, 40, 2, 8
+    cache = torch.randn(L, 2, T, H * D, generator=g)
+    m = AttentionMeasure(cache, H, D, queries=5)
+    want, n = 0.0, 0
+    for l in range(L):
+        k = cache[l, 0].reshape(T, H, D).transpose(0, 1)
+        for i, p in enumerate(m.pos.tolist()):
+            for h in range(H):
+                s = k[h, :p] @ k[h, p] / math.sqrt(D)
+                prob = torch.softmax(s.double(), 0)
+                want += float(-(prob * prob.log()).sum())
+                n += 1
+    assert pt.attention_entropy(m, cache) == pytest.approx(want / n, rel=1e-5)
+
+
+def _row(text, ctx, q, kl, attn, rel=0.01):
+    return dict(text=text, context=ctx, quality=q, bits_per_value=3.0, kl=kl, top1=0.97, attention_error=attn,
+                rel_err=rel, attention_entropy=2.0)
+
+
+def test_report_states_spreads_and_growth(pt, capsys):
+    rows = [_row("a", 1024, "high", 1e-3, 0.1), _row("b", 1024, "high", 4e-3, 0.2),
+            _row("a", 4096, "high", 3e-3, 0.1, rel=0.02), _row("a", 1024, "small", 2e-2, 0.3)]
+    pt.report(rows)
+    out = capsys.readouterr().out
+    high = out.split("`--quality small`")[0]
+    assert "3 caches, KL geometric mean %.2e" % (12e-9) ** (1 / 3) in high
+    assert "KL 4.00x, attention error² 4.00x, relative squared error 2.00x" in high
+    assert "KL at 4096 / KL at 1024 tokens: a 3.00x." in high
+    assert "| b | 1024 | 3.000 | 4.00e-03 |" in high
+    assert "1 caches, KL geometric mean 2.00e-02" in out.split("`--quality small`")[1]
