@@ -556,6 +556,7 @@ def _make_stats_partial_tree(V, B):
     vmask = _value_mask(B)
     G = STATS_GROUP
     LEVELS = G.bit_length()  # G a power of two: levels 0 .. log2(G)
+    STACK = LEVELS * V  # a closure constant: cuda.local.array takes no expression of them
 
     @jit_kernel
     def kernel(wf, L, T, CW, fmt, sink, part1, part2):
@@ -565,8 +566,8 @@ def _make_stats_partial_tree(V, B):
         p = 2 * l + kv
         s1 = cuda.local.array(V, np.float64)
         s2 = cuda.local.array(V, np.float64)
-        st1 = cuda.local.array(LEVELS * V, np.float64)
-        st2 = cuda.local.array(LEVELS * V, np.float64)
+        st1 = cuda.local.array(STACK, np.float64)
+        st2 = cuda.local.array(STACK, np.float64)
         for j in range(V):
             s1[j] = 0.0
             s2[j] = 0.0
