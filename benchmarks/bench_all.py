@@ -109,6 +109,12 @@ def decode_kwargs(method: str, cal) -> dict:
 
 # ---------------------------------------------------------------- machine facts
 
+def _int8_products() -> bool:
+    from cachegen_cli.kernels.fixed_rotation import int8_products
+
+    return bool(int8_products())
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -117,6 +123,23 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+#: /proc/cpuinfo flags that decide how fast the CPU's int8 rotation product runs (oneDNN's int8 GEMM
+#: behind torch._int_mm uses VNNI or AMX where the CPU has them)
+MATRIX_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "amx_tile")
+
+
+def cpu_matrix_flags() -> list[str]:
+    """The MATRIX_FLAGS this machine's first CPU lists."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in MATRIX_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
 
 
 def usable_cpus() -> list[int]:
@@ -644,7 +667,9 @@ def main(argv: list[str] | None = None) -> int:
             "numpy": package_version("numpy"), "git_commit": git_commit(), "command": shlex.join(sys.argv),
             "argv": list(sys.argv[1:] if argv is None else argv), "gpu": None,
             # whether torch backs large CPU tensors with huge pages (read at its start; the children inherit it)
-            "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE")}
+            "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE"),
+            # which product the CPU's fixed-point rotation uses here (int8 digits, else float64)
+            "cpu_matrix_flags": cpu_matrix_flags(), "cpu_int8_product": _int8_products()}
     results = {"info": info, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                "devices": devices, "gpu_na": gpu_na, "measurements": []}
     with tempfile.TemporaryDirectory(prefix="bench_all_") as work:
