@@ -552,45 +552,51 @@ def _make_stats_partial_tree(V, B):
     """_make_stats_partial's block sums in transform.STATS_GROUP's order (the fixed-point
     rotation's values): each group of STATS_GROUP tokens by the pairwise tree of adjacent pairs,
     kept as a binary counter's stack (level k holds the sum of the last 2^k tokens' subtree),
-    the group sums added in order.
-
-    The source is written out for one group, token by token: which subtrees token r closes (the
-    trailing ones of r) is known when the kernel is written, so every level of the stack is a
-    scalar (registers), and every load is unconditional (a token before the sink or past the end
-    reads a word of the plane and counts as +0.0), so the compiler can issue the group's loads
-    ahead of its sums.  (A first version walked the stack as a local array with the levels
-    found at run time: 2.8 ms for the full rotation's 2.1 GB of float32 values on an H100,
-    against ~0.9 for the token-order pass; docs/benchmarks.md, 2026-12-07.)"""
+    the group sums added in order."""
+    vmask = _value_mask(B)
     G = STATS_GROUP
     LEVELS = G.bit_length()  # G a power of two: levels 0 .. log2(G)
-    js = range(V)
-    src = [
-        "def kernel(wf, L, T, CW, fmt, sink, part1, part2):",
-        "    live, l, kv, b, cw = _stats_thread(cuda.grid(1), L, CW, part1)",
-        "    if not live:",
-        "        return",
-        "    p = 2 * l + kv",
-        "    last = T - 1",
-        *[f"    s1_{j} = 0.0\n    s2_{j} = 0.0" for j in js],
-        "    for g in range(b * STATS_BLOCK, min(T, (b + 1) * STATS_BLOCK), G):",
-    ]
-    for r in range(G):
-        src += [f"        t = g + {r}",
-                "        w = np.int64(wf[(p * T + min(t, last)) * CW + cw])",
-                "        if t < sink or t > last:  # counts as +0.0",
-                "            w = np.int64(0)"]
-        closes = (~r & (r + 1)).bit_length() - 1  # the trailing ones of r: the subtrees r completes
-        for j in js:
-            src += [f"        a = np.float64(_word_value((w >> {B * j}) & VMASK, fmt))", "        q = a * a"]
-            for k in range(closes):  # left + right, as the CPU's
-                src += [f"        a = st1_{k}_{j} + a", f"        q = st2_{k}_{j} + q"]
-            src += [f"        st1_{closes}_{j} = a", f"        st2_{closes}_{j} = q"]
-    src += [f"        s1_{j} += st1_{LEVELS - 1}_{j}\n        s2_{j} += st2_{LEVELS - 1}_{j}" for j in js]
-    src += [f"    part1[l, kv, b, cw * {V} + {j}] = s1_{j}\n    part2[l, kv, b, cw * {V} + {j}] = s2_{j}" for j in js]
-    env = {"cuda": cuda, "np": np, "G": G, "STATS_BLOCK": STATS_BLOCK, "VMASK": _value_mask(B),
-           "_stats_thread": _stats_thread, "_word_value": _word_value}
-    exec(compile("\n".join(src), f"<stats tree V={V} B={B}>", "exec"), env)
-    return jit_kernel(env["kernel"])
+    STACK = LEVELS * V  # a closure constant: cuda.local.array takes no expression of them
+
+    @jit_kernel
+    def kernel(wf, L, T, CW, fmt, sink, part1, part2):
+        live, l, kv, b, cw = _stats_thread(cuda.grid(1), L, CW, part1)
+        if not live:
+            return
+        p = 2 * l + kv
+        s1 = cuda.local.array(V, np.float64)
+        s2 = cuda.local.array(V, np.float64)
+        st1 = cuda.local.array(STACK, np.float64)
+        st2 = cuda.local.array(STACK, np.float64)
+        for j in range(V):
+            s1[j] = 0.0
+            s2[j] = 0.0
+        for g in range(b * STATS_BLOCK, min(T, (b + 1) * STATS_BLOCK), G):
+            for r in range(G):
+                t = g + r
+                w = np.int64(0)
+                if sink <= t and t < T:  # others count as +0.0
+                    w = np.int64(wf[(p * T + t) * CW + cw])
+                for j in range(V):
+                    a = np.float64(_word_value((w >> (B * j)) & vmask, fmt))
+                    q = a * a
+                    k = 0
+                    m = r
+                    while m & 1:  # close the subtrees this token completes (left + right)
+                        a = st1[k * V + j] + a
+                        q = st2[k * V + j] + q
+                        k += 1
+                        m >>= 1
+                    st1[k * V + j] = a
+                    st2[k * V + j] = q
+            for j in range(V):
+                s1[j] += st1[(LEVELS - 1) * V + j]
+                s2[j] += st2[(LEVELS - 1) * V + j]
+        for j in range(V):
+            part1[l, kv, b, cw * V + j] = s1[j]
+            part2[l, kv, b, cw * V + j] = s2[j]
+
+    return kernel
 
 
 @jit_kernel
