@@ -26,6 +26,22 @@ SAMPLE_STACKED = ROOT / "sample_data" / "smollm2_pydoc_520.safetensors"
 SAMPLE_PER_LAYER = ROOT / "sample_data" / "smollm2_code_96.safetensors"
 
 
+def load_script(relative: str, name: str):
+    """The module of a script of the repository (``benchmarks/x.py``, ``scripts/y.py``), loaded
+    from its file under ``name`` (they are not a package); its folder goes on sys.path first, for
+    the scripts that import their neighbours."""
+    import importlib.util
+    import sys
+
+    path = ROOT / relative
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def realistic_kv(layers=3, tokens=40, heads=2, head_dim=8, dtype=torch.bfloat16, seed=0) -> torch.Tensor:
     """[layers, 2, tokens, heads, head_dim] with locality, outlier channels and a sink token."""
     g = torch.Generator().manual_seed(seed)

@@ -3,18 +3,16 @@ JSONs of bench_device.py, and its refusals."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
+
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _ab():
-    spec = importlib.util.spec_from_file_location("ab_trees_under_test", ROOT / "benchmarks" / "ab_trees.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/ab_trees.py", "ab_trees_under_test")
 
 
 def _result(enc, dec, stats_ms, same=True):

@@ -4,7 +4,6 @@ they name (docs/results/*.json): no GPU, no model, only the JSON files and the p
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import re
 import shlex
@@ -12,15 +11,14 @@ from pathlib import Path
 
 import pytest
 
+from conftest import load_script
+
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 
 def _report():
-    spec = importlib.util.spec_from_file_location("bench_report_under_test", ROOT / "benchmarks" / "report.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("benchmarks/report.py", "bench_report_under_test")
 
 
 def _paragraph(start: str) -> str:

@@ -6,7 +6,6 @@ limit."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = int(os.environ.get("CACHEGEN_FUZZ_CASES", "3000"))
@@ -34,10 +35,7 @@ def rss_bound(limit: int) -> int:
 
 
 def _fuzz():
-    spec = importlib.util.spec_from_file_location("cachegen_fuzz", ROOT / "scripts" / "fuzz.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/fuzz.py", "cachegen_fuzz")
 
 
 @pytest.fixture(scope="module")

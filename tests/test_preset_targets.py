@@ -2,24 +2,17 @@
 the proxy queries' causal attention (checked against a direct softmax), and its report states
 each preset's spreads and the KL's growth with the context from the rows it is given."""
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def pt():
-    sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("preset_targets", ROOT / "scripts" / "preset_targets.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/preset_targets.py", "preset_targets")
 
 
 def test_attention_entropy_is_the_causal_softmax_entropy(pt):

@@ -4,24 +4,17 @@ the one command, commit, mode and results file that produced it."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def qr():
     pytest.importorskip("transformers")  # the script imports the eval modules
-    sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("quality_report_under_test", ROOT / "scripts" / "quality_report.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/quality_report.py", "quality_report_under_test")
 
 
 def test_sources_cover_package_kernels_and_script_once(qr):

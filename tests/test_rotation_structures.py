@@ -2,25 +2,17 @@
 rotation (so the encoder's full-calibration path measures what the structure would code),
 its stages do what their cost formulas assume, and the RoPE removal is inverted exactly."""
 
-import importlib.util
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def rs():
-    import sys
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    spec = importlib.util.spec_from_file_location("rotation_structures", ROOT / "scripts" / "rotation_structures.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("scripts/rotation_structures.py", "rotation_structures")
 
 
 def _cov(C: int, seed: int = 0) -> np.ndarray:
