@@ -17,12 +17,19 @@ calibration), and the script records:
   relative error of attention outputs), the relative squared error of the values, and the mean
   entropy of the proxy queries' attention (a sharper attention might amplify key errors).
 
-It prints, per preset, every cache's KL against the preset's geometric mean over the caches (the
+With ``--calibrated`` each cache is also coded as ``cachegen calibrate`` would let a user code it,
+with a calibration fitted on the *other* texts' 1024-token caches (leave one out; the default kind:
+one block per KV head on the keys without their RoPE), without and with those texts' per-plane
+sensitivities (``cachegen calibrate --sensitivity``: the model's Fisher information, averaged):
+whether what the model says about other texts narrows the spread on this one.
+
+It prints, per preset (and variant), every cache's KL against its geometric mean over the caches (the
 spread a fixed step leaves), each candidate predictor's spread, the KL per unit of each
 predictor's squared error (a predictor that explains the KL keeps this ratio flat), and the KL's
 growth from the shorter context to the longer per text.  ``--json`` writes the rows.
 
     python scripts/preset_targets.py --contexts 1024,4096 --json docs/results/DATE_preset_targets.json
+    python scripts/preset_targets.py --contexts 1024,4096 --calibrated --json ...   # + the calibrated variants
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ import platform
 import subprocess
 import sys
 import time
+from dataclasses import replace
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -44,11 +52,19 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import torch  # noqa: E402
 
 import cachegen_cli as cg  # noqa: E402
-from cachegen_cli.model import capture, evaluate  # noqa: E402
+from cachegen_cli.methods import rope as rope_methods  # noqa: E402
+from cachegen_cli.methods.config import QUALITY_PRESETS  # noqa: E402
+from cachegen_cli.model import capture, evaluate, tune  # noqa: E402
+from cachegen_cli.model.calibrate import fit_samples  # noqa: E402
 from cachegen_cli.model.tune import AttentionMeasure  # noqa: E402
 
 CONTINUATION = evaluate.DEFAULT_CONTINUATION
 CHUNK_TOKENS = 256
+
+
+#: which texts ``--texts`` selects: rope_gain's four were never used to choose a constant; the
+#: page's three (names starting "page ") chose the presets' steps
+HELD_OUT, PAGE = "held-out", "page"
 
 
 def texts() -> dict[str, str]:
@@ -77,36 +93,82 @@ def attention_entropy(measure: AttentionMeasure, cache: torch.Tensor) -> float:
     return total / n
 
 
-def measure_caches(contexts: list[int], qualities: list[str], log) -> list[dict]:
+def _calibrations(model, refs: dict, calibrated: bool, log) -> dict:
+    """{text: {variant: Calibration or None}}: "none" for every text; with ``calibrated``, "cal"
+    (fit_samples on the other texts' 1024-token caches, per KV head, RoPE-free keys) and
+    "cal+sens" (the same with the other texts' sensitivities averaged)."""
+    names = sorted({n for n, _ in refs})
+    out = {n: {"none": None} for n in names}
+    if not calibrated:
+        return out
+    base = {n: refs[(n, 1024)] for n in names if (n, 1024) in refs}
+    model_rope = rope_methods.from_model(model)
+    sens = {}
+    for n, r in base.items():
+        t0 = time.perf_counter()
+        sens[n] = tune.sensitivity_from_caches(model, [(r.cache, list(r.context_ids))], r.num_kv_heads, r.head_dim)
+        log(f"# sensitivities of {n} ({time.perf_counter() - t0:.0f} s)")
+    for n in names:
+        others = [o for o in base if o != n]
+        r0 = base[others[0]]
+        cal = fit_samples([base[o].cache for o in others], r0.num_kv_heads, [model_rope] * len(others))
+        out[n]["cal"] = cal
+        out[n]["cal+sens"] = cal.with_sensitivity(sum(sens[o] for o in others) / len(others), "other texts")
+    return out
+
+
+def measure_caches(contexts: list[int], qualities: list[str], log, calibrated: bool = False,
+                   scales: tuple[float, ...] = (1.0,), variants: tuple[str, ...] | None = None,
+                   scored: str = "all") -> list[dict]:
+    """The rows of every cache of the texts selected by ``scored`` (all, HELD_OUT or PAGE) at each
+    context, each quality, variant (None: all that ``calibrated`` makes) and step scale (the
+    preset's key and value steps times it; 1: the preset itself).  Calibrations are fitted leave
+    one out over all seven texts' 1024-token caches, whichever are scored."""
     model, tok = capture.load_model(capture.find_default_model())
-    rows = []
+    refs = {}
     for name, text in texts().items():
         ids = capture.tokenize(tok, text)
-        for ctx in contexts:
+        for ctx in sorted(set(contexts) | ({1024} if calibrated else set())):
             if len(ids) < ctx + CONTINUATION + 1:
                 log(f"# {name}: {len(ids)} tokens, too short for {ctx}")
                 continue
-            ref = evaluate.build_reference(model, ids[:ctx], ids[ctx:ctx + CONTINUATION + 1], 0, torch.bfloat16)
-            L, _, T, C = ref.cache.shape
-            kv = ref.cache.reshape(L, 2, T, ref.num_kv_heads, ref.head_dim)
-            attn = AttentionMeasure(ref.cache, ref.num_kv_heads, ref.head_dim)
-            entropy = attention_entropy(attn, ref.cache)
-            orig = ref.cache.float()[:, :, 1:]
-            spread = float(((orig - orig.mean(2, keepdim=True)) ** 2).sum())
-            for q in qualities:
-                t0 = time.perf_counter()
-                blob = cg.encode(kv, quality=q, chunk_tokens=CHUNK_TOKENS, device="cpu")
-                data = evaluate.tensors_to_internal(cg.decode(blob, device="cpu"))
-                s = evaluate.score(ref, data)
-                row = dict(text=name, context=ctx, quality=q, bits_per_value=8 * len(blob) / ref.cache.numel(),
-                           kl=s["kl_mean"], top1=s["top1_agreement"],
-                           attention_error=attn.value(attn.cost(data)),
-                           rel_err=float(((data.float()[:, :, 1:] - orig) ** 2).sum()) / spread,
-                           attention_entropy=entropy, seconds=time.perf_counter() - t0)
-                rows.append(row)
-                log(f"# {name} {ctx} {q:8s} {row['bits_per_value']:.3f} bits  KL {row['kl']:.2e}  top1 "
-                    f"{row['top1']:.3f}  attention error {row['attention_error']:.3e}  entropy {entropy:.2f}")
+            refs[(name, ctx)] = evaluate.build_reference(model, ids[:ctx], ids[ctx:ctx + CONTINUATION + 1], 0,
+                                                         torch.bfloat16)
+    cals = _calibrations(model, refs, calibrated, log)
+    rows = []
+    for (name, ctx), ref in refs.items():
+        if ctx not in contexts or (scored == PAGE) != name.startswith("page ") and scored != "all":
+            continue
+        L, _, T, C = ref.cache.shape
+        kv = ref.cache.reshape(L, 2, T, ref.num_kv_heads, ref.head_dim)
+        attn = AttentionMeasure(ref.cache, ref.num_kv_heads, ref.head_dim)
+        entropy = attention_entropy(attn, ref.cache)
+        orig = ref.cache.float()[:, :, 1:]
+        spread = float(((orig - orig.mean(2, keepdim=True)) ** 2).sum())
+        runs = [(v, c) for v, c in cals[name].items() if variants is None or v in variants]
+        for (variant, cal), scale, q in ((vc, sc, q) for vc in runs for sc in scales for q in qualities):
+            t0 = time.perf_counter()
+            base = QUALITY_PRESETS[q]
+            cfg = base if scale == 1.0 else replace(base, key_step=tuple(scale * v for v in base.key_step),
+                                                    value_step=tuple(scale * v for v in base.value_step))
+            blob = cg.encode(kv, quantization=cfg, calibration=cal, chunk_tokens=CHUNK_TOKENS, device="cpu")
+            data = evaluate.tensors_to_internal(cg.decode(blob, device="cpu", calibration=cal))
+            s = evaluate.score(ref, data)
+            row = dict(text=name, context=ctx, quality=q, variant=variant, step_scale=scale,
+                       bits_per_value=8 * len(blob) / ref.cache.numel(), kl=s["kl_mean"],
+                       top1=s["top1_agreement"], attention_error=attn.value(attn.cost(data)),
+                       rel_err=float(((data.float()[:, :, 1:] - orig) ** 2).sum()) / spread,
+                       attention_entropy=entropy, seconds=time.perf_counter() - t0)
+            rows.append(row)
+            log(f"# {name} {ctx} {q:8s} {variant:8s} x{scale:<5g} {row['bits_per_value']:.3f} bits  "
+                f"KL {row['kl']:.2e}  top1 {row['top1']:.3f}  attention error {row['attention_error']:.3e}  "
+                f"entropy {entropy:.2f}")
     return rows
+
+
+#: the variants' labels in the report
+VARIANTS = {"none": "no calibration", "cal": "calibrated on the other texts",
+            "cal+sens": "calibrated on the other texts, with their sensitivities"}
 
 
 def geomean(xs) -> float:
@@ -116,10 +178,13 @@ def geomean(xs) -> float:
 
 def report(rows: list[dict]) -> None:
     """Markdown tables of ``rows`` (see the module docstring)."""
-    for q in dict.fromkeys(r["quality"] for r in rows):
-        rs = [r for r in rows if r["quality"] == q]
+    key = lambda r: (r["quality"], r.get("variant", "none"), r.get("step_scale", 1.0))  # noqa: E731
+    for q, variant, scale in dict.fromkeys(key(r) for r in rows):
+        rs = [r for r in rows if key(r) == (q, variant, scale)]
         g = geomean(r["kl"] for r in rs)
-        print(f"\n#### `--quality {q}`: {len(rs)} caches, KL geometric mean {g:.2e}\n")
+        what = ("" if variant == "none" else f", {VARIANTS[variant]}") + ("" if scale == 1.0 else f", steps x {scale:g}")
+        print(f"\n#### `--quality {q}`{what}: {len(rs)} caches, KL geometric mean {g:.2e}, "
+              f"{16 / (sum(r['bits_per_value'] for r in rs) / len(rs)):.2f}x smaller than bf16 on average\n")
         print("| text | context | bits/value | KL | KL / geomean | top-1 | attention error | KL / attention error² "
               "| relative sq. error | KL / rel. sq. error | attention entropy |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -130,6 +195,9 @@ def report(rows: list[dict]) -> None:
         spread = lambda key: max(r[key] for r in rs) / min(r[key] for r in rs)  # noqa: E731
         print(f"\nSpread (largest / smallest over the caches): KL {spread('kl'):.2f}x, attention error² "
               f"{spread('attention_error') ** 2:.2f}x, relative squared error {spread('rel_err'):.2f}x.")
+        print(f"Largest KL {max(r['kl'] for r in rs):.2e}; mean top-1 {sum(r['top1'] for r in rs) / len(rs):.3f}; "
+              f"{16 / max(r['bits_per_value'] for r in rs):.2f}-{16 / min(r['bits_per_value'] for r in rs):.2f}x "
+              "smaller than bf16.")
         ctxs = sorted({r["context"] for r in rs})
         if len(ctxs) > 1:
             by = {(r["text"], r["context"]): r for r in rs}
@@ -146,11 +214,19 @@ def main() -> int:
     ap.add_argument("--qualities", default="high,balanced,small")
     ap.add_argument("--json", type=pathlib.Path)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--calibrated", action="store_true",
+                    help="also the leave-one-out calibrations, without and with the other texts' sensitivities")
+    ap.add_argument("--variants", default=None, help="of none,cal,cal+sens (default: all that --calibrated makes)")
+    ap.add_argument("--step-scales", default="1", help="the presets' steps times each of these (default 1)")
+    ap.add_argument("--texts", choices=["all", HELD_OUT, PAGE], default="all",
+                    help="the caches scored: all, the four held-out texts', or the page's three")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
-    rows = measure_caches([int(c) for c in args.contexts.split(",")], args.qualities.split(","), log)
+    rows = measure_caches([int(c) for c in args.contexts.split(",")], args.qualities.split(","), log, args.calibrated,
+                         tuple(float(x) for x in args.step_scales.split(",")),
+                         None if args.variants is None else tuple(args.variants.split(",")), args.texts)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
     info = dict(date=f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC", commit=commit,

@@ -50,3 +50,13 @@ def test_report_states_spreads_and_growth(pt, capsys):
     assert "KL at 4096 / KL at 1024 tokens: a 3.00x." in high
     assert "| b | 1024 | 3.000 | 4.00e-03 |" in high
     assert "1 caches, KL geometric mean 2.00e-02" in out.split("`--quality small`")[1]
+
+
+def test_report_keeps_the_variants_apart(pt, capsys):
+    rows = [_row("a", 1024, "high", 1e-3, 0.1), _row("b", 1024, "high", 4e-3, 0.1)]
+    rows += [dict(r, variant="cal+sens", kl=r["kl"] / 2) for r in rows]
+    pt.report(rows)
+    out = capsys.readouterr().out
+    assert "#### `--quality high`: 2 caches, KL geometric mean 2.00e-03, 5.33x smaller than bf16 on average" in out
+    assert ("#### `--quality high`, calibrated on the other texts, with their sensitivities: 2 caches, "
+            "KL geometric mean 1.00e-03") in out
