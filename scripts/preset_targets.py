@@ -60,6 +60,8 @@ from cachegen_cli.model.tune import AttentionMeasure  # noqa: E402
 
 CONTINUATION = evaluate.DEFAULT_CONTINUATION
 CHUNK_TOKENS = 256
+#: the n of the n-grams ``repeats`` counts
+REPEAT_GRAM = 3
 
 
 #: which texts ``--texts`` selects: rope_gain's four were never used to choose a constant; the
@@ -76,6 +78,21 @@ def texts() -> dict[str, str]:
     for key, (kind, load) in quality_report.TEXTS.items():
         out[f"page {key} ({kind})"] = load()[0]
     return out
+
+
+def repeats(context_ids: list[int], continuation_ids: list[int], n: int = REPEAT_GRAM) -> tuple[float, float]:
+    """(the fraction of the context's n-grams seen earlier in the context, the fraction of the
+    continuation's positions whose n-gram (ending there, over context + continuation) occurs in
+    the context): how repetitive the text is, which an encoder given the token ids could know,
+    and how much the scored continuation copies from the context, which it cannot."""
+    seen, again = set(), 0
+    for i in range(n - 1, len(context_ids)):
+        g = tuple(context_ids[i - n + 1:i + 1])
+        again += g in seen
+        seen.add(g)
+    full = list(context_ids) + list(continuation_ids)
+    copied = sum(tuple(full[j - n + 1:j + 1]) in seen for j in range(len(context_ids), len(full)))
+    return again / max(1, len(context_ids) - n + 1), copied / max(1, len(continuation_ids))
 
 
 def attention_entropy(measure: AttentionMeasure, cache: torch.Tensor) -> float:
@@ -143,6 +160,7 @@ def measure_caches(contexts: list[int], qualities: list[str], log, calibrated: b
         kv = ref.cache.reshape(L, 2, T, ref.num_kv_heads, ref.head_dim)
         attn = AttentionMeasure(ref.cache, ref.num_kv_heads, ref.head_dim)
         entropy = attention_entropy(attn, ref.cache)
+        rep_context, rep_continuation = repeats(list(ref.context_ids), list(ref.continuation_ids))
         orig = ref.cache.float()[:, :, 1:]
         spread = float(((orig - orig.mean(2, keepdim=True)) ** 2).sum())
         runs = [(v, c) for v, c in cals[name].items() if variants is None or v in variants]
@@ -158,7 +176,8 @@ def measure_caches(contexts: list[int], qualities: list[str], log, calibrated: b
                        bits_per_value=8 * len(blob) / ref.cache.numel(), kl=s["kl_mean"],
                        top1=s["top1_agreement"], attention_error=attn.value(attn.cost(data)),
                        rel_err=float(((data.float()[:, :, 1:] - orig) ** 2).sum()) / spread,
-                       attention_entropy=entropy, seconds=time.perf_counter() - t0)
+                       attention_entropy=entropy, context_repeats=rep_context,
+                       continuation_repeats=rep_continuation, seconds=time.perf_counter() - t0)
             rows.append(row)
             log(f"# {name} {ctx} {q:8s} {variant:8s} x{scale:<5g} {row['bits_per_value']:.3f} bits  "
                 f"KL {row['kl']:.2e}  top1 {row['top1']:.3f}  attention error {row['attention_error']:.3e}  "
@@ -174,6 +193,27 @@ VARIANTS = {"none": "no calibration", "cal": "calibrated on the other texts",
 def geomean(xs) -> float:
     xs = list(xs)
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def correlation(xs: list[float], ys: list[float]) -> float:
+    """Pearson's correlation coefficient (nan when either side is constant)."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
+    sxx, syy = sum((x - mx) ** 2 for x in xs), sum((y - my) ** 2 for y in ys)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else float("nan")
+
+
+def add_repeats(rows: list[dict]) -> list[dict]:
+    """``rows`` (of a results file written before the repeat columns) with context_repeats and
+    continuation_repeats, from the texts' tokens as measure_caches takes them."""
+    _, tok = capture.load_model(capture.find_default_model())
+    ids = {name: capture.tokenize(tok, text) for name, text in texts().items()}
+    out = []
+    for r in rows:
+        t, c = ids[r["text"]], r["context"]
+        a, b = repeats(t[:c], t[c:c + CONTINUATION + 1])
+        out.append(dict(r, context_repeats=a, continuation_repeats=b))
+    return out
 
 
 def report(rows: list[dict]) -> None:
@@ -198,6 +238,11 @@ def report(rows: list[dict]) -> None:
         print(f"Largest KL {max(r['kl'] for r in rs):.2e}; mean top-1 {sum(r['top1'] for r in rs) / len(rs):.3f}; "
               f"{16 / max(r['bits_per_value'] for r in rs):.2f}-{16 / min(r['bits_per_value'] for r in rs):.2f}x "
               "smaller than bf16.")
+        if len(rs) > 2 and all("continuation_repeats" in r for r in rs):
+            logkl = [math.log(r["kl"]) for r in rs]
+            print(f"Correlation of log KL over the caches with the context's repeated {REPEAT_GRAM}-grams "
+                  f"{correlation(logkl, [r['context_repeats'] for r in rs]):.2f}, with the continuation's "
+                  f"{REPEAT_GRAM}-grams found in the context {correlation(logkl, [r['continuation_repeats'] for r in rs]):.2f}.")
         ctxs = sorted({r["context"] for r in rs})
         if len(ctxs) > 1:
             by = {(r["text"], r["context"]): r for r in rs}
@@ -220,7 +265,20 @@ def main() -> int:
     ap.add_argument("--step-scales", default="1", help="the presets' steps times each of these (default 1)")
     ap.add_argument("--texts", choices=["all", HELD_OUT, PAGE], default="all",
                     help="the caches scored: all, the four held-out texts', or the page's three")
+    ap.add_argument("--add-repeats", type=pathlib.Path, default=None, metavar="RESULTS",
+                    help="no measuring: the rows of an earlier results file with the repeat columns added "
+                         "(written to --json), and their report")
     args = ap.parse_args()
+    if args.add_repeats:
+        old = json.loads(args.add_repeats.read_text())
+        rows = add_repeats(old["rows"])
+        info = dict(old["info"], repeats_added_by="python scripts/preset_targets.py " + " ".join(sys.argv[1:]))
+        if args.json:
+            args.json.write_text(json.dumps(dict(info=info, rows=rows), indent=1) + "\n")
+        print(f"Rows of `{old['info']['command']}` (commit {old['info']['commit']}, {old['info']['date']}), "
+              f"with the repeat columns added by `{info['repeats_added_by']}`.")
+        report(rows)
+        return 0
     if args.threads:
         torch.set_num_threads(args.threads)
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731

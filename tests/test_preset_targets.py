@@ -60,3 +60,20 @@ def test_report_keeps_the_variants_apart(pt, capsys):
     assert "#### `--quality high`: 2 caches, KL geometric mean 2.00e-03, 5.33x smaller than bf16 on average" in out
     assert ("#### `--quality high`, calibrated on the other texts, with their sensitivities: 2 caches, "
             "KL geometric mean 1.00e-03") in out
+
+
+def test_repeats_count_ngrams_seen_before(pt):
+    # context 1 2 3 1 2 3 4: 3-grams (1,2,3) (2,3,1) (3,1,2) (1,2,3)* (2,3,4) -> 1 of 5 seen before;
+    # continuation 1 2 9: the 3-grams ending at its positions are (3,4,1) (4,1,2) (1,2,9): none in the context
+    assert pt.repeats([1, 2, 3, 1, 2, 3, 4], [1, 2, 9]) == (pytest.approx(0.2), 0.0)
+    # continuation 1 2 3: (3,4,1) no, (4,1,2) no, (1,2,3) yes
+    assert pt.repeats([1, 2, 3, 1, 2, 3, 4], [1, 2, 3])[1] == pytest.approx(1 / 3)
+    assert pt.repeats([5], [5]) == (0.0, 0.0)
+
+
+def test_report_correlates_log_kl_with_the_repeats(pt, capsys):
+    rows = [dict(_row(t, 1024, "high", kl, 0.1), context_repeats=c, continuation_repeats=k)
+            for t, kl, c, k in (("a", 1e-3, 0.1, 0.1), ("b", 2e-3, 0.3, 0.2), ("c", 4e-3, 0.2, 0.3))]
+    pt.report(rows)
+    out = capsys.readouterr().out
+    assert "with the context's repeated 3-grams 0.50, with the continuation's 3-grams found in the context 1.00." in out
