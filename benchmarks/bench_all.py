@@ -109,20 +109,19 @@ def decode_kwargs(method: str, cal) -> dict:
 
 # ---------------------------------------------------------------- machine facts
 
-def _int8_products() -> bool:
-    from cachegen_cli.kernels.fixed_rotation import int8_products
-
-    return bool(int8_products())
-
-
-def cpu_model() -> str:
+def _cpuinfo(field: str) -> str | None:
+    """The first CPU's ``field`` in /proc/cpuinfo (None where there is none)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 #: /proc/cpuinfo flags that decide how fast the CPU's int8 rotation product runs (oneDNN's int8 GEMM
@@ -132,14 +131,8 @@ MATRIX_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "amx_int8", "amx_t
 
 def cpu_matrix_flags() -> list[str]:
     """The MATRIX_FLAGS this machine's first CPU lists."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                have = set(line.split(":", 1)[1].split())
-                return [f for f in MATRIX_FLAGS if f in have]
-    except OSError:
-        pass
-    return []
+    have = set((_cpuinfo("flags") or "").split())
+    return [f for f in MATRIX_FLAGS if f in have]
 
 
 def usable_cpus() -> list[int]:
@@ -656,6 +649,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import torch
 
+    from cachegen_cli.kernels.fixed_rotation import int8_products
+
     devices = [d for d in args.devices.split(",") if d]
     gpu_na = gpu_unavailable_reason() if "cuda" in devices else None
     if gpu_na:
@@ -669,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
             # whether torch backs large CPU tensors with huge pages (read at its start; the children inherit it)
             "THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE"),
             # which product the CPU's fixed-point rotation uses here (int8 digits, else float64)
-            "cpu_matrix_flags": cpu_matrix_flags(), "cpu_int8_product": _int8_products()}
+            "cpu_matrix_flags": cpu_matrix_flags(), "cpu_int8_product": bool(int8_products())}
     results = {"info": info, "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                "devices": devices, "gpu_na": gpu_na, "measurements": []}
     with tempfile.TemporaryDirectory(prefix="bench_all_") as work:
