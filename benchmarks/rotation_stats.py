@@ -7,7 +7,8 @@ the path the pipeline takes past RESIDENT_BLOCK), checking that both give the sa
     python benchmarks/rotation_stats.py --tokens 8192
 
 Random rows and digits (timing only).  Lines: the product alone, the product and the pass, the
-product with its sums; median (min-max) ms of --repeats.
+product with its sums, the sums without the values written (what the float32 values' store
+costs); median (min-max) ms of --repeats.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def main() -> None:
     NB = -(-T // STATS_BLOCK)
     fused = torch.zeros((2, L, 2, NB, C), dtype=torch.float64, device=dev)
     apart = torch.zeros_like(fused)
+    alone = torch.zeros_like(fused)
     sums = torch.zeros((2, L, 2, C), dtype=torch.float64, device=dev)
     V = cp.lanes(C, 4, cp.WIDTH["levels"])
     words = y.view(torch.int32).view(_TORCH_WORD[V * 4])
@@ -53,13 +55,15 @@ def main() -> None:
 
     rows = [("product alone", lambda: fm.rotate_rows(x, digits, S, y)),
             ("product, then the statistics pass", product_then_pass),
-            ("product with its sums", lambda: fm.rotate_rows(x, digits, S, y, stats=(fused[0], fused[1])))]
+            ("product with its sums", lambda: fm.rotate_rows(x, digits, S, y, stats=(fused[0], fused[1]))),
+            ("its sums alone (no values written)",
+             lambda: fm.rotate_rows(x, digits, S, y, stats=(alone[0], alone[1]), values=False))]
     print(f"# {torch.cuda.get_device_name(dev)}, {L} x 2 x {T} x {C} bfloat16, blocks of {D}, "
           f"{a.repeats} repeats")
     for name, fn in rows:
         med, lo, hi = timed_ms(fn, a.repeats)
         print(f"{name:36s} {med:7.3f} ms ({lo:.3f}-{hi:.3f})")
-    print("same block sums:", torch.equal(fused, apart))
+    print("same block sums:", torch.equal(fused, apart), torch.equal(fused, alone))
 
 
 if __name__ == "__main__":

@@ -371,8 +371,10 @@ if triton is not None:
     def _rotate_rows_kernel(x_ptr, e_ptr, r_ptr, y_ptr, s1_ptr, s2_ptr, T, n, t_first, plane_digits, P0, PS,
                             C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                             BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, BF16_WORDS: tl.constexpr,
-                            XB: tl.constexpr, RB: tl.constexpr, X_KEYS: tl.constexpr, STATS: tl.constexpr):
-        """(X_KEYS: x holds the keys alone, [L, 1, T, C], and the planes are key planes.)  Row
+                            XB: tl.constexpr, RB: tl.constexpr, X_KEYS: tl.constexpr, STATS: tl.constexpr,
+                            VALUES: tl.constexpr):
+        """(X_KEYS: x holds the keys alone, [L, 1, T, C], and the planes are key planes; VALUES
+        off: y is not written, only the sums.)  Row
         tiles are BM tokens by absolute position, SB // BM of them a statistics block of SB; a
         program takes whole blocks (blocks i, i + P, ...) and their tiles in token order, so that
         (STATS, BM = transform.STATS_GROUP) it can sum its outputs' float32 values as
@@ -413,8 +415,9 @@ if triton is not None:
             acc = (p0.to(tl.int64) + (p8.to(tl.int64) << 8) + (p16.to(tl.int64) << 16)
                    + (p24.to(tl.int64) << 24))
             y = (acc.to(tl.float64) * back).to(tl.float32)
-            tl.store(y_ptr + out_at[None, :] + (t0 + tl.arange(0, BM)).to(tl.int64)[:, None] * C, y,
-                     mask=live[:, None])
+            if VALUES:
+                tl.store(y_ptr + out_at[None, :] + (t0 + tl.arange(0, BM)).to(tl.int64)[:, None] * C, y,
+                         mask=live[:, None])
             if STATS:
                 # the group's sums in registers, in transform.STATS_GROUP's tree (rows outside
                 # t_first .. T - 1 count as +0.0), added in order into the block's
@@ -631,7 +634,8 @@ def _planes(L: int, keys_apart: bool) -> list[tuple[int, int, int, bool]]:
 
 
 def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Tensor,
-                rope: RopeAngles | None = None, stats: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
+                rope: RopeAngles | None = None, stats: tuple[torch.Tensor, torch.Tensor] | None = None,
+                values: bool = True) -> bool:
     """y[:, :, t] = the fixed-point rotation of x[:, :, t] for t >= t_first (fixed_rotation.
     rotate_rows' values): x float32 [L, 2, T, C], or a bfloat16 cache's int16 words; digits:
     rotation_digits of the encoder's blocks [L, 2, H, D, D]; y float32 [L, 2, T, C] (rows before
@@ -642,7 +646,8 @@ def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Te
     ceil(T / STATS_BLOCK), C]): also each statistics block's sums of y's values and of their
     squares, cuda_pipeline.transform_stats(tree=True)'s partial sums (reduce_stats makes the
     sums), while the values are in hand; True when they were made (blocks past RESIDENT_BLOCK:
-    not, False)."""
+    not, False).  ``values`` False (with ``stats``, blocks up to RESIDENT_BLOCK): y is not
+    written, only the sums are made (what the product costs without its float32 values)."""
     _check(x, "x", (torch.float32, torch.int16), 4)
     _check(y, "y", (torch.float32,), 4)
     L, K, T, C = x.shape
@@ -656,6 +661,8 @@ def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Te
         if tuple(t.shape) != (L, 2, triton.cdiv(T, sb), C):
             raise ValueError(f"rotate_rows: stats {tuple(t.shape)}, not {(L, 2, triton.cdiv(T, sb), C)}")
     made = stats is not None and D <= RESIDENT_BLOCK
+    if not values and not made:
+        raise ValueError("rotate_rows: values=False needs stats and blocks of at most RESIDENT_BLOCK channels")
     if made:
         if n <= 0:
             for t in stats:
@@ -689,7 +696,7 @@ def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Te
         _rotate_rows_kernel[grid](src, e, digits, y, stats[0] if made else y, stats[1] if made else y, T, n, t_first,
                                   digits[0].numel(), p0, ps, C=C, H=H, D=D, DP=DP, BM=go["rows"], BN=tile,
                                   SB=sb, BF16_WORDS=src.dtype == torch.int16, XB=X_BITS, RB=R_BITS, X_KEYS=apart,
-                                  STATS=made, num_warps=go["warps"], num_stages=go["stages"])
+                                  STATS=made, VALUES=values, num_warps=go["warps"], num_stages=go["stages"])
     return made
 
 

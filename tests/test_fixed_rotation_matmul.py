@@ -127,6 +127,13 @@ def test_encoder_block_sums_are_the_cpu_sums(monkeypatch, rope_on, spread, S):
     assert np.array_equal(part[1].view(np.int64), w2.view(np.int64))
     # sums whose order shows: token order gives other bits
     assert not np.array_equal(_block_sums(want, S, tree=False)[1], w2)
+    # the sums alone (values=False): the same bits, and y left as it was
+    alone = torch.full((2, L, 2, nb, C), 7.0, dtype=torch.float64, device=DEV)
+    untouched = torch.full((L, 2, T, C), 3.0, device=DEV)
+    assert fm.rotate_rows(x.view(torch.int16).to(DEV), fm.rotation_digits(rint.to(DEV)), S, untouched,
+                          rope=_angles(rope, S, T) if rope_on else None, stats=(alone[0], alone[1]), values=False)
+    assert np.array_equal(alone.cpu().numpy().view(np.int64), part.view(np.int64))
+    assert bool((untouched == 3.0).all())
     r1, r2 = np.zeros((L, 2, C)), np.zeros((L, 2, C))
     cp.reduce_stats(np.ascontiguousarray(part[0]), np.ascontiguousarray(part[1]), r1, r2)
     # the CPU's sums, over the whole cache and over slabs that cut groups (the open group carried)
@@ -148,6 +155,8 @@ def test_encoder_block_sums_of_a_block_past_the_registers_are_not_made():
     assert not fm.rotate_rows(x.to(DEV), fm.rotation_digits(rint.to(DEV)), 0, got, stats=(part[0], part[1]))
     with pytest.raises(ValueError, match="stats"):
         fm.rotate_rows(x.to(DEV), fm.rotation_digits(rint.to(DEV)), 0, got, stats=(part[0, :, :, :, :8], part[1]))
+    with pytest.raises(ValueError, match="values=False"):
+        fm.rotate_rows(x.to(DEV), fm.rotation_digits(rint.to(DEV)), 0, got, stats=(part[0], part[1]), values=False)
 
 
 @pytest.mark.parametrize("bf16_out, D", [(False, 32), (True, 32), (False, 96)])
