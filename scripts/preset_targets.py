@@ -23,6 +23,14 @@ one block per KV head on the keys without their RoPE), without and with those te
 sensitivities (``cachegen calibrate --sensitivity``: the model's Fisher information, averaged):
 whether what the model says about other texts narrows the spread on this one.
 
+With ``--lmcache`` each cache is also coded as LMCache's CacheGen codes it: ``--preset lmcache``
+has exactly its quantization, hence its decoded cache and KL, and
+benchmarks/lmcache_reference.py gives its exact output size (as scripts/quality_report.py
+does).  Every row then carries that cache's lmcache_kl, lmcache_top1 and lmcache_bits_per_value,
+and the report states each preset's KL and size against LMCache's on the same cache: if
+LMCache's KL moves between caches as ours does, a preset stated relative to LMCache ("at or
+below its KL") can hold on every cache where an absolute KL target cannot.
+
 It prints, per preset (and variant), every cache's KL against its geometric mean over the caches (the
 spread a fixed step leaves), each candidate predictor's spread, the KL per unit of each
 predictor's squared error (a predictor that explains the KL keeps this ratio flat), and the KL's
@@ -30,6 +38,7 @@ growth from the shorter context to the longer per text.  ``--json`` writes the r
 
     python scripts/preset_targets.py --contexts 1024,4096 --json docs/results/DATE_preset_targets.json
     python scripts/preset_targets.py --contexts 1024,4096 --calibrated --json ...   # + the calibrated variants
+    python scripts/preset_targets.py --contexts 1024,4096 --lmcache --json ...      # + LMCache's KL and size
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ from dataclasses import replace
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
 
@@ -54,6 +64,7 @@ from cachegen_cli.methods.config import QUALITY_PRESETS  # noqa: E402
 from cachegen_cli.model import capture, evaluate, tune  # noqa: E402
 from cachegen_cli.model.calibrate import fit_samples  # noqa: E402
 from cachegen_cli.model.tune import AttentionMeasure  # noqa: E402
+from lmcache_reference import lmcache_cachegen_size  # noqa: E402
 import rope_gain  # noqa: E402
 
 CONTINUATION = evaluate.DEFAULT_CONTINUATION
@@ -131,13 +142,26 @@ def _calibrations(model, refs: dict, calibrated: bool, log) -> dict:
     return out
 
 
+def lmcache_scores(ref, kv: torch.Tensor) -> dict:
+    """LMCache's CacheGen on this cache: the KL and top-1 of ``--preset lmcache`` (LMCache's own
+    quantization, so its decoded cache), and the bits per value of LMCache's exact output
+    (benchmarks/lmcache_reference.py, as scripts/quality_report.py counts it), the yardstick a
+    preset stated relative to LMCache is held to."""
+    blob = cg.encode(kv, preset="lmcache", chunk_tokens=CHUNK_TOKENS, device="cpu")
+    s = evaluate.score(ref, evaluate.tensors_to_internal(cg.decode(blob, device="cpu")))
+    size = lmcache_cachegen_size(kv, chunk_tokens=CHUNK_TOKENS)
+    return dict(lmcache_kl=s["kl_mean"], lmcache_top1=s["top1_agreement"],
+                lmcache_bits_per_value=8 * size["total"] / ref.cache.numel())
+
+
 def measure_caches(contexts: list[int], qualities: list[str], log, calibrated: bool = False,
                    scales: tuple[float, ...] = (1.0,), variants: tuple[str, ...] | None = None,
-                   scored: str = "all") -> list[dict]:
+                   scored: str = "all", lmcache: bool = False) -> list[dict]:
     """The rows of every cache of the texts selected by ``scored`` (all, HELD_OUT or PAGE) at each
     context, each quality, variant (None: all that ``calibrated`` makes) and step scale (the
     preset's key and value steps times it; 1: the preset itself).  Calibrations are fitted leave
-    one out over all seven texts' 1024-token caches, whichever are scored."""
+    one out over all seven texts' 1024-token caches, whichever are scored.  With ``lmcache`` every
+    row also carries its cache's lmcache_scores (measured once per cache)."""
     model, tok = capture.load_model(capture.find_default_model())
     built = sorted(set(contexts) | ({1024} if calibrated else set()))  # the calibrations fit 1024-token caches
     refs = rope_gain.references(model, tok, built, CONTINUATION, texts())
@@ -151,6 +175,12 @@ def measure_caches(contexts: list[int], qualities: list[str], log, calibrated: b
         attn = AttentionMeasure(ref.cache, ref.num_kv_heads, ref.head_dim)
         entropy = attention_entropy(attn, ref.cache)
         rep_context, rep_continuation = repeats(list(ref.context_ids), list(ref.continuation_ids))
+        lm = {}
+        if lmcache:
+            t0 = time.perf_counter()
+            lm = lmcache_scores(ref, kv)
+            log(f"# {name} {ctx} LMCache's CacheGen {lm['lmcache_bits_per_value']:.3f} bits  "
+                f"KL {lm['lmcache_kl']:.2e}  top1 {lm['lmcache_top1']:.3f}  ({time.perf_counter() - t0:.0f} s)")
         orig = ref.cache.float()[:, :, 1:]
         spread = float(((orig - orig.mean(2, keepdim=True)) ** 2).sum())
         runs = [(v, c) for v, c in cals[name].items() if variants is None or v in variants]
@@ -167,7 +197,7 @@ def measure_caches(contexts: list[int], qualities: list[str], log, calibrated: b
                        top1=s["top1_agreement"], attention_error=attn.value(attn.cost(data)),
                        rel_err=float(((data.float()[:, :, 1:] - orig) ** 2).sum()) / spread,
                        attention_entropy=entropy, context_repeats=rep_context,
-                       continuation_repeats=rep_continuation, seconds=time.perf_counter() - t0)
+                       continuation_repeats=rep_continuation, seconds=time.perf_counter() - t0, **lm)
             rows.append(row)
             log(f"# {name} {ctx} {q:8s} {variant:8s} x{scale:<5g} {row['bits_per_value']:.3f} bits  "
                 f"KL {row['kl']:.2e}  top1 {row['top1']:.3f}  attention error {row['attention_error']:.3e}  "
@@ -215,19 +245,31 @@ def report(rows: list[dict]) -> None:
         what = ("" if variant == "none" else f", {VARIANTS[variant]}") + ("" if scale == 1.0 else f", steps x {scale:g}")
         print(f"\n#### `--quality {q}`{what}: {len(rs)} caches, KL geometric mean {g:.2e}, "
               f"{16 / (sum(r['bits_per_value'] for r in rs) / len(rs)):.2f}x smaller than bf16 on average\n")
+        lm = all("lmcache_kl" in r for r in rs)
         print("| text | context | bits/value | KL | KL / geomean | top-1 | attention error | KL / attention error² "
-              "| relative sq. error | KL / rel. sq. error | attention entropy |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+              "| relative sq. error | KL / rel. sq. error | attention entropy |"
+              + (" LMCache KL | KL / LMCache KL | size / LMCache size |" if lm else ""))
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if lm else ""))
         for r in rs:
             print(f"| {r['text']} | {r['context']} | {r['bits_per_value']:.3f} | {r['kl']:.2e} | {r['kl'] / g:.2f} | "
                   f"{r['top1']:.3f} | {r['attention_error']:.3e} | {r['kl'] / r['attention_error'] ** 2:.3f} | "
-                  f"{r['rel_err']:.2e} | {r['kl'] / r['rel_err']:.1f} | {r['attention_entropy']:.2f} |")
+                  f"{r['rel_err']:.2e} | {r['kl'] / r['rel_err']:.1f} | {r['attention_entropy']:.2f} |"
+                  + (f" {r['lmcache_kl']:.2e} | {r['kl'] / r['lmcache_kl']:.2f} | "
+                     f"{r['bits_per_value'] / r['lmcache_bits_per_value']:.3f} |" if lm else ""))
         spread = lambda key: max(r[key] for r in rs) / min(r[key] for r in rs)  # noqa: E731
         print(f"\nSpread (largest / smallest over the caches): KL {spread('kl'):.2f}x, attention error² "
               f"{spread('attention_error') ** 2:.2f}x, relative squared error {spread('rel_err'):.2f}x.")
         print(f"Largest KL {max(r['kl'] for r in rs):.2e}; mean top-1 {sum(r['top1'] for r in rs) / len(rs):.3f}; "
               f"{16 / max(r['bits_per_value'] for r in rs):.2f}-{16 / min(r['bits_per_value'] for r in rs):.2f}x "
               "smaller than bf16.")
+        if lm:
+            ratio = [r["kl"] / r["lmcache_kl"] for r in rs]
+            size = [r["bits_per_value"] / r["lmcache_bits_per_value"] for r in rs]
+            print(f"Against LMCache's CacheGen on the same cache: spread of KL / LMCache KL "
+                  f"{max(ratio) / min(ratio):.2f}x (of the KL {spread('kl'):.2f}x, of LMCache's KL "
+                  f"{spread('lmcache_kl'):.2f}x); largest KL / LMCache KL {max(ratio):.2f}, geometric mean "
+                  f"{geomean(ratio):.2f}; {sum(x <= 1 for x in ratio)} of {len(rs)} caches at or below LMCache's KL; "
+                  f"size / LMCache size {min(size):.3f}-{max(size):.3f}.")
         if len(rs) > 2 and all("continuation_repeats" in r for r in rs):
             logkl = [math.log(r["kl"]) for r in rs]
             print(f"Correlation of log KL over the caches with the context's repeated {REPEAT_GRAM}-grams "
@@ -253,6 +295,9 @@ def main() -> int:
                     help="also the leave-one-out calibrations, without and with the other texts' sensitivities")
     ap.add_argument("--variants", default=None, help="of none,cal,cal+sens (default: all that --calibrated makes)")
     ap.add_argument("--step-scales", default="1", help="the presets' steps times each of these (default 1)")
+    ap.add_argument("--lmcache", action="store_true",
+                    help="also LMCache's CacheGen on each cache (--preset lmcache's KL, LMCache's exact size), "
+                         "and every preset's KL and size against it")
     ap.add_argument("--texts", choices=["all", HELD_OUT, PAGE], default="all",
                     help="the caches scored: all, the four held-out texts', or the page's three")
     ap.add_argument("--add-repeats", type=pathlib.Path, default=None, metavar="RESULTS",
@@ -274,7 +319,8 @@ def main() -> int:
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     rows = measure_caches([int(c) for c in args.contexts.split(",")], args.qualities.split(","), log, args.calibrated,
                          tuple(float(x) for x in args.step_scales.split(",")),
-                         None if args.variants is None else tuple(args.variants.split(",")), args.texts)
+                         None if args.variants is None else tuple(args.variants.split(",")), args.texts,
+                         args.lmcache)
     info = rope_gain.run_info("preset_targets.py")
     commit = info["commit"]
     if args.json:

@@ -77,3 +77,20 @@ def test_report_correlates_log_kl_with_the_repeats(pt, capsys):
     pt.report(rows)
     out = capsys.readouterr().out
     assert "with the context's repeated 3-grams 0.50, with the continuation's 3-grams found in the context 1.00." in out
+
+
+def test_report_states_kl_and_size_against_lmcache(pt, capsys):
+    # KL / LMCache KL: a 1.00 (at LMCache's KL counts as at or below), b 0.80, c 1.25 -> spread 1.5625x
+    # while the KL spreads 4x and LMCache's 5x; sizes 3 bits against LMCache's 10, 12, 6
+    rows = [dict(_row(t, c, "small", kl, 0.1), lmcache_kl=lm, lmcache_top1=0.9, lmcache_bits_per_value=lb)
+            for t, c, kl, lm, lb in (("a", 1024, 1e-3, 1e-3, 10.0), ("b", 1024, 4e-3, 5e-3, 12.0),
+                                     ("c", 4096, 2e-3, 1.6e-3, 6.0))]
+    pt.report(rows + [_row("a", 1024, "high", 1e-3, 0.1)])
+    out = capsys.readouterr().out
+    small, high = out.split("`--quality high`")[0], out.split("`--quality high`")[1]
+    assert "| b | 1024 | 3.000 | 4.00e-03 |" in small and "| 5.00e-03 | 0.80 | 0.250 |" in small
+    assert "| attention entropy | LMCache KL | KL / LMCache KL | size / LMCache size |" in small
+    assert ("Against LMCache's CacheGen on the same cache: spread of KL / LMCache KL 1.56x (of the KL 4.00x, "
+            "of LMCache's KL 5.00x); largest KL / LMCache KL 1.25, geometric mean 1.00; 2 of 3 caches at or "
+            "below LMCache's KL; size / LMCache size 0.250-0.500.") in small
+    assert "LMCache" not in high  # rows without LMCache's scores keep the old table
