@@ -465,6 +465,58 @@ if triton is not None:
                           tl.minimum(tl.maximum(v, -F32_MAX), F32_MAX).to(tl.float32), BF16_OUT)
 
     @triton.jit
+    def _unrotate_symbols_kernel(s_ptr, lo_ptr, dm_ptr, bad_ptr, z_ptr, r_ptr, sums_ptr, steps_ptr, b_ptr, out_ptr,
+                                 T, t_first, CT, K_SYM, plane_digits, P0, PS, C: tl.constexpr, H: tl.constexpr,
+                                 D: tl.constexpr, DP: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                                 BF16_OUT: tl.constexpr, F32_MAX: tl.constexpr, OUT_KEYS: tl.constexpr,
+                                 QMAX: tl.constexpr):
+        """_unrotate_values_kernel from the decoded symbols (uint8 [L, 2, T, C]) of chunks
+        0 .. K_SYM - 1: each level is its symbol + lo, token deltas (dm: the delta channels)
+        summed from the chunk's first token, as cuda_pipeline.dequantize makes them, and Q = 256
+        q - 1 made here, so the levels are never written; a level past +-QMAX sets bad[0].
+        Chunks from K_SYM on (the refined tokens') read dequantize's int16 words from z.  A
+        program takes whole chunks (chunks i, i + P, ...) and their row tiles in token order, by
+        absolute position (CT a multiple of BM), carrying the delta channels' sums from tile to
+        tile; rows before t_first are summed but not written."""
+        p, h, n0, r0, r1 = _kept_tiles(r_ptr, plane_digits, P0, PS, H, D, DP, BN)
+        ks = tl.arange(0, DP)
+        inside_k = ks < D
+        cols = h * D + n0 + tl.arange(0, BN)
+        unit = tl.load(steps_ptr + p) * 2.384185791015625e-07
+        sums = tl.load(sums_ptr + p * C + cols)
+        b = tl.load(b_ptr + p * C + cols)
+        lo = tl.load(lo_ptr + p * C + h * D + ks, mask=inside_k, other=0)
+        delta = tl.load(dm_ptr + p * C + h * D + ks, mask=inside_k, other=0) != 0
+        K = tl.cdiv(T, CT)
+        for ck in range(tl.program_id(0), K, tl.num_programs(0)):
+            carry = tl.zeros([DP], dtype=tl.int32)
+            for i in range(0, CT // BM):
+                tok = ck * CT + i * BM + tl.arange(0, BM)
+                live = tok < T
+                at = (p.to(tl.int64) * T + tok)[:, None] * C + (h * D + ks)[None, :]
+                inside = live[:, None] & inside_k[None, :]
+                if ck < K_SYM:
+                    v = tl.load(s_ptr + at, mask=inside, other=0).to(tl.int32) + lo[None, :]
+                    v = tl.where(inside, v, 0)
+                    lev = tl.where(delta[None, :], tl.cumsum(v, axis=0) + carry[None, :], v)
+                    carry += tl.sum(v, axis=0)
+                    if tl.max(tl.where(inside & ((lev < -QMAX) | (lev > QMAX)), 1, 0)) > 0:
+                        tl.store(bad_ptr, 1)  # docs/format.md: levels stay in range
+                    Q = 256 * lev - 1
+                else:
+                    Q = tl.load(z_ptr + at, mask=inside, other=0).to(tl.int32)
+                a0, a1 = _level_digits(Q)
+                p0 = tl.dot(a0, r0, out_dtype=tl.int32)
+                p8 = tl.dot(a1, r0, tl.dot(a0, r1, out_dtype=tl.int32), out_dtype=tl.int32)
+                p16 = tl.dot(a1, r1, out_dtype=tl.int32)
+                acc = sums[None, :] + p0.to(tl.int64) + (p8.to(tl.int64) << 8) + (p16.to(tl.int64) << 16)
+                v = acc.to(tl.float64) * unit + b[None, :]
+                rows = tok - t_first
+                out_at = _row_words(p, rows, t_first, T, C, OUT_KEYS)
+                _store_values(out_ptr, out_at[:, None] + cols[None, :], (live & (rows >= 0))[:, None],
+                              tl.minimum(tl.maximum(v, -F32_MAX), F32_MAX).to(tl.float32), BF16_OUT)
+
+    @triton.jit
     def _digit_tiles(r_ptr, plane_digits, p, h, k0, n0, D: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
                      H: tl.constexpr):
         """The [BK, BN] tiles of digits r0 and r1 of block h of plane p, from row k0, column n0."""
@@ -741,3 +793,62 @@ def unrotate_values(z: torch.Tensor, digits_t: torch.Tensor, sums: torch.Tensor,
                                       p0, ps, C=C, H=H, D=D, DP=DP, BM=go["rows"], BN=tile, BF16_OUT=bf16,
                                       F32_MAX=_F32_MAX, LEVEL_WORDS=words, OUT_KEYS=apart, num_warps=go["warps"],
                                       num_stages=go["stages"])
+
+
+#: unrotate_symbols' launch (the product's tile shapes of DECODE_LAUNCH; programs along the
+#: rows take whole chunks)
+SYMBOLS_LAUNCH = {"rows": 64, "warps": 4, "stages": 3, "tile": 64, "spread": 1}
+
+
+def fuses_symbols(D: int, chunk_tokens: int) -> bool:
+    """True when unrotate_symbols takes blocks of D channels and chunks of chunk_tokens tokens
+    (blocks kept in registers, chunks of whole row tiles) and CACHEGEN_FUSED_LEVELS=1 asks for it
+    (off by default until it has run on a GPU)."""
+    return (os.environ.get("CACHEGEN_FUSED_LEVELS", "0") == "1" and supports(D) and D <= RESIDENT_BLOCK
+            and chunk_tokens > 0 and chunk_tokens % SYMBOLS_LAUNCH["rows"] == 0)
+
+
+def unrotate_symbols(sym: torch.Tensor, lo: torch.Tensor, delta: torch.Tensor, chunk_tokens: int, sym_chunks: int,
+                     qmax: int, bad: torch.Tensor, z: torch.Tensor | None, digits_t: torch.Tensor, sums: torch.Tensor,
+                     steps: torch.Tensor, b: torch.Tensor, t_first: int, out: torch.Tensor,
+                     keys: torch.Tensor | None = None) -> None:
+    """unrotate_values of the levels that cuda_pipeline.dequantize(levels=True) would make from
+    the decoded symbols ``sym`` (uint8 [L, 2, T, C]), made in the product's pass instead of
+    written and read back: level = symbol + lo (int32 [L, 2, C]), summed over the chunk's
+    tokens where ``delta`` (uint8 or int32 [L, 2, C], nonzero: token deltas); bad (int64, [1])
+    set to 1 when a level leaves +-qmax.  Only chunks 0 .. sym_chunks - 1: the later ones
+    (those holding refined tokens) are read as dequantize's int16 words from z [L, 2, T, C],
+    which the caller made for them (z may be None when there are none).  digits_t .. keys as unrotate_values; fuses_symbols(D,
+    chunk_tokens) must hold."""
+    _check(sym, "sym", (torch.uint8,), 4)
+    _check(out, "out", (torch.float32, torch.int16), 4)
+    L, K2, T, C = sym.shape
+    _, _, _, H, D, _ = digits_t.shape
+    if z is None and sym_chunks * chunk_tokens < T:
+        raise ValueError("unrotate_symbols: the words z of the chunks past sym_chunks are needed")
+    if z is not None:
+        _check(z, "z", (torch.int16,), 4)
+    if K2 != 2 or H * D != C or tuple(out.shape) != (L, 2, T, C) or (z is not None and tuple(z.shape) != (L, 2, T, C)):
+        raise ValueError(f"unrotate_symbols: blocks {H} x {D} for {C} channels, symbols {tuple(sym.shape)}")
+    if not fuses_symbols(D, chunk_tokens):
+        raise ValueError(f"unrotate_symbols: blocks of {D} and chunks of {chunk_tokens} tokens are not taken")
+    if tuple(lo.shape) != (L, 2, C) or tuple(delta.shape) != (L, 2, C) or bad.numel() < 1:
+        raise ValueError("unrotate_symbols: lo and delta [L, 2, C], bad [1]")
+    if keys is not None:
+        _check(keys, "keys", (torch.float32,), 4)
+        if tuple(keys.shape) != (L, 1, T, C):
+            raise ValueError(f"unrotate_symbols: keys {tuple(keys.shape)}, not {(L, 1, T, C)}")
+    if T <= t_first or L == 0:
+        return
+    steps = steps.to(torch.float64).contiguous()
+    b = b.to(torch.float64).contiguous()
+    lo = lo.to(torch.int32).contiguous()
+    delta = delta.to(torch.int32).contiguous()
+    go = SYMBOLS_LAUNCH
+    for p0, ps, planes, apart in _planes(L, keys is not None):
+        dst = keys if apart else out
+        tile, DP, _, grid = _launch(T, D, planes * H, dict(go, rows=chunk_tokens))
+        _unrotate_symbols_kernel[grid](sym, lo, delta, bad, sym if z is None else z, digits_t, sums, steps, b, dst, T, t_first,
+                                       chunk_tokens, sym_chunks, digits_t[0].numel(), p0, ps, C=C, H=H, D=D, DP=DP,
+                                       BM=go["rows"], BN=tile, BF16_OUT=dst.dtype == torch.int16, F32_MAX=_F32_MAX,
+                                       OUT_KEYS=apart, QMAX=qmax, num_warps=go["warps"], num_stages=go["stages"])

@@ -424,3 +424,71 @@ def test_turn_rows_is_turn_keys(style, head_dim, rotary_dim, rows, forward, bf16
         odd = fm.RopeAngles(torch.zeros(1, T - S, 2, dtype=torch.float64, device=DEV),
                             torch.ones(1, T - S, 2, dtype=torch.float64, device=DEV), 0, 5, 4)
         fm.turn_rows(torch.zeros(L, 2, T, 15, device=DEV), odd, S, torch.zeros(L, 2, T, 15, device=DEV), forward)
+
+
+@pytest.mark.parametrize("T, S, ct, sym_chunks, keys_apart, bf16_out", [
+    (200, 3, 192, 2, False, False),  # every chunk from its symbols (three row tiles), the last one partial
+    (256, 1, 128, 1, True, True),   # the second chunk from dequantize's words; keys apart
+    (64, 0, 64, 0, False, True),    # every chunk from the words
+])
+def test_decoder_from_symbols_is_the_decoder_from_levels(monkeypatch, T, S, ct, sym_chunks, keys_apart, bf16_out):
+    """unrotate_symbols makes the levels of cpu_transform.symbols_to_levels (token deltas summed
+    within each chunk, carried across its row tiles) in the product's pass: the bits of
+    unrotate_values from the levels' int16 words, for the chunks it decodes from symbols and for
+    those it reads as words; a delta sum past the range sets bad; rows before S untouched."""
+    from cachegen_cli.kernels import cpu_transform as ct_mod
+    from cachegen_cli.kernels.transform import TRANSFORM_QMAX
+
+    monkeypatch.setenv("CACHEGEN_FUSED_LEVELS", "1")
+    rng = np.random.default_rng(T + S + ct)
+    L, H, D = 1, 2, 32
+    C = H * D
+    sym = rng.integers(0, 9, (L, 2, T, C)).astype(np.uint8)
+    modes = rng.integers(0, 2, (L, 2, C)).astype(np.uint8)
+    lo = np.where(modes == 1, -4, rng.integers(-40, 20, (L, 2, C))).astype(np.int32)
+    levels = np.zeros((L, 2, T, C), np.int64)
+    ct_mod.symbols_to_levels(sym, modes, lo, ct, levels)
+    assert np.abs(levels).max() <= TRANSFORM_QMAX
+    words = torch.from_numpy((256 * levels - 1).astype(np.int16))
+    rint_t = torch.from_numpy(fx.fixed_matrix(_rotation(rng, L, H, D), False))
+    steps = torch.tensor(rng.uniform(0.01, 3, (L, 2)), dtype=torch.float32).to(torch.bfloat16).to(torch.float64)
+    b = torch.from_numpy(rng.standard_normal((L, 2, C)))
+    rt = rint_t.to(DEV)
+    digits, sums = fm.rotation_digits(rt), fm.column_sums(rt)
+    dtype = torch.int16 if bf16_out else torch.float32
+    want = torch.full((L, 2, T, C), 5, dtype=dtype, device=DEV)
+    want_keys = torch.zeros((L, 1, T, C), device=DEV) if keys_apart else None
+    fm.unrotate_values(words.to(DEV), digits, sums, steps.to(DEV), b.to(DEV), S, want, keys=want_keys)
+    # the words of the chunks it is to read as words; the others garbage, never read
+    z = torch.where(torch.arange(T)[None, None, :, None] >= sym_chunks * ct, words, torch.tensor(12345, dtype=torch.int16))
+    got = torch.full((L, 2, T, C), 5, dtype=dtype, device=DEV)
+    got_keys = torch.zeros((L, 1, T, C), device=DEV) if keys_apart else None
+    bad = torch.zeros(1, dtype=torch.int64, device=DEV)
+    fm.unrotate_symbols(torch.from_numpy(sym).to(DEV), torch.from_numpy(lo).to(DEV), torch.from_numpy(modes).to(DEV),
+                        ct, sym_chunks, TRANSFORM_QMAX, bad, z.contiguous().to(DEV), digits, sums, steps.to(DEV),
+                        b.to(DEV), S, got, keys=got_keys)
+    assert int(bad[0]) == 0
+    if keys_apart:
+        assert torch.equal(got[:, 1].cpu(), want[:, 1].cpu()) and (got[:, 0] == 5).all()
+        assert torch.equal(got_keys.cpu().view(torch.int32), want_keys.cpu().view(torch.int32))
+    else:
+        assert torch.equal(got.cpu().view(torch.int16 if bf16_out else torch.int32),
+                           want.cpu().view(torch.int16 if bf16_out else torch.int32))
+    assert (got[:, :, :S] == 5).all()
+    if sym_chunks:
+        # a token delta that sums past the range: flagged
+        sym2 = sym.copy()
+        c = int(np.flatnonzero(modes[0, 0] == 1)[0])
+        sym2[0, 0, : min(ct, T), c] = 255
+        bad.zero_()
+        fm.unrotate_symbols(torch.from_numpy(sym2).to(DEV), torch.from_numpy(lo).to(DEV),
+                            torch.from_numpy(modes).to(DEV), ct, sym_chunks, TRANSFORM_QMAX, bad, z.contiguous().to(DEV),
+                            digits, sums, steps.to(DEV), b.to(DEV), S, got, keys=got_keys)
+        assert int(bad[0]) == 1
+
+
+def test_decoder_from_symbols_takes_only_its_shapes(monkeypatch):
+    monkeypatch.setenv("CACHEGEN_FUSED_LEVELS", "1")
+    assert fm.fuses_symbols(128, 256) and not fm.fuses_symbols(256, 256) and not fm.fuses_symbols(128, 100)
+    monkeypatch.setenv("CACHEGEN_FUSED_LEVELS", "0")
+    assert not fm.fuses_symbols(128, 256)
