@@ -2203,14 +2203,12 @@ def _make_dequantize(V, OB, method2, levels=False):
 
     @_jit("dequantize")
     def kernel(symf, L, T, CW, modes, lo_eff, chunk_tokens, sink, offsets, steps, refine_start, bits, blob, raw_at,
-               nraw, outf, bad, k_first):
+               nraw, outf, bad):
         i = cuda.grid(1)
         K = (T + chunk_tokens - 1) // chunk_tokens
         if i >= L * 2 * K * CW:
             return
         l, kv, k, cw = _word_thread(i, K, CW)
-        if k < k_first:  # chunks the caller makes elsewhere (fixed_rotation_matmul.unrotate_symbols)
-            return
         p = 2 * l + kv
         C = CW * V
         c0 = cw * V
@@ -2299,7 +2297,7 @@ def _make_dequantize(V, OB, method2, levels=False):
 
 
 def dequantize(sym, modes, lo_eff, chunk_tokens, method2, sink, offsets, steps, refine_start, bits, blob, raw_at,
-               nraw, out_bytes, out, bad, levels=False, k_first=0, stream=0):
+               nraw, out_bytes, out, bad, levels=False, stream=0):
     """Decoded symbols -> the cache: levels (symbols + lo, token deltas summed within each
     chunk: cpu_transform.symbols_to_levels), then method 2's values (token_value, refinement
     indices read from the chunks' raw sections at raw_at[k]) as bfloat16 bits (out_bytes 2)
@@ -2308,7 +2306,7 @@ def dequantize(sym, modes, lo_eff, chunk_tokens, method2, sink, offsets, steps, 
     symbols; out: words [L, 2, T, C / V] of V values of out_bytes each (``levels``: method 2's
     levels q' as int16 words 256 q' - 1, out_bytes 2; offsets and steps unused); bad[0] (int64) = 1
     when a level leaves the format's range (a token delta summed past it).  Same values as
-    methods/transform.decode_v2 on the CPU.  Chunks before ``k_first`` are left alone."""
+    methods/transform.decode_v2 on the CPU."""
     L, _, T, CW = sym.shape
     K = (T + chunk_tokens - 1) // chunk_tokens
     n = L * 2 * K * CW
@@ -2321,7 +2319,7 @@ def dequantize(sym, modes, lo_eff, chunk_tokens, method2, sink, offsets, steps, 
         as_device(flat(sym)), np.int64(L), np.int64(T), np.int64(CW), as_device(modes), as_device(lo_eff),
         np.int64(chunk_tokens), np.int64(sink), as_device(offsets), as_device(steps), np.int64(refine_start),
         np.int64(bits), as_device(blob), as_device(raw_at), np.int64(nraw), as_device(flat(out)),
-        as_device(bad), np.int64(k_first))
+        as_device(bad))
 
 
 # ---------------------------------------------------------------- keys without RoPE (flags bit 2)

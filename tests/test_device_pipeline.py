@@ -140,36 +140,6 @@ def test_keys_without_rope_same_bytes_and_values_as_the_cpu(dtype, quality, styl
         assert ("rotate_rows", True) in turned and ("turn_rows", True) in turned  # back encoding, forward decoding
 
 
-@pytest.mark.parametrize("tokens, recent_bits, rope_on, dtype", [
-    (150, 2, False, torch.bfloat16),  # refined tokens in the last two chunks: those through dequantize's words
-    (150, 0, True, torch.bfloat16),   # no refinement: every chunk from its symbols, no words; keys turned
-    (100, 2, True, torch.float16),    # every chunk holds refined tokens
-])
-def test_levels_made_in_the_products_pass_give_the_cpus_values(tokens, recent_bits, rope_on, dtype, monkeypatch):
-    """CACHEGEN_FUSED_LEVELS=1: the decoder's levels made from the symbols inside the inverse
-    rotation's pass (fixed_rotation_matmul.unrotate_symbols, chunks of 64 tokens) decode the
-    CPU's files to the CPU's values, with the refined chunks through dequantize's words."""
-    from cachegen_cli.kernels import fixed_rotation_matmul as fm
-    from cachegen_cli.methods import calibration as calib
-    from cachegen_cli.methods import rope
-
-    if not fm.runs_on(transform_resident.device()):
-        pytest.skip("needs Triton (a GPU, or its interpreter)")
-    monkeypatch.setenv("CACHEGEN_FUSED_LEVELS", "1")
-    calls = []
-    real = fm.unrotate_symbols
-    monkeypatch.setattr(fm, "unrotate_symbols", lambda *a, **kw: (calls.append(a[4]), real(*a, **kw))[1])
-    head_dim = 32
-    sample = realistic_kv(layers=2, tokens=40, heads=2, head_dim=head_dim, dtype=torch.float32, seed=12)
-    cal = calib.fit([sample.reshape(2, 2, 40, 2 * head_dim)], blocks=2)
-    kv = realistic_kv(layers=2, tokens=tokens, heads=2, head_dim=head_dim, dtype=dtype, seed=5)
-    cfg = dataclasses.replace(resolve_quantization(2, quality="balanced"), recent_bits=recent_bits)
-    r = rope.from_theta(10000.0, head_dim, head_dim, "half", position_start=77) if rope_on else None
-    _check(kv, None, chunk_tokens=64, quantization=cfg, calibration=cal, rope=r)
-    K = -(-tokens // 64)
-    assert calls == [K if not recent_bits else (tokens - 64) // 64]
-
-
 @pytest.mark.parametrize("quality, dtype", [
     ("balanced", torch.bfloat16), ("lossless", torch.bfloat16), ("high", torch.float16), ("small", torch.float32),
     ("lossless", torch.float32), ("lossless", torch.float16),

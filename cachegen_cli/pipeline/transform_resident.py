@@ -46,7 +46,7 @@ from ..format.container import FileHeader
 from ..errors import FormatError
 from ..kernels.coding_params import PROB_BITS, max_stream_bytes
 from ..kernels.tables import SYMBOL_COST
-from ..kernels.transform import STATS_BLOCK, TRANSFORM_QMAX
+from ..kernels.transform import STATS_BLOCK
 from ..storage.kvio import EXPONENT_WORDS, DTYPE_BY_NAME, KVCache, check_finite
 from ..format.params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, bf16_values
 from ..methods import rope as rope_methods
@@ -777,20 +777,12 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
     # the levels q' as int16 words 256 q' - 1 for the matrix units' product (half the bytes of
     # float32 levels, written once and read once)
     level_words = rotated and h.fixed_rotation and digits is not None
-    # The levels made in the product's pass from the symbols (fixed_rotation_matmul.unrotate_symbols):
-    # only the chunks that hold refined tokens go through dequantize's words
-    from ..kernels import fixed_rotation_matmul as fm
-
-    fused = level_words and fm.fuses_symbols(digits[0].shape[-1], ct)
-    sym_chunks = (K if not bits else min(K, h.refine_start // ct)) if fused else 0
-    if sym_chunks >= K:
-        words = None  # no words: every level is made in the product's pass
-    elif lossless or level_words or (dtype == torch.bfloat16 and not rotated and rope is None):
+    if lossless or level_words or (dtype == torch.bfloat16 and not rotated and rope is None):
         words = _empty((L, 2, T, C), torch.int16 if level_words or ITEMSIZE[h.dtype] == 2 else torch.int32, dev)
     else:
         # float32 bits; float16 files are cast after, rotated ones rotated back first
         words = _empty((L, 2, T, C), torch.int32, dev)
-    out_bytes = 2 if words is None else words.element_size()
+    out_bytes = words.element_size()
     V = k.lanes(C, out_bytes, k.WIDTH["values"])  # channels per thread
     S = h.sink_tokens
     if lossless:
@@ -804,21 +796,20 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
         file_offsets, file_steps = offsets_f, steps_f
         offsets_f = torch.zeros_like(file_offsets)
         steps_f = torch.ones_like(file_steps)
-    if sym_chunks < K:
-        k.dequantize(_nb(sym.view(_TORCH_WORD[V])), _nb(modes_d), _nb(lo_eff), ct, not lossless, S, _nb(offsets_f),
-                     _nb(steps_f), r0, bits, blob_nb, _nb(raw_at_d), nraw, out_bytes,
-                     _nb(words.view(_TORCH_WORD[V * out_bytes])), _nb(tables_bad[1:]), levels=level_words,
-                     k_first=sym_chunks)
+    k.dequantize(_nb(sym.view(_TORCH_WORD[V])), _nb(modes_d), _nb(lo_eff), ct, not lossless, S, _nb(offsets_f),
+                 _nb(steps_f), r0, bits, blob_nb, _nb(raw_at_d), nraw, out_bytes,
+                 _nb(words.view(_TORCH_WORD[V * out_bytes])), _nb(tables_bad[1:]), levels=level_words)
     if lossless:
         data = words.view(dtype)
     elif rotated or rope is not None:
-        data = None if words is None else words.view(torch.float32)
+        data = words.view(torch.float32)
         keys_turned = False
         if fixed:
             # x' = sat32(A s 2^-14 + b), A = q' Rint^T exact (kernels/fixed_rotation): on the
             # matrix units in one pass (fixed_rotation_matmul), else cuBLAS's float64 product
             b_d = _empty((L, 2, C), torch.float64, dev)
             k.offset_sums(_nb(file_offsets), _nb(rot_t), _nb(b_d))
+            from ..kernels import fixed_rotation_matmul as fm
 
             # keys coded without their RoPE: their float32 values apart, turned forward into the
             # words by the pass after the product (the values' words straight from the product)
@@ -827,11 +818,7 @@ def _decode(blob: torch.Tensor, h: FileHeader, offsets_l: list[int], size: int,
             data = _empty((L, 2, T, C), torch.int16 if direct else torch.float32, dev)
             if digits is not None:
                 keys = _empty((L, 1, T, C), torch.float32, dev) if keys_apart else None
-                if fused:
-                    fm.unrotate_symbols(sym, lo_eff, modes_d, ct, sym_chunks, TRANSFORM_QMAX, tables_bad[1:], words,
-                                        digits[0], digits[1], file_steps, b_d, S, data, keys=keys)
-                else:
-                    fm.unrotate_values(words, digits[0], digits[1], file_steps, b_d, S, data, keys=keys)
+                fm.unrotate_values(words, digits[0], digits[1], file_steps, b_d, S, data, keys=keys)
                 del words
                 if keys_apart:
                     angles = _rope_angles(rope, S, T, dev)
