@@ -39,6 +39,7 @@ growth from the shorter context to the longer per text.  ``--json`` writes the r
     python scripts/preset_targets.py --contexts 1024,4096 --json docs/results/DATE_preset_targets.json
     python scripts/preset_targets.py --contexts 1024,4096 --calibrated --json ...   # + the calibrated variants
     python scripts/preset_targets.py --contexts 1024,4096 --lmcache --json ...      # + LMCache's KL and size
+    python scripts/preset_targets.py --report RESULTS.json   # re-render; with LMCache's rows, the flatness and the choice
 """
 
 from __future__ import annotations
@@ -285,6 +286,96 @@ def report(rows: list[dict]) -> None:
                       + ", ".join(f"{t} {x:.2f}x" for t, x in growth) + ".")
 
 
+def _is_page(r: dict) -> bool:
+    """A row of the page's texts (they chose the presets' constants)."""
+    return r["text"].startswith("page ")
+
+
+def _tables(rows: list[dict]) -> dict:
+    """{(quality, variant, step scale): its rows}, in the rows' order."""
+    out: dict = {}
+    for r in rows:
+        out.setdefault((r["quality"], r.get("variant", "none"), r.get("step_scale", 1.0)), []).append(r)
+    return out
+
+
+def _log_sd(xs) -> float:
+    """The standard deviation of the natural log of xs (a spread less swayed by one cache than
+    largest / smallest)."""
+    logs = [math.log(x) for x in xs]
+    m = sum(logs) / len(logs)
+    return math.sqrt(sum((v - m) ** 2 for v in logs) / len(logs))
+
+
+def lmcache_flatness(rows: list[dict]) -> None:
+    """A markdown table, per (quality, variant, scale), of whether KL / LMCache's KL is flatter over
+    the caches than the KL: both spreads, the standard deviation of their logs, and the
+    correlation of log KL with log LMCache KL."""
+    tables = _tables(rows)
+    lm = next(iter(tables.values()))
+    print(f"\nStandard deviation over the {len(lm)} caches of the natural log, and the correlation over the caches "
+          f"of log KL with log LMCache KL (LMCache's KL itself: spread "
+          f"{max(r['lmcache_kl'] for r in lm) / min(r['lmcache_kl'] for r in lm):.2f}x, sd of its log "
+          f"{_log_sd(r['lmcache_kl'] for r in lm):.2f}).\n")
+    print("| quality | variant | scale | KL spread | KL / LMCache KL spread | sd log KL | sd log (KL / LMCache KL) "
+          "| corr(log KL, log LMCache KL) |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for (q, v, sc), rs in tables.items():
+        kl = [r["kl"] for r in rs]
+        ratio = [r["kl"] / r["lmcache_kl"] for r in rs]
+        corr = correlation([math.log(x) for x in kl], [math.log(r["lmcache_kl"]) for r in rs])
+        print(f"| {q} | {v} | {sc:g} | {max(kl) / min(kl):.2f}x | {max(ratio) / min(ratio):.2f}x | {_log_sd(kl):.2f} "
+              f"| {_log_sd(ratio):.2f} | {corr:.2f} |")
+
+
+def choose_against_lmcache(rows: list[dict], factor: float) -> None:
+    """The rule fixed before the held-out texts' rows are read: among the (quality, variant,
+    scale) tables, those whose page caches all have KL <= factor x LMCache's KL on the same
+    cache; the one with the smallest mean bits/value over the page caches; then its every cache,
+    the held-out ones summed up, and which tables meet the issue's bar (KL <= LMCache's, >= 10x
+    smaller than bf16 and <= 0.35x LMCache's size, each on every cache)."""
+    tables = _tables(rows)
+    print(f"\n| quality | variant | scale | page caches | page mean bits | page max KL/LM | eligible (<= {factor:g}) |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    eligible = []
+    for (q, v, sc), rs in tables.items():
+        page = [r for r in rs if _is_page(r)]
+        if not page:
+            continue
+        bits = sum(r["bits_per_value"] for r in page) / len(page)
+        worst = max(r["kl"] / r["lmcache_kl"] for r in page)
+        if worst <= factor:
+            eligible.append((bits, (q, v, sc)))
+        print(f"| {q} | {v} | {sc:g} | {len(page)} | {bits:.3f} | {worst:.2f} | {'yes' if worst <= factor else 'no'} |")
+    if not eligible:
+        print("\nNo table meets the rule.")
+    else:
+        bits, key = min(eligible)
+        print(f"\nChosen: --quality {key[0]}, variant {key[1]}, steps x {key[2]:g} (page mean {bits:.3f} bits/value)\n")
+        print("| text | context | set | bits/value | x smaller than bf16 | size / LMCache size | KL | LMCache KL "
+              "| KL / LMCache KL | top-1 | LMCache top-1 |")
+        print("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+        for r in tables[key]:
+            print(f"| {r['text']} | {r['context']} | {'page' if _is_page(r) else 'held-out'} | {r['bits_per_value']:.3f} | "
+                  f"{16 / r['bits_per_value']:.2f} | {r['bits_per_value'] / r['lmcache_bits_per_value']:.3f} | "
+                  f"{r['kl']:.2e} | {r['lmcache_kl']:.2e} | {r['kl'] / r['lmcache_kl']:.2f} | {r['top1']:.3f} | "
+                  f"{r['lmcache_top1']:.3f} |")
+        held = [r for r in tables[key] if not _is_page(r)]
+        if held:
+            ratio = [r["kl"] / r["lmcache_kl"] for r in held]
+            size = [r["bits_per_value"] / r["lmcache_bits_per_value"] for r in held]
+            print(f"\nHeld-out ({len(held)} caches): KL / LMCache KL {min(ratio):.2f}-{max(ratio):.2f}, "
+                  f"{sum(x <= 1 for x in ratio)} of {len(held)} at or below LMCache's KL, "
+                  f"{sum(x <= factor for x in ratio)} at or below {factor:g}x; "
+                  f"{16 / max(r['bits_per_value'] for r in held):.2f}-{16 / min(r['bits_per_value'] for r in held):.2f}x "
+                  f"smaller than bf16; size / LMCache {min(size):.3f}-{max(size):.3f}.")
+    bar = [k for k, rs in tables.items() if all(r["kl"] <= r["lmcache_kl"] and r["bits_per_value"] <= 1.6
+                                                and r["bits_per_value"] <= 0.35 * r["lmcache_bits_per_value"]
+                                                for r in rs)]
+    print(f"\nTables meeting KL <= LMCache's, >= 10x smaller than bf16 and <= 0.35x LMCache's size, each on every "
+          f"one of the caches: {', '.join(f'{q} {v} x{sc:g}' for q, v, sc in bar) or 'none'}.")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", default="1024,4096")
@@ -300,10 +391,25 @@ def main() -> int:
                          "and every preset's KL and size against it")
     ap.add_argument("--texts", choices=["all", HELD_OUT, PAGE], default="all",
                     help="the caches scored: all, the four held-out texts', or the page's three")
+    ap.add_argument("--report", type=pathlib.Path, default=None, metavar="RESULTS",
+                    help="no measuring: the report of an earlier results file, and with LMCache's rows in it the "
+                         "flatness table and the choice by --choose-factor")
+    ap.add_argument("--choose-factor", type=float, default=0.7,
+                    help="--report's rule: the page caches' KL at most this times LMCache's (default 0.7)")
     ap.add_argument("--add-repeats", type=pathlib.Path, default=None, metavar="RESULTS",
                     help="no measuring: the rows of an earlier results file with the repeat columns added "
                          "(written to --json), and their report")
     args = ap.parse_args()
+    if args.report:
+        old = json.loads(args.report.read_text())
+        print(f"Rows of `{old['info']['command']}` (commit {old['info']['commit']}, {old['info']['date']}).")
+        report(old["rows"])
+        if all("lmcache_kl" in r for r in old["rows"]):
+            print("\n### Is KL / LMCache's KL flatter than the KL?")
+            lmcache_flatness(old["rows"])
+            print(f"\n### The rule's choice (page caches at KL <= {args.choose_factor:g} x LMCache's)")
+            choose_against_lmcache(old["rows"], args.choose_factor)
+        return 0
     if args.add_repeats:
         old = json.loads(args.add_repeats.read_text())
         rows = add_repeats(old["rows"])

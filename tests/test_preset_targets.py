@@ -94,3 +94,34 @@ def test_report_states_kl_and_size_against_lmcache(pt, capsys):
             "of LMCache's KL 5.00x); largest KL / LMCache KL 1.25, geometric mean 1.00; 2 of 3 caches at or "
             "below LMCache's KL; size / LMCache size 0.250-0.500.") in small
     assert "LMCache" not in high  # rows without LMCache's scores keep the old table
+
+
+def _lm_row(text, quality, scale, bits, kl, lm_kl, lm_bits=5.0):
+    return dict(_row(text, 1024, quality, kl, 0.1), variant="cal+sens", step_scale=scale, bits_per_value=bits,
+                lmcache_kl=lm_kl, lmcache_top1=0.9, lmcache_bits_per_value=lm_bits)
+
+
+def test_choice_against_lmcache_follows_the_page_caches_only(pt, capsys):
+    """The rule reads only the page caches: the smallest page mean among the tables whose page
+    caches all stay at or below factor x LMCache's KL, whatever the held-out caches do."""
+    rows = [_lm_row("page a", "small", 1, 2.0, 1e-3, 2e-3), _lm_row("held", "small", 1, 2.0, 9e-3, 1e-3),
+            _lm_row("page a", "small", 2, 1.5, 2.5e-3, 2e-3),  # 1.25 > 0.7: not eligible, though smaller
+            _lm_row("page a", "balanced", 2, 1.8, 1.2e-3, 2e-3), _lm_row("held", "balanced", 2, 1.4, 5e-4, 1e-3)]
+    pt.choose_against_lmcache(rows, 0.7)
+    out = capsys.readouterr().out
+    assert "| small | cal+sens | 2 | 1 | 1.500 | 1.25 | no |" in out
+    assert "Chosen: --quality balanced, variant cal+sens, steps x 2 (page mean 1.800 bits/value)" in out
+    assert "Held-out (1 caches): KL / LMCache KL 0.50-0.50, 1 of 1 at or below LMCache's KL, 1 at or below 0.7x" in out
+    # the bar: balanced x2 is <= 1.6 bits and <= 0.35 x 5 bits only on its held-out cache
+    assert "each on every one of the caches: none." in out
+    pt.choose_against_lmcache([dict(r, bits_per_value=1.5) for r in rows[3:]], 0.7)
+    assert "each on every one of the caches: balanced cal+sens x2." in capsys.readouterr().out
+
+
+def test_flatness_table_states_the_log_spreads(pt, capsys):
+    # KL 1e-3 and 4e-3 against LMCache's 1e-3 and 4e-3: the ratio is flat, its log's sd 0
+    rows = [_lm_row("a", "small", 1, 2.0, 1e-3, 1e-3), _lm_row("b", "small", 1, 2.0, 4e-3, 4e-3)]
+    pt.lmcache_flatness(rows)
+    out = capsys.readouterr().out
+    assert f"| small | cal+sens | 1 | 4.00x | 1.00x | {math.log(4) / 2:.2f} | 0.00 | 1.00 |" in out
+    assert "LMCache's KL itself: spread 4.00x" in out
