@@ -237,11 +237,17 @@ def add_repeats(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _tables(rows: list[dict]) -> dict:
+    """{(quality, variant, step scale): its rows}, in the rows' order."""
+    out: dict = {}
+    for r in rows:
+        out.setdefault((r["quality"], r.get("variant", "none"), r.get("step_scale", 1.0)), []).append(r)
+    return out
+
+
 def report(rows: list[dict]) -> None:
     """Markdown tables of ``rows`` (see the module docstring)."""
-    key = lambda r: (r["quality"], r.get("variant", "none"), r.get("step_scale", 1.0))  # noqa: E731
-    for q, variant, scale in dict.fromkeys(key(r) for r in rows):
-        rs = [r for r in rows if key(r) == (q, variant, scale)]
+    for (q, variant, scale), rs in _tables(rows).items():
         g = geomean(r["kl"] for r in rs)
         what = ("" if variant == "none" else f", {VARIANTS[variant]}") + ("" if scale == 1.0 else f", steps x {scale:g}")
         print(f"\n#### `--quality {q}`{what}: {len(rs)} caches, KL geometric mean {g:.2e}, "
@@ -289,14 +295,6 @@ def report(rows: list[dict]) -> None:
 def _is_page(r: dict) -> bool:
     """A row of the page's texts (they chose the presets' constants)."""
     return r["text"].startswith("page ")
-
-
-def _tables(rows: list[dict]) -> dict:
-    """{(quality, variant, step scale): its rows}, in the rows' order."""
-    out: dict = {}
-    for r in rows:
-        out.setdefault((r["quality"], r.get("variant", "none"), r.get("step_scale", 1.0)), []).append(r)
-    return out
 
 
 def _log_sd(xs) -> float:
