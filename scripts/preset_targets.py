@@ -237,6 +237,11 @@ def add_repeats(rows: list[dict]) -> list[dict]:
     return out
 
 
+def _against_lmcache(rows: list[dict]) -> tuple[list[float], list[float]]:
+    """Each row's KL / LMCache's KL and size / LMCache's size on the same cache."""
+    return ([r["kl"] / r["lmcache_kl"] for r in rows],
+            [r["bits_per_value"] / r["lmcache_bits_per_value"] for r in rows])
+
 def _tables(rows: list[dict]) -> dict:
     """{(quality, variant, step scale): its rows}, in the rows' order."""
     out: dict = {}
@@ -270,8 +275,7 @@ def report(rows: list[dict]) -> None:
               f"{16 / max(r['bits_per_value'] for r in rs):.2f}-{16 / min(r['bits_per_value'] for r in rs):.2f}x "
               "smaller than bf16.")
         if lm:
-            ratio = [r["kl"] / r["lmcache_kl"] for r in rs]
-            size = [r["bits_per_value"] / r["lmcache_bits_per_value"] for r in rs]
+            ratio, size = _against_lmcache(rs)
             print(f"Against LMCache's CacheGen on the same cache: spread of KL / LMCache KL "
                   f"{max(ratio) / min(ratio):.2f}x (of the KL {spread('kl'):.2f}x, of LMCache's KL "
                   f"{spread('lmcache_kl'):.2f}x); largest KL / LMCache KL {max(ratio):.2f}, geometric mean "
@@ -360,8 +364,7 @@ def choose_against_lmcache(rows: list[dict], factor: float) -> None:
                   f"{r['lmcache_top1']:.3f} |")
         held = [r for r in tables[key] if not _is_page(r)]
         if held:
-            ratio = [r["kl"] / r["lmcache_kl"] for r in held]
-            size = [r["bits_per_value"] / r["lmcache_bits_per_value"] for r in held]
+            ratio, size = _against_lmcache(held)
             print(f"\nHeld-out ({len(held)} caches): KL / LMCache KL {min(ratio):.2f}-{max(ratio):.2f}, "
                   f"{sum(x <= 1 for x in ratio)} of {len(held)} at or below LMCache's KL, "
                   f"{sum(x <= factor for x in ratio)} at or below {factor:g}x; "
