@@ -1142,6 +1142,46 @@ def plane_offsets_rms(sums, sumsq, n, bf16_max, offsets_bits, offsets, rms):
             rms[l, kv] = np.sqrt(_pairwise_sum(resid, 0, C) / denom)
 
 
+@njit(**_JIT)
+def input_means32(sums, n, means):
+    """means [L, 2, C] float32 = float32(sums / n) (0 for n = 0): the inputs' channel means in
+    the form the rotation of the means takes (fixed_rotation.offset_sums: a float32 times an
+    integer of 15 bits is exact in float64, so a fused multiply-add gives the same sums)."""
+    L, _, C = sums.shape
+    fn = np.float64(n)
+    for l in range(L):
+        for kv in range(2):
+            for c in range(C):
+                means[l, kv, c] = np.float32(sums[l, kv, c] / fn) if n > 0 else np.float32(0.0)
+
+
+@njit(**_JIT)
+def rotated_offsets_rms(mu, sumsq, n, bf16_max, offsets_bits, offsets, rms):
+    """The fixed-point rotation's offsets and RMS from the inputs' statistics (methods/transform.
+    rotated_step_params): mu [L, 2, C] the rotated channel means (offset_sums of input_means32),
+    sumsq [L, 2, C] the inputs' sums of squares over n tokens.  offsets_bits / offsets as
+    plane_offsets_rms' (the bfloat16 of mu, clipped); rms [L, 2] = sqrt(max(S + sum_c (n m^2 - 2 m
+    n mu), 0) / (n C)), S the plane's sum of squares (an orthogonal rotation keeps it; the
+    fixed-point one to ~1e-4): the residuals around the stored offsets, summed over the plane.
+    Sums in numpy's pairwise order; each product rounded alone (the GPU's _mul_rn)."""
+    L, _, C = mu.shape
+    term = np.empty(C)
+    fn = np.float64(n)
+    denom = np.float64(max(n * C, 1))
+    for l in range(L):
+        for kv in range(2):
+            for c in range(C):
+                mean = min(max(mu[l, kv, c], -bf16_max), bf16_max)
+                b = _bf16_bits_of(mean)
+                offsets_bits[l, kv, c] = b
+                m = np.float64(np.uint32(np.uint32(b) << np.uint32(16)).view(np.float32))
+                offsets[l, kv, c] = m
+                s1 = mu[l, kv, c] * fn
+                term[c] = fn * m * m - 2.0 * m * s1
+            r = _pairwise_sum(sumsq[l, kv], 0, C) + _pairwise_sum(term, 0, C)
+            rms[l, kv] = np.sqrt((0.0 if r < 0.0 else r) / denom)
+
+
 @register_jitable
 def _mul_plain(x, y):
     return x * y

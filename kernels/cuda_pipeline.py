@@ -515,11 +515,11 @@ def _make_stats_partial(V, B):
     vmask = _value_mask(B)
 
     @jit_kernel
-    def kernel(wf, L, T, CW, fmt, sink, part1, part2):
+    def kernel(wf, L, T, CW, fmt, sink, part1, part2, WP):
         live, l, kv, b, cw = _stats_thread(cuda.grid(1), L, CW, part1)
         if not live:
             return
-        p = 2 * l + kv
+        p = WP * l + kv  # (WP: the planes a layer of the words holds, 2 or the keys alone)
         s1 = cuda.local.array(V, np.float64)
         s2 = cuda.local.array(V, np.float64)
         for j in range(V):
@@ -559,11 +559,11 @@ def _make_stats_partial_tree(V, B):
     STACK = LEVELS * V  # a closure constant: cuda.local.array takes no expression of them
 
     @jit_kernel
-    def kernel(wf, L, T, CW, fmt, sink, part1, part2):
+    def kernel(wf, L, T, CW, fmt, sink, part1, part2, WP):
         live, l, kv, b, cw = _stats_thread(cuda.grid(1), L, CW, part1)
         if not live:
             return
-        p = 2 * l + kv
+        p = WP * l + kv  # (WP: the planes a layer of the words holds, 2 or the keys alone)
         s1 = cuda.local.array(V, np.float64)
         s2 = cuda.local.array(V, np.float64)
         st1 = cuda.local.array(STACK, np.float64)
@@ -622,19 +622,20 @@ def transform_stats(words, itemsize, fmt, sink, part1, part2, sums, sumsq, strea
     """sums / sumsq [L, 2, C]: cpu_transform.transform_stats of an unrotated cache given as its
     raw words [L, 2, T, C / V], V = words.itemsize // itemsize values each; part1 / part2:
     float64 scratch [L, P, ceil(T / STATS_BLOCK), C].  P = 1: the key planes alone (the values'
-    sums are not written).  ``tree``: the fixed-point rotation's values, summed as
+    sums are not written), of words [L, 2, ...] or of the keys alone, words [L, 1, ...].  ``tree``: the fixed-point rotation's values, summed as
     cpu_transform.transform_stats_tree."""
     L, P, NB, C = part1.shape
     CW = words.shape[3]
     V = C // CW if CW else 1
-    if P not in (1, 2) or words.shape[1] != 2 or sums.shape[:2] != (L, 2):
+    WP = words.shape[1]
+    if P not in (1, 2) or WP not in (P, 2) or sums.shape[:2] != (L, 2):
         raise ValueError(f"transform_stats: words {words.shape}, scratch {part1.shape}, sums {sums.shape}")
     if L * P * NB * CW:
         T = words.shape[2]
         make = _make_stats_partial_tree if tree else _make_stats_partial
         _made(make, V, 8 * itemsize)[(*_cfg(L * P * NB * CW), stream)](
             as_device(flat(words)), np.int64(L), np.int64(T), np.int64(CW), np.int64(fmt), np.int64(sink),
-            as_device(part1), as_device(part2))
+            as_device(part1), as_device(part2), np.int64(WP))
     reduce_stats(part1, part2, sums, sumsq, stream)
 
 
@@ -708,13 +709,65 @@ def _plane_offsets_kernel(sums, sumsq, n, bf16_max, obits, offs, resid, bad):
 
 
 @jit_kernel
-def _plane_rms_kernel(resid, n, rms):
-    """One thread per plane: sqrt(sum of the residuals / (n C)), the sum in numpy's order."""
+def _plane_rms_kernel(resid, n, rms, every):
+    """One thread per plane: sqrt(sum of the residuals / (n C)), the sum in numpy's order; of
+    every plane (``every`` 1) or of the key planes alone (2)."""
     p = cuda.grid(1)
     L, _, C = resid.shape
-    if p >= L * 2:
+    if p >= L * 2 or p % every:
         return
     rms[p] = math.sqrt(_pairwise(resid[p // 2, p % 2], C) / np.float64(max(n * C, 1)))
+
+
+@jit_kernel
+def _input_means_kernel(sums, sumsq, n, means, bad):
+    """One thread per (plane, channel): cpu_transform.input_means32, and bad[0] = 1 when a sum
+    is not finite."""
+    i = cuda.grid(1)
+    L, _, C = sums.shape
+    if i >= L * 2 * C:
+        return
+    c = i % C
+    p = i // C
+    s1 = sums[p // 2, p % 2, c]
+    if not (abs(s1) <= 1.7976931348623157e308 and abs(sumsq[p // 2, p % 2, c]) <= 1.7976931348623157e308):
+        bad[0] = 1  # a NaN or an Inf among the values: the caller raises check_finite's error
+        s1 = 0.0
+    means[p // 2, p % 2, c] = np.float32(s1 / np.float64(n)) if n > 0 else np.float32(0.0)
+
+
+@jit_kernel
+def _rotated_offsets_kernel(mu, n, bf16_max, obits, offs, term):
+    """One thread per (plane, channel): cpu_transform.rotated_offsets_rms' offset and its term
+    n m^2 - 2 m (n mu) of the plane's residuals."""
+    i = cuda.grid(1)
+    L, _, C = mu.shape
+    if i >= L * 2 * C:
+        return
+    c = i % C
+    p = i // C
+    l = p // 2
+    kv = p % 2
+    fn = np.float64(n)
+    mean = min(max(mu[l, kv, c], -bf16_max), bf16_max)
+    b = _bf16_bits(np.float32(mean))
+    obits[l, kv, c] = b
+    mf = _bits_f32(b << 16)
+    offs[l, kv, c] = mf
+    m = np.float64(mf)
+    s1 = _mul_rn(mu[l, kv, c], fn)
+    term[l, kv, c] = _mul_rn(fn * m, m) - _mul_rn(2.0 * m, s1)
+
+
+@jit_kernel
+def _rotated_rms_kernel(term, sumsq, n, rms):
+    """One thread per plane: cpu_transform.rotated_offsets_rms' RMS."""
+    p = cuda.grid(1)
+    L, _, C = term.shape
+    if p >= L * 2:
+        return
+    r = _pairwise(sumsq[p // 2, p % 2], C) + _pairwise(term[p // 2, p % 2], C)
+    rms[p] = math.sqrt((0.0 if r < 0.0 else r) / np.float64(max(n * C, 1)))
 
 
 _log_rn, _exp_rn, _allocate_rn = _allocation.make(_mul_rn)
@@ -745,7 +798,7 @@ def _plane_steps_kernel(rel, sensitivity, allocated, strength, min_step, max_ste
 
 
 def plane_steps(sums, sumsq, n, bf16_max, rel, obits, offs, sbits, steps, resid, scratch, bad, allocation=None,
-                rms_sums=None, stream=0):
+                rms_sums=None, rotated=None, stream=0):
     """methods/transform.step_params on the device: from sums / sumsq [L, 2, C] (transform_stats)
     over n tokens and the relative steps rel [L, 2], obits (int32 [L, 2, C]: the offsets'
     bfloat16 bits), offs (float32 [L, 2, C]: their values), sbits (int32 [L, 2]) and steps
@@ -756,21 +809,38 @@ def plane_steps(sums, sumsq, n, bf16_max, rel, obits, offs, sbits, steps, resid,
     when a sum is not finite.  Three launches: a thread per channel, per plane, then one.
     ``rms_sums`` = (sums, sumsq, obits, offs): the sums the RMS comes from when they are not the
     coded values' (step_params' rms_sums: keys coded without their RoPE), and scratch for their
-    offsets (int32 / float32 [L, 2, C]); two more launches."""
+    offsets (int32 / float32 [L, 2, C]); two more launches.  ``rotated`` = (rint float64 [L, 2,
+    H, D, D], means float32 [L, 2, C], mu float64 [L, 2, C]): sums / sumsq are the unrotated
+    inputs' and the offsets and RMS are methods/transform.rotated_step_params' (the encoder's
+    fixed-point blocks rint; means and mu scratch); with rms_sums, the key planes' RMS from
+    them."""
     L, _, C = sums.shape
     if L == 0:
         return
+    if rotated is not None:
+        # methods/transform.rotated_step_params: the inputs' means through the rotation
+        rint, means, mu = rotated
+        _input_means_kernel[(*_cfg(2 * L * C), stream)](as_device(sums), as_device(sumsq), np.int64(n),
+                                                        as_device(means), as_device(bad))
+        offset_sums(means, rint, mu, stream)
+        _rotated_offsets_kernel[(*_cfg(2 * L * C), stream)](as_device(mu), np.int64(n), np.float64(bf16_max),
+                                                            as_device(obits), as_device(offs), as_device(resid))
+        _rotated_rms_kernel[(*_cfg(2 * L), stream)](as_device(resid), as_device(sumsq), np.int64(n),
+                                                    as_device(item(scratch, 0)))
     if rms_sums is not None:
         r1, r2, robits, roffs = rms_sums
         _plane_offsets_kernel[(*_cfg(2 * L * C), stream)](as_device(r1), as_device(r2), np.int64(n),
                                                           np.float64(bf16_max), as_device(robits), as_device(roffs),
                                                           as_device(resid), as_device(bad))
-        _plane_rms_kernel[(*_cfg(2 * L), stream)](as_device(resid), np.int64(n), as_device(item(scratch, 0)))
-    _plane_offsets_kernel[(*_cfg(2 * L * C), stream)](as_device(sums), as_device(sumsq), np.int64(n),
-                                                      np.float64(bf16_max), as_device(obits), as_device(offs),
-                                                      as_device(resid), as_device(bad))
-    if rms_sums is None:
-        _plane_rms_kernel[(*_cfg(2 * L), stream)](as_device(resid), np.int64(n), as_device(item(scratch, 0)))
+        _plane_rms_kernel[(*_cfg(2 * L), stream)](as_device(resid), np.int64(n), as_device(item(scratch, 0)),
+                                                  np.int64(2 if rotated is not None else 1))
+    if rotated is None:
+        _plane_offsets_kernel[(*_cfg(2 * L * C), stream)](as_device(sums), as_device(sumsq), np.int64(n),
+                                                          np.float64(bf16_max), as_device(obits), as_device(offs),
+                                                          as_device(resid), as_device(bad))
+    if rms_sums is None and rotated is None:
+        _plane_rms_kernel[(*_cfg(2 * L), stream)](as_device(resid), np.int64(n), as_device(item(scratch, 0)),
+                                                  np.int64(1))
     allocated = allocation is not None
     sensitivity, strength, min_step, max_step = allocation if allocated else (rel, 0.0, 0.0, 0.0)
     _plane_steps_kernel[(1, 1, stream)](as_device(flat(rel)),

@@ -635,7 +635,7 @@ def _planes(L: int, keys_apart: bool) -> list[tuple[int, int, int, bool]]:
 
 def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Tensor,
                 rope: RopeAngles | None = None, stats: tuple[torch.Tensor, torch.Tensor] | None = None,
-                values: bool = True) -> bool:
+                values: bool = True, keys: torch.Tensor | None = None, ready=None) -> bool:
     """y[:, :, t] = the fixed-point rotation of x[:, :, t] for t >= t_first (fixed_rotation.
     rotate_rows' values): x float32 [L, 2, T, C], or a bfloat16 cache's int16 words; digits:
     rotation_digits of the encoder's blocks [L, 2, H, D, D]; y float32 [L, 2, T, C] (rows before
@@ -647,7 +647,10 @@ def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Te
     squares, cuda_pipeline.transform_stats(tree=True)'s partial sums (reduce_stats makes the
     sums), while the values are in hand; True when they were made (blocks past RESIDENT_BLOCK:
     not, False).  ``values`` False (with ``stats``, blocks up to RESIDENT_BLOCK): y is not
-    written, only the sums are made (what the product costs without its float32 values)."""
+    written, only the sums are made (what the product costs without its float32 values).
+    ``keys`` (float32 [L, 1, T, C], with ``rope``): the keys turned back go there, for the caller
+    to read after (their rows t_first .. ); ``ready``: called once the passes before the product
+    are queued (the turned keys written, in stream order), before the product is."""
     _check(x, "x", (torch.float32, torch.int16), 4)
     _check(y, "y", (torch.float32,), 4)
     L, K, T, C = x.shape
@@ -670,14 +673,21 @@ def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Te
     if n <= 0 or L == 0:
         return made
     e = torch.empty((L * K, n), dtype=torch.int32, device=x.device)
-    keys = None
     if rope is not None:
-        keys = torch.empty((L, 1, T, C), dtype=torch.float32, device=x.device)
+        if keys is None:
+            keys = torch.empty((L, 1, T, C), dtype=torch.float32, device=x.device)
+        _check(keys, "keys", (torch.float32,), 4)
+        if tuple(keys.shape) != (L, 1, T, C):
+            raise ValueError(f"rotate_rows: keys {tuple(keys.shape)}, not {(L, 1, T, C)}")
         turn_rows(x, rope, t_first, keys, False, e)
+    else:
+        keys = None
     bf16 = x.dtype == torch.int16
     _row_exponents_kernel[(triton.cdiv(n, 32), L * K if keys is None else L)](
         x, e, T, n, t_first, 0 if keys is None else 1, 1 if keys is None else 2, C=C, BM=32,
         BK=min(128, triton.next_power_of_2(C)), BF16_WORDS=bf16, num_warps=4)
+    if ready is not None:
+        ready()
     for p0, ps, planes, apart in _planes(L, keys is not None):
         src = keys if apart else x
         if D > RESIDENT_BLOCK:

@@ -41,7 +41,7 @@ from ..kernels import fixed_rotation as fixed_kernels
 from ..kernels import rope as rope_kernels
 from ..kernels.coding_params import max_stream_bytes
 from ..kernels.tables import SYMBOL_COST
-from ..kernels.transform import MODE_DELTA, MODE_DIRECT, STATS_GROUP, TRANSFORM_QMAX
+from ..kernels.transform import MODE_DELTA, MODE_DIRECT, TRANSFORM_QMAX
 from ..storage.kvio import KVCache, SlabBuffers, TensorSource
 from ..format.params import ITEMSIZE, METHOD_LOSSLESS, METHOD_TRANSFORM, Params, bf16_values
 from ..format.params import check_level_range, expand_shared
@@ -171,6 +171,41 @@ def step_params(sums: np.ndarray, sumsq: np.ndarray, n: int, rel: np.ndarray, se
         rms = rms.copy()
     k2.plane_offsets_rms(np.ascontiguousarray(sums, np.float64), np.ascontiguousarray(sumsq, np.float64), int(n),
                          BF16_MAX, offsets_bits, m, rms if rms_sums is None else np.empty((L, 2), np.float64))
+    return _steps_of(offsets_bits, m, rms, rel, sensitivity)
+
+
+def rotated_step_params(sums: np.ndarray, sumsq: np.ndarray, n: int, rint: np.ndarray, rel: np.ndarray,
+                        sensitivity: np.ndarray | None = None,
+                        rms_sums: tuple[np.ndarray, np.ndarray] | None = None):
+    """step_params of fixed-point rotated values from the statistics of the rows before the
+    rotation (since 2026-12-07; before, from the rotated values' own sums: the same bfloat16
+    offsets and steps on every golden file and sample cache tried): sums / sumsq [L, 2, C] of the unrotated inputs (keys without
+    their RoPE when it is removed) over n tokens, rint the encoder's blocks (fixed_rotation.
+    fixed_matrix(rot, False), float64 [L, 2, H, D, D]).  The offsets are the bfloat16 of the
+    rotated means (cpu_transform.input_means32 through fixed_rotation.offset_sums); the RMS
+    is the plane's, around them (cpu_transform.rotated_offsets_rms).  ``rms_sums`` (keys coded
+    without RoPE): the key planes' RMS from the keys as they are, as step_params (their value
+    entries are not read)."""
+    L, _, C = sums.shape
+    means = np.empty((L, 2, C), np.float32)
+    k2.input_means32(np.ascontiguousarray(sums, np.float64), int(n), means)
+    mu = np.empty((L, 2, C), np.float64)
+    fixed_kernels.offset_sums(means, np.ascontiguousarray(rint, np.float64), mu)
+    offsets_bits = np.empty((L, 2, C), np.uint16)
+    m = np.empty((L, 2, C), np.float64)
+    rms = np.empty((L, 2), np.float64)
+    k2.rotated_offsets_rms(mu, np.ascontiguousarray(sumsq, np.float64), int(n), BF16_MAX, offsets_bits, m, rms)
+    if rms_sums is not None:
+        key_rms = np.empty((L, 2), np.float64)
+        k2.plane_offsets_rms(np.ascontiguousarray(rms_sums[0], np.float64),
+                             np.ascontiguousarray(rms_sums[1], np.float64), int(n), BF16_MAX,
+                             np.empty((L, 2, C), np.uint16), np.empty((L, 2, C), np.float64), key_rms)
+        rms[:, 0] = key_rms[:, 0]
+    return _steps_of(offsets_bits, m, rms, rel, sensitivity)
+
+
+def _steps_of(offsets_bits, m, rms, rel, sensitivity):
+    """step_params' steps from the planes' RMS (allocated by ``sensitivity`` when given)."""
     if sensitivity is not None:
         rel = allocate(rel, rms, sensitivity)
     step = rel * rms
@@ -254,6 +289,8 @@ class _SlabEncoder:
         self.single = len(bounds) == 1
         self.kept = None  # the single slab's (levels, refinement) (transform) or words (lossless)
         self.kept_values = None  # transform: the single slab's _values while the passes before the header run
+        self.kept_inputs = None  # transform: the single slab's _inputs, while the statistics of them are made
+        self.keep_inputs = False
         self.lossless = cfg.method == "lossless"
         # With several slabs, every pass reuses the same slab-sized buffers (never a single
         # slab's: its arrays are kept from pass to pass).
@@ -296,16 +333,7 @@ class _SlabEncoder:
         ROTATED_CACHE_BYTES, those rows, rotated once for both passes over them."""
         if self.kept_values is not None:
             return self.kept_values
-        src, shift = self._bits(self._block(t0, t1, check))
-        if self.rope is not None:
-            # The keys without their RoPE (float32, kernels/rope.turn_keys), the values widened.
-            x = self._empty("unturned", tuple(src.shape), np.float32)
-            if shift == 16:
-                rope_kernels.widen_bf16(src, x.view(np.uint32))
-            else:
-                x.view(np.uint32)[...] = src
-            rope_kernels.turn_keys(x, self.rope.inv_freq, self.rope, t0, self.sink, False)
-            src, shift = x.view(np.uint32), 0
+        src, shift = self._inputs(t0, t1, check)
         rot = self.rot
         if self.fixed is not None:
             # The rows rotated by integer products (kernels/fixed_rotation), as float32 values.
@@ -320,6 +348,27 @@ class _SlabEncoder:
         if self.single:
             self.kept_values = (src, shift, rot)
         return src, shift, rot
+
+    def _inputs(self, t0: int, t1: int, check=None):
+        """Transform: (src, shift) of a slab's rows before any rotation, for the kernels'
+        _fill_rows: its bits, with the keys turned back by their RoPE when it is removed (float32
+        then).  A single slab's are kept between the fixed-point rotation's statistics pass
+        (rotated_step_params) and the quantization's (_values' rotation)."""
+        if self.kept_inputs is not None:
+            return self.kept_inputs
+        src, shift = self._bits(self._block(t0, t1, check))
+        if self.rope is not None:
+            # The keys without their RoPE (float32, kernels/rope.turn_keys), the values widened.
+            x = self._empty("unturned", tuple(src.shape), np.float32)
+            if shift == 16:
+                rope_kernels.widen_bf16(src, x.view(np.uint32))
+            else:
+                x.view(np.uint32)[...] = src
+            rope_kernels.turn_keys(x, self.rope.inv_freq, self.rope, t0, self.sink, False)
+            src, shift = x.view(np.uint32), 0
+        if self.single and self.keep_inputs:
+            self.kept_inputs = (src, shift)
+        return src, shift
 
     def _bits(self, block: torch.Tensor, name: str = "x"):
         """(src, shift) of a block for the kernels' _fill_rows: its bits (bfloat16: shift 16;
@@ -395,13 +444,16 @@ class _SlabEncoder:
         self.rope = rope_methods.resolve(self.source.cache, cfg, calibration)
         s1, s2, b1, b2 = (np.zeros((L, 2, C), np.float64) for _ in range(4))
         r1, r2, rb1, rb2 = (np.zeros((L, 2, C), np.float64) for _ in range(4))
-        # the fixed-point rotation's values: summed in transform.STATS_GROUP's tree (the GPU's)
-        group = np.empty((L, 2, STATS_GROUP, C), np.float32) if self.fixed is not None else None
+        # The fixed-point rotation's offsets and steps come from the rows before it
+        # (rotated_step_params), so that the GPU's encoder has them beside its product.
+        inputs = self.fixed is not None
+        self.keep_inputs = inputs
         for t0, t1 in self.bounds:
-            src, shift, rot = self._values(t0, t1, check)
-            if group is not None:  # (src: fixed_rotate's float32 bits)
-                k2.transform_stats_tree(src.view(np.float32), sink, t0, T, s1, s2, b1, b2, group)
+            if inputs:
+                src, shift = self._inputs(t0, t1, check)
+                k2.transform_stats_carry(src, _NO_ROTATION, sink, t0, T, s1, s2, b1, b2, shift)
             else:
+                src, shift, rot = self._values(t0, t1, check)
                 k2.transform_stats_carry(src, rot, sink, t0, T, s1, s2, b1, b2, shift)
             if self.rope is not None:  # the keys as the model has them (step_params' rms_sums)
                 osrc, oshift = self._source_bits(t0, t1)
@@ -410,9 +462,15 @@ class _SlabEncoder:
             check.raise_if_bad()
         if self.rope is not None:
             r1[:, 1], r2[:, 1] = s1[:, 1], s2[:, 1]  # the values' RMS: their coded sums'
-        offsets_bits, m, steps_bits, self.steps = step_params(s1, s2, T - sink, cfg.steps_table(L),
-                                                              plane_sensitivity(cfg, calibration),
-                                                              None if self.rope is None else (r1, r2))
+        if inputs:
+            rint = fixed_kernels.fixed_matrix_kept(self.rot, digest, False).numpy()
+            offsets_bits, m, steps_bits, self.steps = rotated_step_params(
+                s1, s2, T - sink, rint, cfg.steps_table(L), plane_sensitivity(cfg, calibration),
+                None if self.rope is None else (r1, r2))
+        else:
+            offsets_bits, m, steps_bits, self.steps = step_params(s1, s2, T - sink, cfg.steps_table(L),
+                                                                  plane_sensitivity(cfg, calibration),
+                                                                  None if self.rope is None else (r1, r2))
         if self.rot.size:  # the reader's rule: a writer must not write what it rejects (as the GPU's writer)
             from ..format.params import check_rotated_range
 
@@ -425,7 +483,7 @@ class _SlabEncoder:
             k2.merge_level_stats(stats, part)
             if self.single:
                 self.kept = (q, ref)
-        self.kept_values = None
+        self.kept_values = self.kept_inputs = None
         modes, lo, alphabet = tables_from_stats(stats, cfg.token_delta, T)
         sink_bytes = (sink_words(self.source.cache, sink) if isinstance(self.source, TensorSource)
                       else _sink_bytes(self.source.read(0, sink), sink))

@@ -249,21 +249,8 @@ def encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration=
 _SIDE_STREAMS: dict = {}
 
 
-def _raw_key_sums(words: torch.Tensor, itemsize: int, dt: str, sink: int, dev: torch.device):
-    """(sums, done): the key planes' sums and sums of squares of the cache as it is (sums [2, L,
-    2, C]: the values' entries left for the caller), on a second stream on a GPU (``done``: the
-    event the caller's stream waits for before reading them), inline otherwise (``done`` None)."""
-    k = _k()
-    L, _, T, C = words.shape
-    NB = -(-T // STATS_BLOCK)
-    Vs = k.lanes(C, itemsize, k.WIDTH["levels"])
-    kw = words.view(_TORCH_WORD[Vs * itemsize])
-    kpart = _empty((2, L, 1, NB, C), torch.float64, dev)
-    sums = _empty((2, L, 2, C), torch.float64, dev)
-    args = (_nb(kw), itemsize, _FMT[dt], sink, _nb(kpart[0]), _nb(kpart[1]), _nb(sums[0]), _nb(sums[1]))
-    if dev.type != "cuda":
-        k.transform_stats(*args)
-        return sums, None
+def _side_stream(dev: torch.device):
+    """(torch stream, numba stream) of ``dev``'s second stream (_SIDE_STREAMS)."""
     from numba import cuda
 
     key = dev.index if dev.index is not None else torch.cuda.current_device()
@@ -271,12 +258,48 @@ def _raw_key_sums(words: torch.Tensor, itemsize: int, dt: str, sink: int, dev: t
     if side is None:
         stream = torch.cuda.Stream(dev)
         side = _SIDE_STREAMS[key] = (stream, cuda.external_stream(stream.cuda_stream))
-    side[0].wait_stream(torch.cuda.current_stream(dev))  # the cache's words are on the device
-    k.transform_stats(*args, stream=side[1])
-    for t in (kpart, sums):
-        t.record_stream(side[0])  # their blocks go back to the allocator only after this work
+    return side
+
+
+def _input_sums(jobs: list, sink: int, dev: torch.device):
+    """(sums, done): for each job (values [L, 2 or 1, T, C] as raw words or float32, their
+    itemsize and format, P: 2 for both planes, 1 for the keys alone), the sums and sums of
+    squares of tokens sink.. (cuda_pipeline.transform_stats: sums [2, L, 2, C] each, a keys-alone
+    job's value entries left unwritten), on a second stream on a GPU (``done``: the event the
+    caller's stream waits for before reading them; the inputs must stay allocated until then),
+    inline otherwise (``done`` None)."""
+    k = _k()
+    stream = 0
+    side = None
+    if dev.type == "cuda":
+        side = _side_stream(dev)
+        side[0].wait_stream(torch.cuda.current_stream(dev))  # the values are on the device
+        stream = side[1]
+    out = []
+    for src, itemsize, fmt, P in jobs:
+        L, _, T, C = src.shape
+        V = k.lanes(C, itemsize, k.WIDTH["levels"])
+        w = src.view(torch.int16 if itemsize == 2 else torch.int32).view(_TORCH_WORD[V * itemsize])
+        part = _empty((2, L, P, -(-T // STATS_BLOCK), C), torch.float64, dev)
+        sums = _empty((2, L, 2, C), torch.float64, dev)
+        k.transform_stats(_nb(w), itemsize, fmt, sink, _nb(part[0]), _nb(part[1]), _nb(sums[0]), _nb(sums[1]),
+                          stream=stream)
+        if side is not None:
+            for t in (src, part, sums):
+                t.record_stream(side[0])  # their blocks go back to the allocator only after this work
+        out.append(sums)
+    if side is None:
+        return out, None
     done = torch.cuda.Event()
     done.record(side[0])
+    return out, done
+
+
+def _raw_key_sums(words: torch.Tensor, itemsize: int, dt: str, sink: int, dev: torch.device):
+    """(sums, done): the key planes' sums and sums of squares of the cache as it is (sums [2, L,
+    2, C]: the values' entries left for the caller), on a second stream on a GPU (``done``: the
+    event the caller's stream waits for before reading them), inline otherwise (``done`` None)."""
+    (sums,), done = _input_sums([(words, itemsize, _FMT[dt], 1)], sink, dev)
     return sums, done
 
 
@@ -332,10 +355,6 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
         sink = min(cfg.sink_tokens, T)
         rot_h, digest = tc.encoder_rotation(calibration, L, C)
         rope = rope_methods.resolve(cache, cfg, calibration)
-        # The keys' own sums (their step and the finiteness check) read only the cache: queued
-        # first, on a second stream, they overlap the turning pass and the product below
-        rope_sums, rope_done = (_raw_key_sums(words, itemsize, dt, sink, dev) if rope is not None
-                                else (None, None))
         vitem, fmt = itemsize, _FMT[dt]
         x32 = part = None  # part: the statistics blocks' sums, when a pass made them
         fixed_rot = bool(rot_h.size) and tc.FIXED_ROTATION
@@ -345,6 +364,15 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
         from ..kernels import fixed_rotation_matmul as fm
 
         rope_in_pass = rope is not None and digits is not None and fm.turns(rope.head_dim)
+        # The keys' own sums (their step and the finiteness check) read only the cache: queued
+        # first, on a second stream, they overlap the turning pass and the product below (with
+        # the RoPE turned in the product's pass, the pass of the rows' sums makes them)
+        rope_sums, rope_done = (_raw_key_sums(words, itemsize, dt, sink, dev) if rope is not None and not rope_in_pass
+                                else (None, None))
+        # The fixed-point rotation's offsets and steps come from the rows before it
+        # (methods/transform.rotated_step_params): their sums are made on the second stream,
+        # beside the product, from the values it reads (keys turned back by their RoPE).
+        in_sums = in_done = None
         if rope is not None and not rope_in_pass:
             # The keys without their RoPE (float32) replace the cache's words as the kernels' values;
             # the step still comes from the keys as they are (rms_sums below).
@@ -376,15 +404,31 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
                        else x.to(torch.float32))  # torch's conversion, as the CPU's
             y = _empty((L, 2, T, C), torch.float32, dev)
             y[:, :, :sink].zero_()  # the sink tokens' rows: read by no kernel, but never garbage
+            x32 = x32.contiguous()
+            x32_item, x32_fmt = (2, _FMT["bfloat16"]) if x32.dtype == torch.int16 else (4, _FMT["float32"])
+            if rope_in_pass:
+                # the cache's words (the values', and the keys' own sums for their step) and the
+                # keys turned back (float32, the product's rows), once the pass before it is queued
+                keys_t = _empty((L, 1, T, C), torch.float32, dev)
+                jobs = [(x32, x32_item, x32_fmt, 2), (keys_t, 4, _FMT["float32"], 1)]
+            else:
+                keys_t = None
+                jobs = [(x32, x32_item, x32_fmt, 2)]
+
+            def queue_sums():
+                nonlocal in_sums, in_done
+                if in_sums is None:
+                    in_sums, in_done = _input_sums(jobs, sink, dev)
+
             if digits is not None:
                 # rows, integer product and values in one pass on the matrix units (the keys turned
-                # back by their RoPE in the pass before it), and the values' block sums with them
+                # back by their RoPE in the pass before it)
                 angles = _rope_angles(rope, sink, T, dev) if rope_in_pass else None
-                part = _empty((2, L, 2, -(-T // STATS_BLOCK), C), torch.float64, dev)
-                if not fm.rotate_rows(x32.contiguous(), digits[0], sink, y, rope=angles, stats=(part[0], part[1])):
-                    part = None
+                fm.rotate_rows(x32, digits[0], sink, y, rope=angles, keys=keys_t, ready=queue_sums)
+                queue_sums()  # (no rows past the sink: no product, and sums of nothing)
                 del angles
             else:
+                queue_sums()
                 Xr = _empty((L, 2, T - sink, C), torch.float64, dev)
                 er = _empty((L, 2, T - sink), torch.int32, dev)
                 k.fixed_rows(_nb(x32), sink, _nb(Xr), _nb(er))
@@ -411,14 +455,19 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
             wv = y.view(torch.int64)
             qv = q.view(_TORCH_WORD[V])
             _mark("rotation")
-        sums = _empty((2, L, 2, C), torch.float64, dev)
-        if part is not None:  # the product's block sums
-            k.reduce_stats(_nb(part[0]), _nb(part[1]), _nb(sums[0]), _nb(sums[1]))
+        if in_sums is not None:  # the rows' sums before the rotation
+            if in_done is not None:
+                torch.cuda.current_stream(dev).wait_event(in_done)  # on the device: the host goes on
+            sums = in_sums[-1]
+            if rope_in_pass:  # the keys turned back, the values' from the cache's words (and
+                sums[:, :, 1] = in_sums[0][:, :, 1]  # the keys' own, for their step: rope_sums)
+                rope_sums = in_sums[0]
+            del in_sums, keys_t, jobs
         else:
+            sums = _empty((2, L, 2, C), torch.float64, dev)
             part = _empty((2, L, 2, -(-T // STATS_BLOCK), C), torch.float64, dev)
-            k.transform_stats(_nb(wv), vitem, fmt, sink, _nb(part[0]), _nb(part[1]), _nb(sums[0]), _nb(sums[1]),
-                              tree=fixed_rot)  # the fixed-point rotation's values: transform.STATS_GROUP's tree
-        del part
+            k.transform_stats(_nb(wv), vitem, fmt, sink, _nb(part[0]), _nb(part[1]), _nb(sums[0]), _nb(sums[1]))
+            del part
         if rope is not None:
             # The keys' own sums, for their step (and the finiteness check); the values' RMS from
             # their coded sums (methods/transform.step_params).
@@ -452,12 +501,17 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
             rms_bits_d = _empty((L, 2, C), torch.int32, dev)
             rms_offs_d = _empty((L, 2, C), torch.float32, dev)
             rms_sums = (_nb(sums[2]), _nb(sums[3]), _nb(rms_bits_d), _nb(rms_offs_d))
+        rotated = None
+        if fixed_rot:
+            means_d = _empty((L, 2, C), torch.float32, dev)
+            mu_d = _empty((L, 2, C), torch.float64, dev)
+            rotated = (_nb(_device_rotation(rot_h, digest, dev, False, fixed=True)), _nb(means_d), _nb(mu_d))
         k.plane_steps(_nb(sums[0]), _nb(sums[1]), T - sink, tc.BF16_MAX, _nb(rel_d),
                       _nb(step_bits_d[2 * L :].view(L, 2, C)), _nb(m_d), _nb(step_bits_d[: 2 * L].view(L, 2)),
                       _nb(steps_d), _nb(resid_d), _nb(scratch_d), _nb(bad[L : L + 1]),
                       allocation=None if sens_d is None else (_nb(sens_d), tc.ALLOCATION_STRENGTH, tc.MIN_STEP,
                                                               tc.ALLOCATION_MAX_STEP),
-                      rms_sums=rms_sums)
+                      rms_sums=rms_sums, rotated=rotated)
         if not checked and sink:
             # the sink tokens, stored as they are: not in the sums (a sum not finite flags the rest)
             bad[L + 1 :].copy_((~torch.isfinite(x[:, :, :sink])).any().reshape(1))
