@@ -909,12 +909,14 @@ def _make_quantize(V, B, lossless, fmt):
 
     @_jit("quantize32" if B == 32 else "quantize")
     def kernel(wf, L, T, CW, sink, offsets, steps, threshold, thr32, t_ref, bits, chunk_tokens, shift, qf, ref,
-               stats, emask, bad):
+               stats, emask, bad, k_first):
         i = cuda.grid(1)
         K = stats.shape[2]
         if i >= L * 2 * K * CW:
             return
         l, kv, k, cw = _word_thread(i, K, CW)
+        if k < k_first:  # chunks whose levels the fixed-point product made (fix_levels)
+            return
         p = 2 * l + kv
         c0 = cw * V
         t0 = k * chunk_tokens
@@ -1010,14 +1012,114 @@ def _make_quantize(V, B, lossless, fmt):
 
 
 def quantize_levels(words, itemsize, fmt, sink, offsets, steps, threshold, t_ref, bits, chunk_tokens, q, ref, stats,
-                    stream=0):
+                    stream=0, k_first=0):
     """Levels q (int8 [L, 2, T, C], given as words [L, 2, T, C / V] of V levels) of
     cpu_transform.transform_quantize, the refinement indices ref [L, 2, T - t_ref, C] of
     cpu_transform.transform_refine (tokens t_ref.. when bits > 0), and stats [L, 2, K, C, 6]
     (int32): per chunk, cpu_transform.level_stats' quantities.  words: the cache's raw words
-    [L, 2, T, C / V], V values of ``itemsize`` bytes each."""
+    [L, 2, T, C / V], V values of ``itemsize`` bytes each.  ``k_first``: the chunks from it only
+    (the others' levels and statistics left as they are)."""
     _levels(False, words, itemsize, fmt, sink, offsets, steps, threshold, t_ref, bits, chunk_tokens, 0, q, ref,
-            stats, stream)
+            stats, stream, k_first=k_first)
+
+
+#: fixed_rotation_matmul.LEVEL_UNDECIDED: the product's level for a value float32 did not decide
+LEVEL_UNDECIDED = -128
+
+
+def _make_fix_levels(V):
+    """The levels the fixed-point product wrote (fixed_rotation_matmul.rotate_rows(levels=...)),
+    V a thread: each LEVEL_UNDECIDED decided by _fast_level from its value in y (written back),
+    then per chunk the statistics quantize_levels makes."""
+
+    @_jit("fix_levels")
+    def kernel(qf, yf, L, T, CW, sink, offsets, steps, threshold, chunk_tokens, k_last, stats):
+        i = cuda.grid(1)
+        K = stats.shape[2]
+        if i >= L * 2 * K * CW:
+            return
+        l, kv, k, cw = _word_thread(i, K, CW)
+        if k >= k_last:  # a chunk with refined tokens: quantize_levels' (from its values)
+            return
+        p = 2 * l + kv
+        c0 = cw * V
+        C = CW * V
+        t0 = k * chunk_tokens
+        t1 = min(T, t0 + chunk_tokens)
+        step = steps[l, kv]
+        inv = 1.0 / step
+        lv = cuda.local.array(V, np.int32)
+        prev = cuda.local.array(V, np.int32)
+        mn = cuda.local.array(V, np.int32)
+        mx = cuda.local.array(V, np.int32)
+        ab = cuda.local.array(V, np.int32)
+        dmn = cuda.local.array(V, np.int32)
+        dmx = cuda.local.array(V, np.int32)
+        dab = cuda.local.array(V, np.int32)
+        for j in range(V):
+            prev[j] = 0
+            mn[j] = np.int32(1 << 30)
+            mx[j] = np.int32(-(1 << 30))
+            ab[j] = 0
+            dmn[j] = np.int32(1 << 30)
+            dmx[j] = np.int32(-(1 << 30))
+            dab[j] = 0
+        at = (p * T + t0) * CW + cw
+        for t in range(t0, t1):
+            w = np.int64(qf[at])
+            undecided = False
+            for j in range(V):
+                v = np.int32((w >> (8 * j)) & 0xFF)
+                if v >= 128:
+                    v = np.int32(v - 256)
+                if t < sink:
+                    v = 0
+                elif v == LEVEL_UNDECIDED:  # rare: the float64 path, from the value in y
+                    y = np.float64(yf[(p * T + t) * C + c0 + j])
+                    v = np.int32(_fast_level(y, np.float64(offsets[l, kv, c0 + j]), step, inv, threshold))
+                    undecided = True
+                lv[j] = v
+            qw = np.int64(0)
+            for j in range(V):
+                v = lv[j]
+                qw |= np.int64(v & 0xFF) << (8 * j)
+                d = np.int32(v - prev[j])
+                prev[j] = v
+                mn[j] = min(mn[j], v)
+                mx[j] = max(mx[j], v)
+                ab[j] = np.int32(ab[j] + abs(v))
+                dmn[j] = min(dmn[j], d)
+                dmx[j] = max(dmx[j], d)
+                dab[j] = np.int32(dab[j] + abs(d))
+            if undecided:
+                qf[at] = _signed_word(qw, V)
+            at += CW
+        for j in range(V):
+            if t0 >= t1:  # no token (none is ever launched so): the statistics of nothing
+                mn[j] = mx[j] = dmn[j] = dmx[j] = 0
+            _put_stats(stats, l, kv, k, c0 + j, mn[j], mx[j], ab[j], dmn[j], dmx[j], dab[j])
+
+    return kernel
+
+
+def fix_levels(q, y, sink, offsets, steps, threshold, chunk_tokens, k_last, stats, stream=0):
+    """The chunks k < k_last of the fixed-point product's levels q (int8 [L, 2, T, C], given as
+    words [L, 2, T, C / V] of V levels; fixed_rotation_matmul.rotate_rows(levels=...)): each
+    LEVEL_UNDECIDED replaced by the level of its value in y (float32 [L, 2, T, C]) as
+    quantize_levels gives it (_fast_level, step_level's integer), the sink tokens' levels 0, and
+    stats [L, 2, K, C, 6] of those chunks as quantize_levels makes them; offsets float32 [L, 2,
+    C], steps float64 [L, 2].  Reads one byte a value (and the rare undecided values)."""
+    L, _, K, C, _ = stats.shape
+    CW = q.shape[3]
+    n = L * 2 * K * CW
+    if n == 0 or k_last <= 0:
+        return
+    V = C // CW
+    T = q.shape[2]
+    _made(_make_fix_levels, V)[(*_cfg(n), stream)](
+        as_device(flat(q)), as_device(flat(y)), np.int64(L), np.int64(T), np.int64(CW), np.int64(sink),
+        as_device(offsets), as_device(steps), np.float64(threshold), np.int64(chunk_tokens), np.int64(k_last),
+        as_device(stats))
 
 
 def split_levels(words, itemsize, shift, chunk_tokens, q, stats, exponent_mask=0, bad=None, stream=0):
@@ -1034,7 +1136,7 @@ def split_levels(words, itemsize, shift, chunk_tokens, q, stats, exponent_mask=0
 
 
 def _levels(lossless, words, itemsize, fmt, sink, offsets, steps, threshold, t_ref, bits, chunk_tokens, shift, q, ref,
-            stats, stream, exponent_mask=0, bad=None):
+            stats, stream, exponent_mask=0, bad=None, k_first=0):
     L, _, K, C, _ = stats.shape
     CW = words.shape[3]
     n = L * 2 * K * CW
@@ -1048,7 +1150,7 @@ def _levels(lossless, words, itemsize, fmt, sink, offsets, steps, threshold, t_r
         as_device(flat(words)), np.int64(L), np.int64(T), np.int64(CW), np.int64(sink),
         as_device(offsets), as_device(steps), np.float64(threshold), np.float32(threshold), np.int64(t_ref),
         np.int64(bits), np.int64(chunk_tokens), np.int64(shift), as_device(flat(q)), as_device(ref),
-        as_device(stats), np.int64(exponent_mask), as_device(bad))
+        as_device(stats), np.int64(exponent_mask), as_device(bad), np.int64(k_first))
 
 
 # ---------------------------------------------------------------- tables

@@ -33,7 +33,11 @@ Who does what: a program owns one plane, one diagonal block and BN of its output
 block's [D, BN] digit tiles once and keeps them in registers while it walks tiles of BM rows
 (tiles i, i + P, i + 2P, ... of the plane, P the programs that share them): digits of the [BM, D] tile of values times the kept
 tiles, summed exactly, then scaled to float32 (or, decoding, stepped, offset, saturated, and
-optionally rounded to bfloat16 words).  The encoder's rows' exponents (their largest magnitude
+optionally rounded to bfloat16 words); encoding with the offsets and steps at hand, the float32
+values of most rows become their int8 levels in the same program (transform.fast_level32 on the
+tile: a quarter of the bytes written, and no pass reading them back; the few values float32
+does not decide are written for cuda_pipeline.fix_levels, which also makes the chunks'
+statistics from the levels).  The encoder's rows' exponents (their largest magnitude
 over every channel, which a program of one block does not see) come from a pass before it, one
 program per 32 rows.  Blocks past RESIDENT_BLOCK (a full rotation) do not fit: there one
 program per BM rows walks every block, BN outputs at a time and BK channels a step, reading the
@@ -53,7 +57,7 @@ from typing import NamedTuple
 import torch
 
 from .fixed_rotation import R_BITS, X_BITS
-from .transform import STATS_BLOCK, STATS_GROUP
+from .transform import LEVEL32_CLAMP, LEVEL32_EPS, STATS_BLOCK, STATS_GROUP, TRANSFORM_QMAX
 
 try:  # Triton ships with CUDA builds of torch; without it the callers use block_product
     import triton
@@ -86,6 +90,9 @@ DECODE_LAUNCH = {"rows": 64, "warps": 4, "stages": 3, "tile": 64, "spread": 1}
 #: (benchmarks/rotation_registers.py); launches that do not ran slower.
 MIN_BLOCK = 32
 RESIDENT_BLOCK = 128
+#: rotate_rows(levels=...)'s level for a value float32 does not decide (cuda_pipeline.fix_levels
+#: decides it in float64): outside the format's levels (+-TRANSFORM_QMAX)
+LEVEL_UNDECIDED = -128
 MAX_BLOCK = 1024
 STREAM_ENCODE_LAUNCH = {"rows": 32, "warps": 4, "stages": 2, "tile": 128, "depth": 64}
 STREAM_DECODE_LAUNCH = {"rows": 32, "warps": 4, "stages": 2, "tile": 128, "depth": 64}
@@ -138,6 +145,12 @@ def column_sums(rint_t: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
+    # transform.fast_level32's constants, as the kernels take module constants
+    _QMAX = tl.constexpr(TRANSFORM_QMAX)
+    _CLAMP32 = tl.constexpr(LEVEL32_CLAMP)
+    _EPS32 = tl.constexpr(LEVEL32_EPS)
+    _ONE_EPS32 = tl.constexpr(1.0 - LEVEL32_EPS)
+    _UNDECIDED = tl.constexpr(LEVEL_UNDECIDED)
 
     @triton.jit
     def _load_values(x_ptr, at, live, BF16_WORDS: tl.constexpr):
@@ -368,11 +381,29 @@ if triton is not None:
         return tl.reshape(w, [N])
 
     @triton.jit
+    def _levels32(y, off, inv32, thr32):
+        """transform.fast_level32 over a tile: the level where float32 decides it, else
+        LEVEL_UNDECIDED (then the float64 path decides: cuda_pipeline.fix_levels).  y [BM, BN],
+        off [BN] float32; inv32 = float32(1 / step), or a NaN (every level undecided)."""
+        v = (y - off[None, :]) * inv32
+        a = tl.abs(v)
+        small = a < _CLAMP32  # (False for a NaN)
+        whole = tl.where(small, a, 0.0).to(tl.int32)  # toward zero: floor
+        fa = a - whole.to(tl.float32)  # exact
+        sure = (fa < _ONE_EPS32) & ((fa > _EPS32) | (whole == 0)) & (tl.abs(fa - thr32) > _EPS32)
+        q = tl.minimum(whole + (fa >= thr32).to(tl.int32), _QMAX)
+        big = a >= _CLAMP32  # infinities included; a NaN neither small nor big
+        q = tl.where(big, _QMAX, q)
+        q = tl.where(v < 0.0, -q, q)
+        return tl.where((small & sure) | big, q, _UNDECIDED)
+
+    @triton.jit
     def _rotate_rows_kernel(x_ptr, e_ptr, r_ptr, y_ptr, s1_ptr, s2_ptr, T, n, t_first, plane_digits, P0, PS,
+                            q_ptr, off_ptr, steps_ptr, thr32, t_lev,
                             C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                             BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, BF16_WORDS: tl.constexpr,
                             XB: tl.constexpr, RB: tl.constexpr, X_KEYS: tl.constexpr, STATS: tl.constexpr,
-                            VALUES: tl.constexpr):
+                            VALUES: tl.constexpr, LEVELS: tl.constexpr):
         """(X_KEYS: x holds the keys alone, [L, 1, T, C], and the planes are key planes; VALUES
         off: y is not written, only the sums.)  Row
         tiles are BM tokens by absolute position, SB // BM of them a statistics block of SB; a
@@ -384,10 +415,20 @@ if triton is not None:
         cost more than the separate pass it replaced (a scratch script on an H100, 2026-12-07:
         3.30 ms with the read-back sums, 2.72 with the tree, 2.36 without sums, 2.22 + 0.91 for
         the kernel before this one and the pass; benchmarks/rotation_stats.py times the kept
-        variants)."""
+        variants).  LEVELS: rows before t_lev (absolute) get their levels q (int8, from row 0 of
+        the tile: rows before t_first are sink tokens, level 0) by _levels32 in place of their
+        values, with the values of the undecided ones; the rows from t_lev on their values."""
         p, h, n0, r0, r1 = _kept_tiles(r_ptr, plane_digits, P0, PS, H, D, DP, BN)
         ks = tl.arange(0, DP)
         ns = tl.arange(0, BN)
+        if LEVELS:
+            step = tl.load(steps_ptr + p)
+            # float32(1 / step), or (a step past 2^+-60: transform.fast_level32 does not take it)
+            # a NaN, which decides nothing
+            inv32 = (1.0 / step).to(tl.float32)
+            inv32 = tl.where(step > 8.673617379884035e-19, inv32, float("nan"))
+            inv32 = tl.where(step < 1.152921504606847e18, inv32, float("nan"))
+            off = tl.load(off_ptr + p.to(tl.int64) * C + h * D + n0 + ns)
         TPB: tl.constexpr = SB // BM
         NBLK = tl.cdiv(T, SB)
         P = tl.num_programs(0)
@@ -415,9 +456,17 @@ if triton is not None:
             acc = (p0.to(tl.int64) + (p8.to(tl.int64) << 8) + (p16.to(tl.int64) << 16)
                    + (p24.to(tl.int64) << 24))
             y = (acc.to(tl.float64) * back).to(tl.float32)
-            if VALUES:
-                tl.store(y_ptr + out_at[None, :] + (t0 + tl.arange(0, BM)).to(tl.int64)[:, None] * C, y,
-                         mask=live[:, None])
+            y_at = out_at[None, :] + (t0 + tl.arange(0, BM)).to(tl.int64)[:, None] * C
+            if LEVELS:
+                ts = t0 + tl.arange(0, BM)
+                leveled = (ts < t_lev) & (ts < T)
+                q = _levels32(y, off, inv32, thr32)
+                q = tl.where(live[:, None], q, 0)
+                tl.store(q_ptr + y_at, q.to(tl.int8), mask=leveled[:, None])
+                tl.store(y_ptr + y_at, y, mask=(live & (ts >= t_lev))[:, None] | (
+                    (live & leveled)[:, None] & (q == _UNDECIDED)))
+            elif VALUES:
+                tl.store(y_ptr + y_at, y, mask=live[:, None])
             if STATS:
                 # the group's sums in registers, in transform.STATS_GROUP's tree (rows outside
                 # t_first .. T - 1 count as +0.0), added in order into the block's
@@ -635,7 +684,8 @@ def _planes(L: int, keys_apart: bool) -> list[tuple[int, int, int, bool]]:
 
 def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Tensor,
                 rope: RopeAngles | None = None, stats: tuple[torch.Tensor, torch.Tensor] | None = None,
-                values: bool = True, keys: torch.Tensor | None = None, ready=None) -> bool:
+                values: bool = True, keys: torch.Tensor | None = None, ready=None,
+                levels: tuple | None = None) -> bool:
     """y[:, :, t] = the fixed-point rotation of x[:, :, t] for t >= t_first (fixed_rotation.
     rotate_rows' values): x float32 [L, 2, T, C], or a bfloat16 cache's int16 words; digits:
     rotation_digits of the encoder's blocks [L, 2, H, D, D]; y float32 [L, 2, T, C] (rows before
@@ -650,7 +700,12 @@ def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Te
     written, only the sums are made (what the product costs without its float32 values).
     ``keys`` (float32 [L, 1, T, C], with ``rope``): the keys turned back go there, for the caller
     to read after (their rows t_first .. ); ``ready``: called once the passes before the product
-    are queued (the turned keys written, in stream order), before the product is."""
+    are queued (the turned keys written, in stream order), before the product is (so that it may
+    queue the ``levels``' offsets and steps).  ``levels`` = (q int8 [L, 2, T, C], offsets float32
+    [L, 2, C], steps float64 [L, 2], threshold, t_lev), blocks up to RESIDENT_BLOCK, no ``stats``:
+    the rows before t_lev get their levels in q instead of their values in y (_levels32: the
+    sink rows 0, the values float32 does not decide LEVEL_UNDECIDED with their values in y, for
+    cuda_pipeline.fix_levels); the rows from t_lev on their values in y."""
     _check(x, "x", (torch.float32, torch.int16), 4)
     _check(y, "y", (torch.float32,), 4)
     L, K, T, C = x.shape
@@ -664,6 +719,14 @@ def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Te
         if tuple(t.shape) != (L, 2, triton.cdiv(T, sb), C):
             raise ValueError(f"rotate_rows: stats {tuple(t.shape)}, not {(L, 2, triton.cdiv(T, sb), C)}")
     made = stats is not None and D <= RESIDENT_BLOCK
+    if levels is not None:
+        q, off, steps_d, threshold, t_lev = levels
+        _check(q, "q", (torch.int8,), 4)
+        if (tuple(q.shape) != (L, K, T, C) or D > RESIDENT_BLOCK or stats is not None or not values
+                or off.dtype != torch.float32 or tuple(off.shape) != (L, K, C) or not off.is_contiguous()
+                or steps_d.dtype != torch.float64 or tuple(steps_d.shape) != (L, K) or not steps_d.is_contiguous()):
+            raise ValueError("rotate_rows: levels need q int8 [L, 2, T, C], offsets float32 [L, 2, C], steps "
+                             "float64 [L, 2], blocks of at most RESIDENT_BLOCK channels and no stats")
     if not values and not made:
         raise ValueError("rotate_rows: values=False needs stats and blocks of at most RESIDENT_BLOCK channels")
     if made:
@@ -671,6 +734,8 @@ def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Te
             for t in stats:
                 t.zero_()
     if n <= 0 or L == 0:
+        if levels is not None:
+            levels[0].zero_()  # every token a sink token: level 0
         return made
     e = torch.empty((L * K, n), dtype=torch.int32, device=x.device)
     if rope is not None:
@@ -703,10 +768,13 @@ def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Te
                              f"({STATS_GROUP} with its sums)")
         # programs along the rows take whole statistics blocks (their tiles by absolute position)
         tile, DP, _, grid = _launch(T, D, planes * H, dict(go, rows=sb))
+        lv = levels if levels is not None else (y, y, y, 0.5, 0)
         _rotate_rows_kernel[grid](src, e, digits, y, stats[0] if made else y, stats[1] if made else y, T, n, t_first,
-                                  digits[0].numel(), p0, ps, C=C, H=H, D=D, DP=DP, BM=go["rows"], BN=tile,
-                                  SB=sb, BF16_WORDS=src.dtype == torch.int16, XB=X_BITS, RB=R_BITS, X_KEYS=apart,
-                                  STATS=made, VALUES=values, num_warps=go["warps"], num_stages=go["stages"])
+                                  digits[0].numel(), p0, ps, lv[0], lv[1], lv[2], float(lv[3]), int(lv[4]), C=C, H=H,
+                                  D=D, DP=DP, BM=go["rows"], BN=tile, SB=sb, BF16_WORDS=src.dtype == torch.int16,
+                                  XB=X_BITS, RB=R_BITS, X_KEYS=apart, STATS=made, VALUES=values,
+                                  LEVELS=levels is not None, num_warps=go["warps"], num_stages=go["stages"],
+                                  enable_fp_fusion=False)  # transform.fast_level32's roundings, one by one
     return made
 
 

@@ -424,3 +424,71 @@ def test_turn_rows_is_turn_keys(style, head_dim, rotary_dim, rows, forward, bf16
         odd = fm.RopeAngles(torch.zeros(1, T - S, 2, dtype=torch.float64, device=DEV),
                             torch.ones(1, T - S, 2, dtype=torch.float64, device=DEV), 0, 5, 4)
         fm.turn_rows(torch.zeros(L, 2, T, 15, device=DEV), odd, S, torch.zeros(L, 2, T, 15, device=DEV), forward)
+
+
+@pytest.mark.parametrize("T, S, ct, t_lev, threshold, seed", [
+    (70, 3, 16, 64, 0.5, 1),  # the last chunk left to quantize_levels (its values written)
+    (130, 0, 64, 128, 0.62, 2),  # a dead zone; tiles of 64 rows, the last two rows past t_lev
+    (40, 5, 8, 40, 0.5, 3),  # every chunk's levels from the product; chunks smaller than a tile
+])
+def test_encoder_levels_are_quantize_levels(T, S, ct, t_lev, threshold, seed):
+    """rotate_rows(levels=...): the rows before t_lev get int8 levels in place of their values
+    (LEVEL_UNDECIDED where float32 does not decide, with their values), the rows from t_lev on
+    their values; cuda_pipeline.fix_levels then gives, chunk for chunk, the levels and statistics
+    quantize_levels makes from all the values (transform.step_level's integers): with values
+    placed on decision points (offsets that put row S + 1 exactly on n + threshold steps), a
+    plane whose step float32 does not take, values past the clamp and sink rows."""
+    from cachegen_cli.kernels import cuda_pipeline as cp
+    from cachegen_cli.kernels.transform import TRANSFORM_QMAX, step_level
+
+    rng = np.random.default_rng(seed)
+    L, H, D = 2, 2, 32
+    C = H * D
+    x = _rows(rng, L, T, C, torch.bfloat16)
+    rint = torch.from_numpy(fx.fixed_matrix(_rotation(rng, L, H, D), False))
+    digits = fm.rotation_digits(rint.to(DEV))
+    y = torch.zeros((L, 2, T, C), device=DEV)
+    fm.rotate_rows(x.view(torch.int16).to(DEV), digits, S, y)
+    yv = y.cpu().numpy()
+    steps = (2.0 ** rng.integers(-4, 2, size=(L, 2))).astype(np.float64)
+    steps[1, 1] = 2.0 ** 70  # float32's path declines the plane: every level from float64
+    steps[0, 1] = 2.0 ** -12  # most quotients past the clamp
+    off = torch.from_numpy(rng.standard_normal((L, 2, C)).astype(np.float32)).to(torch.bfloat16).float().numpy()
+    # row S + 1: on n + threshold steps from the offset exactly (a power-of-two step: exact)
+    n_steps = rng.integers(-3, 4, size=(L, 2, C)) + np.where(rng.random((L, 2, C)) < 0.5, threshold, 0.0)
+    on_point = (yv[:, :, S + 1] - n_steps * steps[:, :, None]).astype(np.float32)
+    off[0, 0] = on_point[0, 0]
+    q = torch.full((L, 2, T, C), 99, dtype=torch.int8, device=DEV)
+    y2 = torch.full((L, 2, T, C), 7.0, device=DEV)
+    fm.rotate_rows(x.view(torch.int16).to(DEV), digits, S, y2,
+                   levels=(q, torch.from_numpy(off).to(DEV), torch.from_numpy(steps).to(DEV), threshold, t_lev))
+    qv, y2v = q.cpu().numpy(), y2.cpu().numpy()
+    undecided = qv[:, :, :t_lev] == fm.LEVEL_UNDECIDED
+    assert undecided[0, 0, S + 1].sum() > C // 4, "the decision points go to the float64 path"
+    assert undecided[1, 1, S:t_lev].all() and not undecided[:, :, :S].any()
+    assert (qv[:, :, :S] == 0).all()
+    for l, kv, t, c in zip(*np.nonzero(undecided)):
+        assert y2v[l, kv, t, c].view(np.int32) == yv[l, kv, t, c].view(np.int32)
+    assert np.array_equal(y2v[:, :, t_lev:].view(np.int32), yv[:, :, t_lev:].view(np.int32))
+    decided = np.ones_like(undecided)
+    decided[:, :, :S] = False
+    decided &= ~undecided
+    for l, kv, t, c in zip(*np.nonzero(decided)):
+        assert qv[l, kv, t, c] == step_level(yv[l, kv, t, c], off[l, kv, c], steps[l, kv], TRANSFORM_QMAX, threshold)
+    # fix_levels + quantize_levels past t_lev: quantize_levels' levels and statistics over every chunk
+    K = -(-T // ct)
+    k_lev = t_lev // ct
+    want_q = torch.zeros((L, 2, T, C), dtype=torch.int8)
+    want_stats = np.zeros((L, 2, K, C, 6), np.int32)
+    ref = np.zeros((L, 2, 1, C), np.uint8)
+    # two values a thread: the float32 values as int64 words, the levels as int16 words
+    cp.quantize_levels(yv.view(np.int64), 4, cp.FMT_FLOAT32, S, off, steps, threshold, T, 0, ct,
+                       want_q.view(torch.int16).numpy(), ref, want_stats)
+    got_stats = np.full((L, 2, K, C, 6), 12345, np.int32)
+    qc = q.cpu()
+    cp.fix_levels(qc.view(torch.int16).numpy(), y2v, S, off, steps, threshold, ct, k_lev, got_stats)
+    if k_lev < K:
+        cp.quantize_levels(y2v.view(np.int64), 4, cp.FMT_FLOAT32, S, off, steps, threshold, T, 0, ct,
+                           qc.view(torch.int16).numpy(), ref, got_stats, k_first=k_lev)
+    assert np.array_equal(qc.numpy(), want_q.numpy())
+    assert np.array_equal(got_stats, want_stats)

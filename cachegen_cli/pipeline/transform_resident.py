@@ -33,6 +33,7 @@ simulator the same code runs on CPU tensors (the kernels get numpy views): that 
 from __future__ import annotations
 
 import json
+import os
 import struct
 import threading
 from collections import OrderedDict
@@ -261,20 +262,21 @@ def _side_stream(dev: torch.device):
     return side
 
 
-def _input_sums(jobs: list, sink: int, dev: torch.device):
+def _input_sums(jobs: list, sink: int, dev: torch.device, side: bool = True):
     """(sums, done): for each job (values [L, 2 or 1, T, C] as raw words or float32, their
     itemsize and format, P: 2 for both planes, 1 for the keys alone), the sums and sums of
     squares of tokens sink.. (cuda_pipeline.transform_stats: sums [2, L, 2, C] each, a keys-alone
     job's value entries left unwritten), on a second stream on a GPU (``done``: the event the
     caller's stream waits for before reading them; the inputs must stay allocated until then),
-    inline otherwise (``done`` None)."""
+    inline otherwise or without ``side`` (``done`` None)."""
     k = _k()
     stream = 0
-    side = None
-    if dev.type == "cuda":
+    if side and dev.type == "cuda":
         side = _side_stream(dev)
         side[0].wait_stream(torch.cuda.current_stream(dev))  # the values are on the device
         stream = side[1]
+    else:
+        side = None
     out = []
     for src, itemsize, fmt, P in jobs:
         L, _, T, C = src.shape
@@ -393,6 +395,81 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
             wv = x32.view(torch.int32).view(_TORCH_WORD[V * 4])
             qv = q.view(_TORCH_WORD[V])
             _mark("keys without RoPE")
+        R, bits = tc.refine_plan(cfg, T, sink)
+        ref = _empty((L, 2, max(R, 1), C), torch.uint8, dev)
+        # The steps on the device (kernels/cuda_pipeline.plane_steps, the CPU's arithmetic, a
+        # calibration's allocation included; keys without their RoPE take their RMS from the keys
+        # as they are, rope_sums): nothing waits for them; their bits are copied into the Params
+        # block on the device (after the coder).
+        m_d = _empty((L, 2, C), torch.float32, dev)
+        steps_d = _empty((L, 2), torch.float64, dev)
+        step_bits_d = _empty((L * 2 * (C + 1),), torch.int32, dev)  # steps', then offsets' bfloat16 bits
+        # Named, not temporaries: a numba view holds no reference, and a tensor freed before
+        # the launch is queued can be handed to the next allocation (here the scratch), so
+        # the kernel would read one through the other (seen on the H200: rel and the scratch
+        # of a 16-channel cache shared a block, and the steps came out wrong).
+        sens = tc.plane_sensitivity(cfg, calibration)
+        rel_d, sens_d = _upload_arrays([np.asarray(cfg.steps_table(L), np.float64),
+                                        np.zeros(0) if sens is None else np.asarray(sens, np.float64)], dev)
+        if sens is None:
+            sens_d = None
+        resid_d = _empty((L, 2, C), torch.float64, dev)
+        scratch_d = _empty((4, 2 * L), torch.float64, dev)
+        rms_bits_d = rms_offs_d = None
+        if rope is not None:  # the keys' own offsets: computed for their RMS, not stored
+            rms_bits_d = _empty((L, 2, C), torch.int32, dev)
+            rms_offs_d = _empty((L, 2, C), torch.float32, dev)
+        rotated = None
+        if fixed_rot:
+            means_d = _empty((L, 2, C), torch.float32, dev)
+            mu_d = _empty((L, 2, C), torch.float64, dev)
+            rotated = (_nb(_device_rotation(rot_h, digest, dev, False, fixed=True)), _nb(means_d), _nb(mu_d))
+        held = []  # the sums the steps' launch reads, kept to the end of the call
+
+        def statistics():
+            """The sums the steps come from: [2, L, 2, C], or with a RoPE [4, L, 2, C] (then the
+            keys' own sums in 2 and 3)."""
+            nonlocal rope_sums
+            if in_sums is not None:  # the rows' sums before the rotation
+                if in_done is not None:
+                    torch.cuda.current_stream(dev).wait_event(in_done)  # on the device: the host goes on
+                sums = in_sums[-1]
+                if rope_in_pass:  # the keys turned back, the values' from the cache's words (and
+                    sums[:, :, 1] = in_sums[0][:, :, 1]  # the keys' own, for their step: rope_sums)
+                    rope_sums = in_sums[0]
+            else:
+                sums = _empty((2, L, 2, C), torch.float64, dev)
+                part = _empty((2, L, 2, -(-T // STATS_BLOCK), C), torch.float64, dev)
+                k.transform_stats(_nb(wv), vitem, fmt, sink, _nb(part[0]), _nb(part[1]), _nb(sums[0]),
+                                  _nb(sums[1]))
+                del part
+            if rope is not None:
+                # The keys' own sums, for their step (and the finiteness check); the values' RMS from
+                # their coded sums (methods/transform.step_params).
+                if rope_done is not None:
+                    torch.cuda.current_stream(dev).wait_event(rope_done)  # on the device: the host goes on
+                rope_sums[:, :, 1] = sums[:, :, 1]
+                sums = torch.cat([sums, rope_sums])
+            _mark("statistics")
+            return sums
+
+        def make_steps(sums):
+            held.append(sums)
+            rms_sums = None if rope is None else (_nb(sums[2]), _nb(sums[3]), _nb(rms_bits_d), _nb(rms_offs_d))
+            k.plane_steps(_nb(sums[0]), _nb(sums[1]), T - sink, tc.BF16_MAX, _nb(rel_d),
+                          _nb(step_bits_d[2 * L :].view(L, 2, C)), _nb(m_d), _nb(step_bits_d[: 2 * L].view(L, 2)),
+                          _nb(steps_d), _nb(resid_d), _nb(scratch_d), _nb(bad[L : L + 1]),
+                          allocation=None if sens_d is None else (_nb(sens_d), tc.ALLOCATION_STRENGTH, tc.MIN_STEP,
+                                                                  tc.ALLOCATION_MAX_STEP),
+                          rms_sums=rms_sums, rotated=rotated)
+            _mark("steps (device)")
+
+        # The product makes the levels of the chunks without refined tokens itself (rotate_rows'
+        # levels: int8 levels written in place of float32 values; fix_levels then decides the few
+        # float32 does not and makes their statistics), once the steps are queued before it.
+        k_lev = (T - R) // ct if R else K  # the chunks before the first with a refined token
+        fused = (digits is not None and int(rot_h.shape[3]) <= fm.RESIDENT_BLOCK and k_lev > 0
+                 and os.environ.get("CACHEGEN_PRODUCT_LEVELS", "1") != "0")
         if fixed_rot:
             # The rows rotated by integer products (kernels/fixed_rotation; the product on cuBLAS,
             # exact): float32 values replace the cache's words, as the CPU's fixed_rotate.
@@ -416,15 +493,21 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
                 jobs = [(x32, x32_item, x32_fmt, 2)]
 
             def queue_sums():
+                # beside the product, or (fused) before it, with the steps the product reads
                 nonlocal in_sums, in_done
                 if in_sums is None:
-                    in_sums, in_done = _input_sums(jobs, sink, dev)
+                    in_sums, in_done = _input_sums(jobs, sink, dev, side=not fused)
+                    if fused:
+                        make_steps(statistics())
 
+            levels = None
+            if fused:
+                levels = (q, m_d, steps_d, float(cfg.rounding), k_lev * ct)
             if digits is not None:
                 # rows, integer product and values in one pass on the matrix units (the keys turned
                 # back by their RoPE in the pass before it)
                 angles = _rope_angles(rope, sink, T, dev) if rope_in_pass else None
-                fm.rotate_rows(x32, digits[0], sink, y, rope=angles, keys=keys_t, ready=queue_sums)
+                fm.rotate_rows(x32, digits[0], sink, y, rope=angles, keys=keys_t, ready=queue_sums, levels=levels)
                 queue_sums()  # (no rows past the sink: no product, and sums of nothing)
                 del angles
             else:
@@ -455,70 +538,18 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
             wv = y.view(torch.int64)
             qv = q.view(_TORCH_WORD[V])
             _mark("rotation")
-        if in_sums is not None:  # the rows' sums before the rotation
-            if in_done is not None:
-                torch.cuda.current_stream(dev).wait_event(in_done)  # on the device: the host goes on
-            sums = in_sums[-1]
-            if rope_in_pass:  # the keys turned back, the values' from the cache's words (and
-                sums[:, :, 1] = in_sums[0][:, :, 1]  # the keys' own, for their step: rope_sums)
-                rope_sums = in_sums[0]
-            del in_sums, keys_t, jobs
-        else:
-            sums = _empty((2, L, 2, C), torch.float64, dev)
-            part = _empty((2, L, 2, -(-T // STATS_BLOCK), C), torch.float64, dev)
-            k.transform_stats(_nb(wv), vitem, fmt, sink, _nb(part[0]), _nb(part[1]), _nb(sums[0]), _nb(sums[1]))
-            del part
-        if rope is not None:
-            # The keys' own sums, for their step (and the finiteness check); the values' RMS from
-            # their coded sums (methods/transform.step_params).
-            if rope_done is not None:
-                torch.cuda.current_stream(dev).wait_event(rope_done)  # on the device: the host goes on
-            rope_sums[:, :, 1] = sums[:, :, 1]
-            sums = torch.cat([sums, rope_sums])
-        _mark("statistics")
-        R, bits = tc.refine_plan(cfg, T, sink)
-        ref = _empty((L, 2, max(R, 1), C), torch.uint8, dev)
-        # The steps on the device (kernels/cuda_pipeline.plane_steps, the CPU's arithmetic, a
-        # calibration's allocation included; keys without their RoPE take their RMS from the keys
-        # as they are, rope_sums): nothing waits for them; their bits are copied into the Params
-        # block on the device (after the coder).
-        m_d = _empty((L, 2, C), torch.float32, dev)
-        steps_d = _empty((L, 2), torch.float64, dev)
-        step_bits_d = _empty((L * 2 * (C + 1),), torch.int32, dev)  # steps', then offsets' bfloat16 bits
-        # Named, not temporaries: a numba view holds no reference, and a tensor freed before
-        # the launch is queued can be handed to the next allocation (here the scratch), so
-        # the kernel would read one through the other (seen on the H200: rel and the scratch
-        # of a 16-channel cache shared a block, and the steps came out wrong).
-        sens = tc.plane_sensitivity(cfg, calibration)
-        rel_d, sens_d = _upload_arrays([np.asarray(cfg.steps_table(L), np.float64),
-                                        np.zeros(0) if sens is None else np.asarray(sens, np.float64)], dev)
-        if sens is None:
-            sens_d = None
-        resid_d = _empty((L, 2, C), torch.float64, dev)
-        scratch_d = _empty((4, 2 * L), torch.float64, dev)
-        rms_sums = None
-        if rope is not None:  # the keys' own offsets: computed for their RMS, not stored
-            rms_bits_d = _empty((L, 2, C), torch.int32, dev)
-            rms_offs_d = _empty((L, 2, C), torch.float32, dev)
-            rms_sums = (_nb(sums[2]), _nb(sums[3]), _nb(rms_bits_d), _nb(rms_offs_d))
-        rotated = None
-        if fixed_rot:
-            means_d = _empty((L, 2, C), torch.float32, dev)
-            mu_d = _empty((L, 2, C), torch.float64, dev)
-            rotated = (_nb(_device_rotation(rot_h, digest, dev, False, fixed=True)), _nb(means_d), _nb(mu_d))
-        k.plane_steps(_nb(sums[0]), _nb(sums[1]), T - sink, tc.BF16_MAX, _nb(rel_d),
-                      _nb(step_bits_d[2 * L :].view(L, 2, C)), _nb(m_d), _nb(step_bits_d[: 2 * L].view(L, 2)),
-                      _nb(steps_d), _nb(resid_d), _nb(scratch_d), _nb(bad[L : L + 1]),
-                      allocation=None if sens_d is None else (_nb(sens_d), tc.ALLOCATION_STRENGTH, tc.MIN_STEP,
-                                                              tc.ALLOCATION_MAX_STEP),
-                      rms_sums=rms_sums, rotated=rotated)
+        if not fused:
+            make_steps(statistics())
+        in_sums = keys_t = jobs = None
         if not checked and sink:
             # the sink tokens, stored as they are: not in the sums (a sum not finite flags the rest)
             bad[L + 1 :].copy_((~torch.isfinite(x[:, :, :sink])).any().reshape(1))
         fixed = None  # the Params block's steps and offsets: made on the device
-        _mark("steps (device)")
-        k.quantize_levels(_nb(wv), vitem, fmt, sink, _nb(m_d), _nb(steps_d), float(cfg.rounding), T - R, bits,
-                          ct, _nb(qv), _nb(ref), _nb(stats))
+        if fused:
+            k.fix_levels(_nb(qv), _nb(y), sink, _nb(m_d), _nb(steps_d), float(cfg.rounding), ct, k_lev, _nb(stats))
+        if not fused or k_lev < K:
+            k.quantize_levels(_nb(wv), vitem, fmt, sink, _nb(m_d), _nb(steps_d), float(cfg.rounding), T - R, bits,
+                              ct, _nb(qv), _nb(ref), _nb(stats), k_first=k_lev if fused else 0)
         method, allow_delta = METHOD_TRANSFORM, cfg.token_delta
         _mark("levels")
         if rot_h.size or rope is not None:
