@@ -492,11 +492,21 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
                 keys_t = None
                 jobs = [(x32, x32_item, x32_fmt, 2)]
 
+            early = None
+            if fused and rope_in_pass:
+                # the cache's words' sums need no earlier pass: on the second stream from the
+                # start, beside the keys' turning pass (the turned keys' sums follow it)
+                early = _input_sums(jobs[:1], sink, dev)
+
             def queue_sums():
                 # beside the product, or (fused) before it, with the steps the product reads
                 nonlocal in_sums, in_done
                 if in_sums is None:
-                    in_sums, in_done = _input_sums(jobs, sink, dev, side=not fused)
+                    if early is not None:
+                        later, _ = _input_sums(jobs[1:], sink, dev, side=False)
+                        in_sums, in_done = early[0] + later, early[1]
+                    else:
+                        in_sums, in_done = _input_sums(jobs, sink, dev, side=not fused)
                     if fused:
                         make_steps(statistics())
 
@@ -540,13 +550,14 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
             _mark("rotation")
         if not fused:
             make_steps(statistics())
-        in_sums = keys_t = jobs = None
+        in_sums = keys_t = jobs = early = None
         if not checked and sink:
             # the sink tokens, stored as they are: not in the sums (a sum not finite flags the rest)
             bad[L + 1 :].copy_((~torch.isfinite(x[:, :, :sink])).any().reshape(1))
         fixed = None  # the Params block's steps and offsets: made on the device
-        if fused:
-            k.fix_levels(_nb(qv), _nb(y), sink, _nb(m_d), _nb(steps_d), float(cfg.rounding), ct, k_lev, _nb(stats))
+        if fused:  # (eight levels a thread: the pass reads one byte a value)
+            k.fix_levels(_nb(q.view(_TORCH_WORD[k.lanes(C, 1, k.WIDTH["levels"])])), _nb(y), sink, _nb(m_d),
+                         _nb(steps_d), float(cfg.rounding), ct, k_lev, _nb(stats))
         if not fused or k_lev < K:
             k.quantize_levels(_nb(wv), vitem, fmt, sink, _nb(m_d), _nb(steps_d), float(cfg.rounding), T - R, bits,
                               ct, _nb(qv), _nb(ref), _nb(stats), k_first=k_lev if fused else 0)
