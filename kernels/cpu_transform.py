@@ -33,7 +33,7 @@ from .coding_params import PROB_BITS
 from .cpu import _FAST, INTERLEAVE, _decode_plane_streams, _encode_plane_streams, _plane_index, build_lut
 from .range_coder import decode_stream, encode_stream, stream_coords
 from .tables import STAT_EMPTY, share_plane
-from .transform import (STATS_BLOCK, STATS_GROUP, pairwise_sum, refine_index, rotate_row, symbol_top_byte, token_level,
+from .transform import (STATS_BLOCK, pairwise_sum, refine_index, rotate_row, symbol_top_byte, token_level,
                         token_value, top_byte_symbol, unrotate_row)
 
 _JIT = dict(cache=True, nogil=True)
@@ -575,104 +575,6 @@ def rotate_rows(src, shift, rot, y):
         t = (job % nb) * ROT_ROWS
         n = min(ROT_ROWS, T - t)
         _fill_rows(src[l, kv], shift, rot[l, kv], t, n, y[l, kv, t : t + n], np.empty(C, np.float64))
-
-
-#: Channels a group's tree takes at a time (its two [STATS_GROUP / 2, TREE_TILE] float64 tiles
-#: stay in the L1 cache).
-TREE_TILE = 64
-
-
-@njit(**_FAST)
-def _halve_rows(a, out, n, w):
-    """out[i, :w] = a[2i, :w] + a[2i + 1, :w] for i < n (a and out apart: the loop vectorizes)."""
-    for i in range(n):
-        x = a[2 * i]
-        y = a[2 * i + 1]
-        o = out[i]
-        for c in range(w):
-            o[c] = x[c] + y[c]
-
-
-@njit(**_FAST)
-def _close_group(g, o1, o2, t1, t2, u1, u2):
-    """o1 += the pairwise tree of adjacent pairs down the rows of g (float32 [STATS_GROUP, C]),
-    o2 += that of their squares (transform.STATS_GROUP), TREE_TILE channels at a time: the first
-    level from g into the scratch tiles t1 / t2 [STATS_GROUP / 2, TREE_TILE], the next ones
-    between them and u1 / u2 [STATS_GROUP / 4, TREE_TILE] in turn."""
-    G, C = g.shape
-    for c0 in range(0, C, TREE_TILE):
-        w = min(TREE_TILE, C - c0)
-        for i in range(G // 2):
-            a = g[2 * i, c0 : c0 + w]
-            b = g[2 * i + 1, c0 : c0 + w]
-            v1 = t1[i]
-            v2 = t2[i]
-            for c in range(w):
-                x = np.float64(a[c])
-                y = np.float64(b[c])
-                v1[c] = x + y
-                v2[c] = x * x + y * y  # (each square exact in float64)
-        n = G // 2
-        into_u = True
-        while n > 1:
-            n //= 2
-            if into_u:
-                _halve_rows(t1, u1, n, w)
-                _halve_rows(t2, u2, n, w)
-            else:
-                _halve_rows(u1, t1, n, w)
-                _halve_rows(u2, t2, n, w)
-            into_u = not into_u
-        r1 = t1[0] if into_u else u1[0]
-        r2 = t2[0] if into_u else u2[0]
-        for c in range(w):
-            o1[c0 + c] += r1[c]
-            o2[c0 + c] += r2[c]
-
-
-@njit(parallel=True, **_FAST)
-def transform_stats_tree(values, sink, t_first, num_tokens, s1, s2, b1, b2, group):
-    """transform_stats_carry's sums in the order of transform.STATS_GROUP (the fixed-point
-    rotation's values), over float32 values [L, P, Tx, C] = tokens t_first .. of a cache of
-    num_tokens tokens: a group wholly in the slab is summed where it lies; ``group`` float32
-    [L, P, STATS_GROUP, C] carries a group cut by the slab's edges between calls (its content
-    before the first slab does not matter)."""
-    L, P, Tx, C = values.shape
-    G = STATS_GROUP
-    end = t_first + Tx
-    for p in prange(L * P):
-        l = p // P
-        kv = p % P
-        v = values[l, kv]
-        t1 = np.empty((G // 2, TREE_TILE), np.float64)
-        t2 = np.empty((G // 2, TREE_TILE), np.float64)
-        u1 = np.empty((G // 4, TREE_TILE), np.float64)
-        u2 = np.empty((G // 4, TREE_TILE), np.float64)
-        o1 = b1[l, kv]
-        o2 = b2[l, kv]
-        g = group[l, kv]
-        t = max(sink, t_first)  # tokens below the sink are not counted
-        while t < end:
-            i = t % G
-            if i == 0 and t + G <= min(end, num_tokens):  # a whole group here
-                _close_group(v[t - t_first : t - t_first + G], o1, o2, t1, t2, u1, u2)
-                t += G
-            else:  # a token of a group cut by the slab, the sink or the end, through the carried rows
-                if t == max(sink, t - i):  # the group's first counted token: the rows before it are +0.0
-                    g[:i] = 0.0
-                g[i] = v[t - t_first]
-                t += 1
-                if i == G - 1 or t == num_tokens:
-                    g[i + 1 :] = 0.0  # past the end
-                    _close_group(g, o1, o2, t1, t2, u1, u2)
-            if t % STATS_BLOCK == 0 or t == num_tokens:
-                a1 = s1[l, kv]
-                a2 = s2[l, kv]
-                for c in range(C):
-                    a1[c] += o1[c]
-                    a2[c] += o2[c]
-                    o1[c] = 0.0
-                    o2[c] = 0.0
 
 
 @njit(parallel=True, **_FAST)

@@ -94,7 +94,7 @@ def _jit(role: str):
 
 from .range_coder import _add_carry, flush_stream
 from .tables import COST_ONE, SHARE_SPAN, STAT_EMPTY, choose_table, table_bytes
-from .transform import (MODE_DELTA, STATS_BLOCK, STATS_GROUP, TRANSFORM_QMAX, fast_level32, level_value,
+from .transform import (MODE_DELTA, STATS_BLOCK, TRANSFORM_QMAX, fast_level32, level_value,
                         refine_index, step_level, symbol_top_byte, token_level, token_value, top_byte_symbol)
 
 #: Histogram blocks: 32 channels (lanes) x HIST_SLICES chunk slices (one under the simulator,
@@ -548,57 +548,6 @@ def _make_stats_partial(V, B):
     return kernel
 
 
-def _make_stats_partial_tree(V, B):
-    """_make_stats_partial's block sums in transform.STATS_GROUP's order (the fixed-point
-    rotation's values): each group of STATS_GROUP tokens by the pairwise tree of adjacent pairs,
-    kept as a binary counter's stack (level k holds the sum of the last 2^k tokens' subtree),
-    the group sums added in order."""
-    vmask = _value_mask(B)
-    G = STATS_GROUP
-    LEVELS = G.bit_length()  # G a power of two: levels 0 .. log2(G)
-    STACK = LEVELS * V  # a closure constant: cuda.local.array takes no expression of them
-
-    @jit_kernel
-    def kernel(wf, L, T, CW, fmt, sink, part1, part2, WP):
-        live, l, kv, b, cw = _stats_thread(cuda.grid(1), L, CW, part1)
-        if not live:
-            return
-        p = WP * l + kv  # (WP: the planes a layer of the words holds, 2 or the keys alone)
-        s1 = cuda.local.array(V, np.float64)
-        s2 = cuda.local.array(V, np.float64)
-        st1 = cuda.local.array(STACK, np.float64)
-        st2 = cuda.local.array(STACK, np.float64)
-        for j in range(V):
-            s1[j] = 0.0
-            s2[j] = 0.0
-        for g in range(b * STATS_BLOCK, min(T, (b + 1) * STATS_BLOCK), G):
-            for r in range(G):
-                t = g + r
-                w = np.int64(0)
-                if sink <= t and t < T:  # others count as +0.0
-                    w = np.int64(wf[(p * T + t) * CW + cw])
-                for j in range(V):
-                    a = np.float64(_word_value((w >> (B * j)) & vmask, fmt))
-                    q = a * a
-                    k = 0
-                    m = r
-                    while m & 1:  # close the subtrees this token completes (left + right)
-                        a = st1[k * V + j] + a
-                        q = st2[k * V + j] + q
-                        k += 1
-                        m >>= 1
-                    st1[k * V + j] = a
-                    st2[k * V + j] = q
-            for j in range(V):
-                s1[j] += st1[(LEVELS - 1) * V + j]
-                s2[j] += st2[(LEVELS - 1) * V + j]
-        for j in range(V):
-            part1[l, kv, b, cw * V + j] = s1[j]
-            part2[l, kv, b, cw * V + j] = s2[j]
-
-    return kernel
-
-
 @jit_kernel
 def _stats_reduce_kernel(part1, part2, sums, sumsq):
     i = cuda.grid(1)
@@ -618,12 +567,11 @@ def _stats_reduce_kernel(part1, part2, sums, sumsq):
     sumsq[l, kv, c] = s2
 
 
-def transform_stats(words, itemsize, fmt, sink, part1, part2, sums, sumsq, stream=0, tree=False):
+def transform_stats(words, itemsize, fmt, sink, part1, part2, sums, sumsq, stream=0):
     """sums / sumsq [L, 2, C]: cpu_transform.transform_stats of an unrotated cache given as its
     raw words [L, 2, T, C / V], V = words.itemsize // itemsize values each; part1 / part2:
     float64 scratch [L, P, ceil(T / STATS_BLOCK), C].  P = 1: the key planes alone (the values'
-    sums are not written), of words [L, 2, ...] or of the keys alone, words [L, 1, ...].  ``tree``: the fixed-point rotation's values, summed as
-    cpu_transform.transform_stats_tree."""
+    sums are not written), of words [L, 2, ...] or of the keys alone, words [L, 1, ...]."""
     L, P, NB, C = part1.shape
     CW = words.shape[3]
     V = C // CW if CW else 1
@@ -632,8 +580,7 @@ def transform_stats(words, itemsize, fmt, sink, part1, part2, sums, sumsq, strea
         raise ValueError(f"transform_stats: words {words.shape}, scratch {part1.shape}, sums {sums.shape}")
     if L * P * NB * CW:
         T = words.shape[2]
-        make = _make_stats_partial_tree if tree else _make_stats_partial
-        _made(make, V, 8 * itemsize)[(*_cfg(L * P * NB * CW), stream)](
+        _made(_make_stats_partial, V, 8 * itemsize)[(*_cfg(L * P * NB * CW), stream)](
             as_device(flat(words)), np.int64(L), np.int64(T), np.int64(CW), np.int64(fmt), np.int64(sink),
             as_device(part1), as_device(part2), np.int64(WP))
     reduce_stats(part1, part2, sums, sumsq, stream)

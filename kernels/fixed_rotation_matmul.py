@@ -57,7 +57,7 @@ from typing import NamedTuple
 import torch
 
 from .fixed_rotation import R_BITS, X_BITS
-from .transform import LEVEL32_CLAMP, LEVEL32_EPS, STATS_BLOCK, STATS_GROUP, TRANSFORM_QMAX
+from .transform import LEVEL32_CLAMP, LEVEL32_EPS, STATS_BLOCK, TRANSFORM_QMAX
 
 try:  # Triton ships with CUDA builds of torch; without it the callers use block_product
     import triton
@@ -363,24 +363,6 @@ if triton is not None:
         return rows, rows < n, (p.to(tl.int64) * T + t_first + rows) * C
 
     @triton.jit
-    def _halve(w, M: tl.constexpr, N: tl.constexpr):
-        """[M // 2, N]: rows 2i + 2i + 1 of w [M, N] (split and added as themselves: no
-        reduction whose order the compiler picks)."""
-        a, b = tl.split(tl.permute(tl.reshape(w, [M // 2, 2, N]), [0, 2, 1]))
-        return a + b
-
-    @triton.jit
-    def _pair_tree64(w, N: tl.constexpr):
-        """[N]: the pairwise tree of adjacent pairs down the 64 rows of w (transform.STATS_GROUP)."""
-        w = _halve(w, 64, N)
-        w = _halve(w, 32, N)
-        w = _halve(w, 16, N)
-        w = _halve(w, 8, N)
-        w = _halve(w, 4, N)
-        w = _halve(w, 2, N)
-        return tl.reshape(w, [N])
-
-    @triton.jit
     def _levels32(y, off, inv32, thr32):
         """transform.fast_level32 over a tile: the level where float32 decides it, else
         LEVEL_UNDECIDED (then the float64 path decides: cuda_pipeline.fix_levels).  y [BM, BN],
@@ -398,26 +380,17 @@ if triton is not None:
         return tl.where((small & sure) | big, q, _UNDECIDED)
 
     @triton.jit
-    def _rotate_rows_kernel(x_ptr, e_ptr, r_ptr, y_ptr, s1_ptr, s2_ptr, T, n, t_first, plane_digits, P0, PS,
+    def _rotate_rows_kernel(x_ptr, e_ptr, r_ptr, y_ptr, T, n, t_first, plane_digits, P0, PS,
                             q_ptr, off_ptr, steps_ptr, thr32, t_lev,
                             C: tl.constexpr, H: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                             BM: tl.constexpr, BN: tl.constexpr, SB: tl.constexpr, BF16_WORDS: tl.constexpr,
-                            XB: tl.constexpr, RB: tl.constexpr, X_KEYS: tl.constexpr, STATS: tl.constexpr,
-                            VALUES: tl.constexpr, LEVELS: tl.constexpr):
-        """(X_KEYS: x holds the keys alone, [L, 1, T, C], and the planes are key planes; VALUES
-        off: y is not written, only the sums.)  Row
-        tiles are BM tokens by absolute position, SB // BM of them a statistics block of SB; a
-        program takes whole blocks (blocks i, i + P, ...) and their tiles in token order, so that
-        (STATS, BM = transform.STATS_GROUP) it can sum its outputs' float32 values as
-        cpu_transform.transform_stats_tree does, written to s1 / s2 [planes, blocks, C].  Why a
-        tree: a sum in registers in token order is not something Triton can be asked for (its
-        reductions pick their own order), and the tile read back a row at a time after a barrier
-        cost more than the separate pass it replaced (a scratch script on an H100, 2026-12-07:
-        3.30 ms with the read-back sums, 2.72 with the tree, 2.36 without sums, 2.22 + 0.91 for
-        the kernel before this one and the pass; benchmarks/rotation_stats.py times the kept
-        variants).  LEVELS: rows before t_lev (absolute) get their levels q (int8, from row 0 of
-        the tile: rows before t_first are sink tokens, level 0) by _levels32 in place of their
-        values, with the values of the undecided ones; the rows from t_lev on their values."""
+                            XB: tl.constexpr, RB: tl.constexpr, X_KEYS: tl.constexpr, LEVELS: tl.constexpr):
+        """(X_KEYS: x holds the keys alone, [L, 1, T, C], and the planes are key planes.)  Row
+        tiles are BM tokens by absolute position, SB // BM of them a block of SB; a program takes
+        whole blocks (blocks i, i + P, ...) and their tiles in token order.  LEVELS: rows before
+        t_lev (absolute) get their levels q (int8, from row 0 of the tile: rows before t_first are
+        sink tokens, level 0) by _levels32 in place of their values, with the values of the
+        undecided ones; the rows from t_lev on their values."""
         p, h, n0, r0, r1 = _kept_tiles(r_ptr, plane_digits, P0, PS, H, D, DP, BN)
         ks = tl.arange(0, DP)
         ns = tl.arange(0, BN)
@@ -433,8 +406,6 @@ if triton is not None:
         NBLK = tl.cdiv(T, SB)
         P = tl.num_programs(0)
         mine = tl.cdiv(NBLK - tl.program_id(0), P)
-        o1 = tl.zeros([BN], dtype=tl.float64)
-        o2 = tl.zeros([BN], dtype=tl.float64)
         out_at = p.to(tl.int64) * T * C + h * D + n0 + ns
         for it in range(0, mine * TPB):
             bb = tl.program_id(0) + (it // TPB) * P
@@ -465,20 +436,8 @@ if triton is not None:
                 tl.store(q_ptr + y_at, q.to(tl.int8), mask=leveled[:, None])
                 tl.store(y_ptr + y_at, y, mask=(live & (ts >= t_lev))[:, None] | (
                     (live & leveled)[:, None] & (q == _UNDECIDED)))
-            elif VALUES:
+            else:
                 tl.store(y_ptr + y_at, y, mask=live[:, None])
-            if STATS:
-                # the group's sums in registers, in transform.STATS_GROUP's tree (rows outside
-                # t_first .. T - 1 count as +0.0), added in order into the block's
-                w = tl.where(live[:, None], y, 0.0).to(tl.float64)
-                o1 += _pair_tree64(w, BN)
-                o2 += _pair_tree64(w * w, BN)
-                if it % TPB == TPB - 1:
-                    s_at = (p.to(tl.int64) * NBLK + bb) * C + h * D + n0 + ns
-                    tl.store(s1_ptr + s_at, o1)
-                    tl.store(s2_ptr + s_at, o2)
-                    o1 = tl.zeros([BN], dtype=tl.float64)
-                    o2 = tl.zeros([BN], dtype=tl.float64)
 
     @triton.jit
     def _unrotate_values_kernel(z_ptr, r_ptr, sums_ptr, steps_ptr, b_ptr, out_ptr, T, n, t_first, plane_digits,
@@ -683,29 +642,23 @@ def _planes(L: int, keys_apart: bool) -> list[tuple[int, int, int, bool]]:
 
 
 def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Tensor,
-                rope: RopeAngles | None = None, stats: tuple[torch.Tensor, torch.Tensor] | None = None,
-                values: bool = True, keys: torch.Tensor | None = None, ready=None,
-                levels: tuple | None = None) -> bool:
+                rope: RopeAngles | None = None, keys: torch.Tensor | None = None, ready=None,
+                levels: tuple | None = None) -> None:
     """y[:, :, t] = the fixed-point rotation of x[:, :, t] for t >= t_first (fixed_rotation.
     rotate_rows' values): x float32 [L, 2, T, C], or a bfloat16 cache's int16 words; digits:
     rotation_digits of the encoder's blocks [L, 2, H, D, D]; y float32 [L, 2, T, C] (rows before
     t_first untouched).  ``rope``: the keys (x[:, 0]) are first turned back by it, as
     kernels/rope.turn_keys(forward=False) would in place: a pass over the keys alone that also
     finds their rows' exponents, into a float32 copy of them that the product reads (the
-    values are read from x, as without a RoPE).  ``stats`` (part1, part2: float64 [L, 2,
-    ceil(T / STATS_BLOCK), C]): also each statistics block's sums of y's values and of their
-    squares, cuda_pipeline.transform_stats(tree=True)'s partial sums (reduce_stats makes the
-    sums), while the values are in hand; True when they were made (blocks past RESIDENT_BLOCK:
-    not, False).  ``values`` False (with ``stats``, blocks up to RESIDENT_BLOCK): y is not
-    written, only the sums are made (what the product costs without its float32 values).
-    ``keys`` (float32 [L, 1, T, C], with ``rope``): the keys turned back go there, for the caller
-    to read after (their rows t_first .. ); ``ready``: called once the passes before the product
-    are queued (the turned keys written, in stream order), before the product is (so that it may
-    queue the ``levels``' offsets and steps).  ``levels`` = (q int8 [L, 2, T, C], offsets float32
-    [L, 2, C], steps float64 [L, 2], threshold, t_lev), blocks up to RESIDENT_BLOCK, no ``stats``:
-    the rows before t_lev get their levels in q instead of their values in y (_levels32: the
-    sink rows 0, the values float32 does not decide LEVEL_UNDECIDED with their values in y, for
-    cuda_pipeline.fix_levels); the rows from t_lev on their values in y."""
+    values are read from x, as without a RoPE).  ``keys`` (float32 [L, 1, T, C], with ``rope``):
+    that copy goes there, for the caller to read after (its rows t_first .. ); ``ready``: called
+    once the passes before the product are queued (the turned keys written, in stream order),
+    before the product is (so that it may queue the ``levels``' offsets and steps).  ``levels``
+    = (q int8 [L, 2, T, C], offsets float32 [L, 2, C], steps float64 [L, 2], threshold, t_lev),
+    blocks up to RESIDENT_BLOCK: the rows before t_lev get their levels in q instead of their
+    values in y (_levels32: the sink rows 0, the values float32 does not decide LEVEL_UNDECIDED
+    with their values in y, for cuda_pipeline.fix_levels); the rows from t_lev on their values
+    in y."""
     _check(x, "x", (torch.float32, torch.int16), 4)
     _check(y, "y", (torch.float32,), 4)
     L, K, T, C = x.shape
@@ -714,29 +667,18 @@ def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Te
         raise ValueError(f"rotate_rows: blocks {H} x {D} for {C} channels")
     n = T - t_first
     sb = STATS_BLOCK
-    for t in stats or ():
-        _check(t, "stats", (torch.float64,), 4)
-        if tuple(t.shape) != (L, 2, triton.cdiv(T, sb), C):
-            raise ValueError(f"rotate_rows: stats {tuple(t.shape)}, not {(L, 2, triton.cdiv(T, sb), C)}")
-    made = stats is not None and D <= RESIDENT_BLOCK
     if levels is not None:
         q, off, steps_d, threshold, t_lev = levels
         _check(q, "q", (torch.int8,), 4)
-        if (tuple(q.shape) != (L, K, T, C) or D > RESIDENT_BLOCK or stats is not None or not values
+        if (tuple(q.shape) != (L, K, T, C) or D > RESIDENT_BLOCK
                 or off.dtype != torch.float32 or tuple(off.shape) != (L, K, C) or not off.is_contiguous()
                 or steps_d.dtype != torch.float64 or tuple(steps_d.shape) != (L, K) or not steps_d.is_contiguous()):
             raise ValueError("rotate_rows: levels need q int8 [L, 2, T, C], offsets float32 [L, 2, C], steps "
-                             "float64 [L, 2], blocks of at most RESIDENT_BLOCK channels and no stats")
-    if not values and not made:
-        raise ValueError("rotate_rows: values=False needs stats and blocks of at most RESIDENT_BLOCK channels")
-    if made:
-        if n <= 0:
-            for t in stats:
-                t.zero_()
+                             "float64 [L, 2] and blocks of at most RESIDENT_BLOCK channels")
     if n <= 0 or L == 0:
         if levels is not None:
             levels[0].zero_()  # every token a sink token: level 0
-        return made
+        return
     e = torch.empty((L * K, n), dtype=torch.int32, device=x.device)
     if rope is not None:
         if keys is None:
@@ -763,19 +705,16 @@ def rotate_rows(x: torch.Tensor, digits: torch.Tensor, t_first: int, y: torch.Te
                 RB=R_BITS, X_KEYS=apart, num_warps=go["warps"], num_stages=go["stages"])
             continue
         go = ENCODE_LAUNCH
-        if sb % go["rows"] or (made and go["rows"] != STATS_GROUP):
-            raise ValueError(f"rotate_rows: tiles of {go['rows']} rows, not a divisor of the statistics block of {sb} "
-                             f"({STATS_GROUP} with its sums)")
-        # programs along the rows take whole statistics blocks (their tiles by absolute position)
+        if sb % go["rows"]:
+            raise ValueError(f"rotate_rows: tiles of {go['rows']} rows, not a divisor of the block of {sb}")
+        # programs along the rows take whole blocks of rows (their tiles by absolute position)
         tile, DP, _, grid = _launch(T, D, planes * H, dict(go, rows=sb))
         lv = levels if levels is not None else (y, y, y, 0.5, 0)
-        _rotate_rows_kernel[grid](src, e, digits, y, stats[0] if made else y, stats[1] if made else y, T, n, t_first,
-                                  digits[0].numel(), p0, ps, lv[0], lv[1], lv[2], float(lv[3]), int(lv[4]), C=C, H=H,
-                                  D=D, DP=DP, BM=go["rows"], BN=tile, SB=sb, BF16_WORDS=src.dtype == torch.int16,
-                                  XB=X_BITS, RB=R_BITS, X_KEYS=apart, STATS=made, VALUES=values,
+        _rotate_rows_kernel[grid](src, e, digits, y, T, n, t_first, digits[0].numel(), p0, ps, lv[0], lv[1], lv[2],
+                                  float(lv[3]), int(lv[4]), C=C, H=H, D=D, DP=DP, BM=go["rows"], BN=tile, SB=sb,
+                                  BF16_WORDS=src.dtype == torch.int16, XB=X_BITS, RB=R_BITS, X_KEYS=apart,
                                   LEVELS=levels is not None, num_warps=go["warps"], num_stages=go["stages"],
                                   enable_fp_fusion=False)  # transform.fast_level32's roundings, one by one
-    return made
 
 
 def unrotate_values(z: torch.Tensor, digits_t: torch.Tensor, sums: torch.Tensor, steps: torch.Tensor,

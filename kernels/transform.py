@@ -31,14 +31,6 @@ TRANSFORM_QMAX = 127
 #: for every device (kernels/cpu_transform.transform_stats).
 STATS_BLOCK = 256
 
-#: Values that come out of the fixed-point rotation (format flags bit 3) are summed otherwise:
-#: each aligned group of STATS_GROUP tokens (by absolute position; tokens below the sink or past
-#: the end count as +0.0) by the pairwise tree of adjacent pairs, ((v0 + v1) + (v2 + v3)) + ...,
-#: the group sums added in order into their block's sum, then the block sums in order.  The
-#: tree is what the GPU's product can sum in registers as it makes the values (kernels/
-#: fixed_rotation_matmul.rotate_rows); a sum in token order would need them read back.
-STATS_GROUP = 64
-
 MODE_DIRECT = 0
 MODE_DELTA = 1
 MODE_SAME = 2  # in a file's tables only: "the table of the previous channel with its own"

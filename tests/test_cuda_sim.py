@@ -252,33 +252,25 @@ def test_device_decode_checks_like_the_cpu():
 
 
 @pytest.mark.parametrize("sink", [3, 70])
-def test_device_stats_in_groups_match_the_cpu(sink):
-    """cuda_pipeline.transform_stats(tree=True) (the fixed-point rotation's values: pairwise
-    trees of 64-token groups as a binary counter's stack) gives cpu_transform.
-    transform_stats_tree's sums bit for bit, for bfloat16 and float32 words (2 or 1 values a
-    word), a sink inside and past the first group, the last group cut short; float32's sequential
-    sums (tree=False) are other bits."""
+def test_device_stats_of_the_keys_alone_match_the_cpu(sink):
+    """cuda_pipeline.transform_stats over the keys alone (words [L, 1, T, C], P = 1: the turned
+    keys the fixed-point encoder sums) gives the key planes' sums of both planes' words and
+    cpu_transform.transform_stats' bits; the value entries are left as they were."""
     from cachegen_cli.kernels import cpu_transform as ct
     from cachegen_cli.kernels import cuda_pipeline as cp
-    from cachegen_cli.kernels.transform import STATS_BLOCK, STATS_GROUP
+    from cachegen_cli.kernels.transform import STATS_BLOCK
 
     rng = np.random.default_rng(5 + sink)
-    L, T, C = 1, STATS_BLOCK + 77, 4
+    L, T, C = 2, STATS_BLOCK + 77, 4
     x = (rng.standard_normal((L, 2, T, C)) * np.exp(rng.standard_normal((L, 2, T, 1)))).astype(np.float32)
     nb = -(-T // STATS_BLOCK)
-    for words, fmt, vals in ((x.view(np.int32).astype(np.int64), 0, x),
-                             ((x.view(np.uint32) >> 16).astype(np.uint16).view(np.int16).reshape(L, 2, T, C // 2, 2)
-                              .view(np.int32).reshape(L, 2, T, C // 2), 1,
-                              ((x.view(np.uint32) >> 16) << 16).view(np.float32))):
-        want = [np.zeros((L, 2, C)) for _ in range(4)]
-        ct.transform_stats_tree(np.ascontiguousarray(vals), sink, 0, T, *want, np.zeros((L, 2, STATS_GROUP, C), np.float32))
-        got = {}
-        for tree in (True, False):
-            part = np.zeros((2, L, 2, nb, C))
-            sums = np.zeros((2, L, 2, C))
-            w = words if fmt == 1 else x.view(np.int32)
-            cp.transform_stats(w, 2 if fmt == 1 else 4, fmt, sink, part[0], part[1], sums[0], sums[1], tree=tree)
-            got[tree] = sums
-        assert np.array_equal(got[True][0], want[0]) and np.array_equal(got[True][1], want[1])
-        if fmt == 0:  # (bfloat16's squares, 16 bits, add up exactly in either order)
-            assert not np.array_equal(got[False][1], want[1])
+    want = [np.zeros((L, 2, C)) for _ in range(2)]
+    ct.transform_stats(x, np.zeros((0, 0, 0, 0, 0), np.float32), sink, *want)
+    both = np.zeros((2, L, 2, C))
+    cp.transform_stats(x.view(np.int32), 4, 0, sink, np.zeros((L, 2, nb, C)), np.zeros((L, 2, nb, C)), both[0], both[1])
+    keys = np.full((2, L, 2, C), 7.0)
+    cp.transform_stats(np.ascontiguousarray(x[:, :1]).view(np.int32), 4, 0, sink, np.zeros((L, 1, nb, C)),
+                       np.zeros((L, 1, nb, C)), keys[0], keys[1])
+    for i in range(2):
+        assert np.array_equal(both[i], want[i])
+        assert np.array_equal(keys[i][:, 0], want[i][:, 0]) and (keys[i][:, 1] == 7.0).all()
