@@ -140,6 +140,33 @@ def test_keys_without_rope_same_bytes_and_values_as_the_cpu(dtype, quality, styl
         assert ("rotate_rows", True) in turned and ("turn_rows", True) in turned  # back encoding, forward decoding
 
 
+@pytest.mark.parametrize("dtype, quality, rope_dim, head_dim, tokens, recent", [
+    (torch.bfloat16, "high", 0, 32, 21, 6),  # refined last tokens: their chunks from the product's values
+    (torch.float16, "small", 32, 32, 21, 0),  # keys turned in the product's pass; every chunk's levels from it
+    (torch.float32, "balanced", 0, 64, 1, 6),  # every token a sink token: no product
+])
+def test_the_products_levels_give_the_same_bytes(dtype, quality, rope_dim, head_dim, tokens, recent, monkeypatch):
+    """CACHEGEN_PRODUCT_LEVELS=1 (rotate_rows' levels, then cuda_pipeline.fix_levels): the
+    CPU's bytes and values, as without it."""
+    from cachegen_cli.kernels import fixed_rotation_matmul as fm
+    from cachegen_cli.methods import calibration as calib
+    from cachegen_cli.methods import rope
+
+    monkeypatch.setenv("CACHEGEN_PRODUCT_LEVELS", "1")
+    fixed = []
+    real = cuda_pipeline.fix_levels
+    monkeypatch.setattr(cuda_pipeline, "fix_levels", lambda *a, **kw: (fixed.append(a[7]), real(*a, **kw))[1])
+    C = 2 * head_dim
+    sample = realistic_kv(layers=2, tokens=30, heads=2, head_dim=head_dim, dtype=torch.float32, seed=11)
+    cal = calib.fit([sample.reshape(2, 2, 30, C)], blocks=2)
+    kv = realistic_kv(layers=2, tokens=tokens, heads=2, head_dim=head_dim, dtype=dtype, seed=4)
+    r = rope.from_theta(10000.0, head_dim, rope_dim, "half", position_start=77) if rope_dim else None
+    cfg = dataclasses.replace(resolve_quantization(2, quality=quality), recent_tokens=recent)
+    _check(kv, quantization=cfg, chunk_tokens=8, calibration=cal, rope=r)
+    if fm.runs_on(transform_resident.device()):
+        assert fixed and fixed[0] > 0, "the product made the levels of the chunks before the refined ones"
+
+
 @pytest.mark.parametrize("quality, dtype", [
     ("balanced", torch.bfloat16), ("lossless", torch.bfloat16), ("high", torch.float16), ("small", torch.float32),
     ("lossless", torch.float32), ("lossless", torch.float16),

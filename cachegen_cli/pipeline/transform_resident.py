@@ -244,6 +244,12 @@ def encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration=
         return _encode(cache, cfg, chunk_tokens, calibration, checked, copy_out)
 
 
+#: Whether the fixed-point product makes the levels itself (CACHEGEN_PRODUCT_LEVELS=0 / 1 overrides):
+#: off, as measured on an H100 on 2026-12-07 (docs/benchmarks.md, "2026-12-07 (evening)"): the
+#: statistics it then waits for cost more than the levels pass it saves.
+PRODUCT_LEVELS = False
+
+
 #: The second stream of each GPU (torch's streams are made without the legacy default stream's
 #: implicit ordering, so work on it runs beside the pipeline's; the events order it, so calls
 #: from several threads may share it: their side work then runs one after another).
@@ -464,12 +470,14 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
                           rms_sums=rms_sums, rotated=rotated)
             _mark("steps (device)")
 
-        # The product makes the levels of the chunks without refined tokens itself (rotate_rows'
-        # levels: int8 levels written in place of float32 values; fix_levels then decides the few
-        # float32 does not and makes their statistics), once the steps are queued before it.
+        # With PRODUCT_LEVELS the product makes the levels of the chunks without refined tokens
+        # itself (rotate_rows' levels: int8 levels written in place of float32 values; fix_levels
+        # then decides the few float32 does not and makes their statistics), once the steps are
+        # queued before it; else the input sums run beside the product and quantize_levels reads
+        # its values.  The same bytes either way.
         k_lev = (T - R) // ct if R else K  # the chunks before the first with a refined token
         fused = (digits is not None and int(rot_h.shape[3]) <= fm.RESIDENT_BLOCK and k_lev > 0
-                 and os.environ.get("CACHEGEN_PRODUCT_LEVELS", "1") != "0")
+                 and os.environ.get("CACHEGEN_PRODUCT_LEVELS", "1" if PRODUCT_LEVELS else "0") != "0")
         if fixed_rot:
             # The rows rotated by integer products (kernels/fixed_rotation; the product on cuBLAS,
             # exact): float32 values replace the cache's words, as the CPU's fixed_rotate.
