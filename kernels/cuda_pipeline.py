@@ -1012,8 +1012,16 @@ def _make_fix_levels(V):
             dmx[j] = np.int32(-(1 << 30))
             dab[j] = 0
         at = (p * T + t0) * CW + cw
-        for t in range(t0, t1):
+        w = np.int64(0)
+        if t0 < t1:
             w = np.int64(qf[at])
+        wa = np.int64(0)
+        if t0 + 1 < t1:
+            wa = np.int64(qf[at + CW])
+        for t in range(t0, t1):
+            wn = np.int64(0)
+            if t + 2 < t1:  # the loads of the next two tokens in flight while this one is summed
+                wn = np.int64(qf[np.uint64(at + 2 * CW)])
             undecided = False
             for j in range(V):
                 v = np.int32((w >> (8 * j)) & 0xFF)
@@ -1040,6 +1048,8 @@ def _make_fix_levels(V):
                 dab[j] = np.int32(dab[j] + abs(d))
             if undecided:
                 qf[at] = _signed_word(qw, V)
+            w = wa
+            wa = wn
             at += CW
         for j in range(V):
             if t0 >= t1:  # no token (none is ever launched so): the statistics of nothing
