@@ -1017,6 +1017,14 @@ def _bf16_bits_of(v):
 
 
 @njit(**_JIT)
+def _stored_offset(mean, bf16_max):
+    """(bfloat16 bits, float64 value) of the offset a file stores for a mean: clipped to
+    bfloat16's largest finite values (a NaN stays a NaN), rounded to nearest even."""
+    b = _bf16_bits_of(min(max(mean, -bf16_max), bf16_max))
+    return b, np.float64(np.uint32(np.uint32(b) << np.uint32(16)).view(np.float32))
+
+
+@njit(**_JIT)
 def plane_offsets_rms(sums, sumsq, n, bf16_max, offsets_bits, offsets, rms):
     """The per-coordinate offsets of transform_stats' sums over n tokens and each plane's RMS
     around them: offsets_bits [L, 2, C] (bfloat16 of the mean, clipped to +-bf16_max),
@@ -1033,11 +1041,8 @@ def plane_offsets_rms(sums, sumsq, n, bf16_max, offsets_bits, offsets, rms):
     for l in range(L):
         for kv in range(2):
             for c in range(C):
-                mean = sums[l, kv, c] / fn if n > 0 else 0.0
-                mean = min(max(mean, -bf16_max), bf16_max)
-                b = _bf16_bits_of(mean)
+                b, m = _stored_offset(sums[l, kv, c] / fn if n > 0 else 0.0, bf16_max)
                 offsets_bits[l, kv, c] = b
-                m = np.float64(np.uint32(np.uint32(b) << np.uint32(16)).view(np.float32))
                 offsets[l, kv, c] = m
                 r = sumsq[l, kv, c] - 2.0 * m * sums[l, kv, c] + fn * m * m
                 resid[c] = 0.0 if r < 0.0 else r  # np.maximum(r, 0.0): a NaN stays NaN
@@ -1073,10 +1078,8 @@ def rotated_offsets_rms(mu, sumsq, n, bf16_max, offsets_bits, offsets, rms):
     for l in range(L):
         for kv in range(2):
             for c in range(C):
-                mean = min(max(mu[l, kv, c], -bf16_max), bf16_max)
-                b = _bf16_bits_of(mean)
+                b, m = _stored_offset(mu[l, kv, c], bf16_max)
                 offsets_bits[l, kv, c] = b
-                m = np.float64(np.uint32(np.uint32(b) << np.uint32(16)).view(np.float32))
                 offsets[l, kv, c] = m
                 s1 = mu[l, kv, c] * fn
                 term[c] = fn * m * m - 2.0 * m * s1
