@@ -842,6 +842,32 @@ def _fast_level(y, off, step, inv, threshold):
 STEP32_RANGE = 2.0 ** 60
 
 
+@cuda.jit(device=True)
+def _stats_reset(j, prev, mn, mx, ab, dmn, dmx, dab):
+    """Lane j's chunk statistics before its first token (which they give way to)."""
+    prev[j] = 0
+    mn[j] = np.int32(1 << 30)
+    mx[j] = np.int32(-(1 << 30))
+    ab[j] = 0
+    dmn[j] = np.int32(1 << 30)
+    dmx[j] = np.int32(-(1 << 30))
+    dab[j] = 0
+
+
+@cuda.jit(device=True)
+def _stats_add(j, v, prev, mn, mx, ab, dmn, dmx, dab):
+    """Lane j's level v of the next token into its chunk statistics (cpu_transform.level_stats':
+    the levels' and the token deltas' minimum, maximum and sum of magnitudes)."""
+    d = np.int32(v - prev[j])
+    prev[j] = v
+    mn[j] = min(mn[j], v)
+    mx[j] = max(mx[j], v)
+    ab[j] = np.int32(ab[j] + abs(v))
+    dmn[j] = min(dmn[j], d)
+    dmx[j] = max(dmx[j], d)
+    dab[j] = np.int32(dab[j] + abs(d))
+
+
 def _make_quantize(V, B, lossless, fmt):
     """Levels of V channels per thread: method 2's (token_level, refine_index), or the lossless
     method's top-byte symbols (then shift = 8 x the raw bytes per value).  fmt (FMT_*) is a
@@ -887,14 +913,7 @@ def _make_quantize(V, B, lossless, fmt):
             off[j] = np.float32(0.0)
             if not lossless:
                 off[j] = offsets[l, kv, c0 + j]
-            prev[j] = 0
-            # a chunk has at least one token: these give way to its first level
-            mn[j] = np.int32(1 << 30)
-            mx[j] = np.int32(-(1 << 30))
-            ab[j] = 0
-            dmn[j] = np.int32(1 << 30)
-            dmx[j] = np.int32(-(1 << 30))
-            dab[j] = 0
+            _stats_reset(j, prev, mn, mx, ab, dmn, dmx, dab)  # (a chunk has at least one token)
         at = (p * T + t0) * CW + cw
         w = np.int64(0)
         if t0 < t1:
@@ -935,14 +954,7 @@ def _make_quantize(V, B, lossless, fmt):
             for j in range(V):
                 v = lv[j]
                 qw |= np.int64(v & 0xFF) << (8 * j)
-                d = np.int32(v - prev[j])
-                prev[j] = v
-                mn[j] = min(mn[j], v)
-                mx[j] = max(mx[j], v)
-                ab[j] = np.int32(ab[j] + abs(v))
-                dmn[j] = min(dmn[j], d)
-                dmx[j] = max(dmx[j], d)
-                dab[j] = np.int32(dab[j] + abs(d))
+                _stats_add(j, v, prev, mn, mx, ab, dmn, dmx, dab)
             qf[np.uint64(at)] = _signed_word(qw, V)
             w = wa
             wa = wn
@@ -1004,13 +1016,7 @@ def _make_fix_levels(V):
         dmx = cuda.local.array(V, np.int32)
         dab = cuda.local.array(V, np.int32)
         for j in range(V):
-            prev[j] = 0
-            mn[j] = np.int32(1 << 30)
-            mx[j] = np.int32(-(1 << 30))
-            ab[j] = 0
-            dmn[j] = np.int32(1 << 30)
-            dmx[j] = np.int32(-(1 << 30))
-            dab[j] = 0
+            _stats_reset(j, prev, mn, mx, ab, dmn, dmx, dab)
         at = (p * T + t0) * CW + cw
         w = np.int64(0)
         if t0 < t1:
@@ -1038,14 +1044,7 @@ def _make_fix_levels(V):
             for j in range(V):
                 v = lv[j]
                 qw |= np.int64(v & 0xFF) << (8 * j)
-                d = np.int32(v - prev[j])
-                prev[j] = v
-                mn[j] = min(mn[j], v)
-                mx[j] = max(mx[j], v)
-                ab[j] = np.int32(ab[j] + abs(v))
-                dmn[j] = min(dmn[j], d)
-                dmx[j] = max(dmx[j], d)
-                dab[j] = np.int32(dab[j] + abs(d))
+                _stats_add(j, v, prev, mn, mx, ab, dmn, dmx, dab)
             if undecided:
                 qf[at] = _signed_word(qw, V)
             w = wa
