@@ -6,6 +6,7 @@ only measured against a baseline run on the same machine, alternated to spread t
     git worktree add /tmp/old HEAD~1
     python benchmarks/ab_trees.py --old /tmp/old --new . --rounds 2 \\
         --methods high,high+cal/head+rope --out /tmp/ab      # JSONs and logs land in --out
+    python benchmarks/ab_trees.py --old . --new . --new-env CACHEGEN_PRODUCT_LEVELS=1 --out /tmp/ab2
 
 Each tree runs its own ``benchmarks/bench_device.py`` with its own package first on the import
 path, and ``cachegen_cli/kernels`` must point at its top-level ``kernels/`` (``--link`` makes that
@@ -57,6 +58,18 @@ def bench_command(tree: Path, json_path: Path, args) -> list[str]:
            str(args.repeats), "--check-tokens", str(args.check_tokens), "--methods", args.methods, "--json",
            str(json_path)]
     return cmd + (args.extra.split() if args.extra else [])
+
+
+def run_env(base: dict, tree: Path, assignments: str) -> dict:
+    """The environment of a tree's runs: ``base`` with PYTHONPATH the tree and each NAME=VALUE of
+    ``assignments`` (space-separated: a switch such as CACHEGEN_PRODUCT_LEVELS=1 for one side)."""
+    env = dict(base, PYTHONPATH=str(tree))
+    for item in assignments.split():
+        name, eq, value = item.partition("=")
+        if not name or not eq:
+            raise ValueError(f"not NAME=VALUE: {item!r}")
+        env[name] = value
+    return env
 
 
 def rows_by_method(result: dict) -> dict[str, dict]:
@@ -118,6 +131,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--check-tokens", type=int, default=64)
     p.add_argument("--extra", default="", help="more arguments for bench_device.py (both trees)")
+    p.add_argument("--old-env", default="", help="NAME=VALUE ... set for the old tree's runs only")
+    p.add_argument("--new-env", default="", help="NAME=VALUE ... set for the new tree's runs only (--old and "
+                   "--new may then be one tree: a switch against its default)")
     p.add_argument("--timeout", type=int, default=300, help="seconds a run may take")
     p.add_argument("--link", action="store_true",
                    help="link cachegen_cli/kernels, and sample_data/ to the other tree's, in a tree that lacks them")
@@ -128,6 +144,11 @@ def main(argv=None) -> int:
         if a.old is None or a.new is None:
             p.error("--old and --new are needed unless --summarize")
         trees = {"old": a.old.resolve(), "new": a.new.resolve()}
+        try:
+            envs = {tag: run_env(os.environ, trees[tag], getattr(a, f"{tag}_env")) for tag in trees}
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         for tag, tree in trees.items():
             if not (tree / "benchmarks" / "bench_device.py").is_file():
                 print(f"error: {tag} tree {tree} has no benchmarks/bench_device.py", file=sys.stderr)
@@ -147,7 +168,7 @@ def main(argv=None) -> int:
             tree = trees[tag]
             json_path = a.out / f"{tag}_r{r}.json"
             log = a.out / f"{tag}_r{r}.txt"
-            env = dict(os.environ, PYTHONPATH=str(tree))
+            env = envs[tag]
             with open(log, "w") as fh:
                 try:
                     rc = subprocess.run(bench_command(tree, json_path, a), cwd=tree, env=env, stdout=fh,

@@ -59,3 +59,14 @@ def test_refuses_missing_trees_and_empty_results(tmp_path, capsys):
     assert "has no sample_data/" in capsys.readouterr().err
     ab.link_sample(tree, [tmp_path / "elsewhere", ROOT])
     assert (tree / "sample_data").resolve() == (ROOT / "sample_data").resolve()
+
+
+def test_each_side_gets_its_own_switches(tmp_path, capsys):
+    """--old-env / --new-env: NAME=VALUE set for one side's runs (a switch against its default on
+    one tree), PYTHONPATH the tree; a malformed assignment is refused before any run."""
+    ab = _ab()
+    env = ab.run_env({"HOME": "/h", "CACHEGEN_PRODUCT_LEVELS": "0"}, ROOT, "CACHEGEN_PRODUCT_LEVELS=1 X=a=b")
+    assert env == {"HOME": "/h", "CACHEGEN_PRODUCT_LEVELS": "1", "X": "a=b", "PYTHONPATH": str(ROOT)}
+    assert ab.run_env({}, ROOT, "") == {"PYTHONPATH": str(ROOT)}
+    assert ab.main(["--out", str(tmp_path), "--old", str(ROOT), "--new", str(ROOT), "--new-env", "NOVALUE"]) == 1
+    assert "not NAME=VALUE: 'NOVALUE'" in capsys.readouterr().err
