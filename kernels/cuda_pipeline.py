@@ -588,8 +588,7 @@ def transform_stats(words, itemsize, fmt, sink, part1, part2, sums, sumsq, strea
 
 def reduce_stats(part1, part2, sums, sumsq, stream=0):
     """sums / sumsq [L, 2, C] from the statistics blocks' partial sums part1 / part2 [L, P,
-    NB, C] (transform_stats', or the fixed-point product's: fixed_rotation_matmul.rotate_rows),
-    added in block order from 0 as the CPU's."""
+    NB, C] (transform_stats'), added in block order from 0 as the CPU's."""
     L, P, NB, C = part1.shape
     if part2.shape != part1.shape or sums.shape[:2] != (L, 2) or sums.shape[2] != C or sumsq.shape != sums.shape:
         raise ValueError(f"reduce_stats: partial sums {part1.shape}, sums {sums.shape}")

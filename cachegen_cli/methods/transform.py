@@ -179,9 +179,10 @@ def rotated_step_params(sums: np.ndarray, sumsq: np.ndarray, n: int, rint: np.nd
                         rms_sums: tuple[np.ndarray, np.ndarray] | None = None):
     """step_params of fixed-point rotated values from the statistics of the rows before the
     rotation (since 2026-12-07; before, from the rotated values' own sums: the same bfloat16
-    offsets and steps on every golden file and sample cache tried): sums / sumsq [L, 2, C] of the unrotated inputs (keys without
-    their RoPE when it is removed) over n tokens, rint the encoder's blocks (fixed_rotation.
-    fixed_matrix(rot, False), float64 [L, 2, H, D, D]).  The offsets are the bfloat16 of the
+    offsets and steps on every golden file and sample cache tried): sums / sumsq [L, 2, C] of
+    the unrotated inputs (keys without their RoPE when it is removed) over n tokens, rint the
+    encoder's blocks (fixed_rotation.fixed_matrix(rot, False), float64 [L, 2, H, D, D]).  The
+    offsets are the bfloat16 of the
     rotated means (cpu_transform.input_means32 through fixed_rotation.offset_sums); the RMS
     is the plane's, around them (cpu_transform.rotated_offsets_rms).  ``rms_sums`` (keys coded
     without RoPE): the key planes' RMS from the keys as they are, as step_params (their value

@@ -364,7 +364,7 @@ def _encode(cache: KVCache, cfg: TransformConfig, chunk_tokens: int, calibration
         rot_h, digest = tc.encoder_rotation(calibration, L, C)
         rope = rope_methods.resolve(cache, cfg, calibration)
         vitem, fmt = itemsize, _FMT[dt]
-        x32 = part = None  # part: the statistics blocks' sums, when a pass made them
+        x32 = None
         fixed_rot = bool(rot_h.size) and tc.FIXED_ROTATION
         digits = _matmul_digits(rot_h, digest, dev, False) if fixed_rot else None
         # The matrix units' rotation turns the keys back in the pass that finds its rows' exponents
