@@ -173,7 +173,7 @@ def equal_bits(rows: list[dict], reference: str = "64:2") -> list[tuple[str, int
     return out
 
 
-def report(rows: list[dict], factor: float) -> None:
+def report(rows: list[dict], factor: float, reference: str = "64:2") -> None:
     """Per (schedule, scale): the page caches' mean bits and worst KL / LMCache KL; the rule fixed
     before the held-out rows are read (preset_targets.py's: the smallest page mean bits with every
     page cache at KL <= factor x LMCache's) and the chosen table's every cache; and the tables
@@ -207,11 +207,11 @@ def report(rows: list[dict], factor: float) -> None:
     bar = [k for k, rs in tables.items() if all(r["kl"] <= r["lmcache_kl"] and r["bits_per_value"] <= 1.6
                                                 and r["bits_per_value"] <= 0.35 * r["lmcache_bits_per_value"]
                                                 for r in rs)]
-    print("\nKL against today's span (64:2) at the same bits on the same cache (log KL interpolated over each "
+    print(f"\nKL against {reference} at the same bits on the same cache (log KL interpolated over each "
           "schedule's step scales):\n")
     print("| schedule | points | geometric mean | range |")
     print("|---|---:|---:|---|")
-    for sched, n, g, lo, hi in equal_bits(rows):
+    for sched, n, g, lo, hi in equal_bits(rows, reference):
         print(f"| {sched} | {n} | {g:.2f} | {lo:.2f}-{hi:.2f} |")
     print(f"\nTables meeting KL <= LMCache's, >= 10x smaller than bf16 and <= 0.35x LMCache's size on every cache: "
           f"{', '.join(f'[{s}] x{sc:g}' for s, sc in bar) or 'none'}.")

@@ -1,0 +1,178 @@
+#!/usr/bin/env python3
+"""Would per-channel steps pay (issue "Smaller at the same quality on every cache", item 3: the
+bits where the model needs them)?  A sensitivity calibration scales each (layer, K/V) plane's
+step by the model's mean Fisher information of the plane; within a plane every channel has the
+same step.  The Fisher information per channel varies 200-400x inside a plane (median over the
+planes of SmolLM2's 1024-token caches), so this measures per-channel steps from the other texts'
+per-channel Fisher information (leave one out, each text's normalised to a geometric mean of 1):
+step_c = the plane's step x a_c^-1, a_c = (F_c / geometric mean over the plane's channels)^(gamma/2),
+clipped to [1/8, 8] and renormalised to a geometric mean of 1 (about the same bits).
+
+The format has one step per plane, so the files are emulated: each channel is multiplied by a_c
+before encoding (a float32 cache: no rounding), one step per plane in the scaled domain (the
+plane's relative step corrected for the scaled RMS, so its absolute step stays the per-plane
+variant's), and the decoded channel divided by a_c.  The size is the real file's (its tables and
+entropy of the scaled channels); a format with per-channel steps would add about one byte per
+channel.  Variants: "plane" (the per-plane allocation of methods/transform.allocate from the same
+sensitivities, steps as `cachegen tune` writes them) and "channelG" for each gamma; no rotation
+(calibrated files would need the Fisher information of the rotated components, not measured).
+The caches are scripts/preset_targets.py's 13 (SmolLM2-135M-Instruct, 1024 and 4096 tokens),
+``--quality balanced`` with its steps times each scale; LMCache's KL and exact size on each cache.
+
+    python scripts/channel_steps.py --scales 2,2.5,3 --gammas 1,0.5 --json docs/results/DATE_channel_steps.json
+    python scripts/recent_tiers.py --report docs/results/DATE_channel_steps.json   # the same tables
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from dataclasses import replace  # noqa: E402
+
+import cachegen_cli as cg  # noqa: E402
+from cachegen_cli.methods.config import QUALITY_PRESETS  # noqa: E402
+from cachegen_cli.methods.transform import allocate  # noqa: E402
+from cachegen_cli.model import capture, evaluate  # noqa: E402
+import preset_targets  # noqa: E402
+import rope_gain  # noqa: E402
+
+CT = preset_targets.CHUNK_TOKENS
+#: a_c's clip
+CLIP = 8.0
+
+
+def channel_fisher(ref, samples: int = 8, sink: int = 1, seed: int = 0) -> np.ndarray:
+    """float64 [L, 2, C]: each channel's mean diagonal Fisher information of the next-token
+    log-likelihood over ref's continuation (tune.fisher_traces' estimate, summed over the tokens
+    from ``sink`` on instead of over the channels)."""
+    model = ref.model
+    dtype = next(model.parameters()).dtype
+    data = ref.cache
+    L, _, T, C = data.shape
+    leaves = [(k.requires_grad_(True), v.requires_grad_(True))
+              for k, v in evaluate.layers_from_internal(data, ref.num_kv_heads, ref.head_dim, dtype)]
+    flat = [t for kv in leaves for t in kv]
+    ids = ref.continuation_ids[:-1]
+    n = len(ids)
+    kwargs = {"input_ids": torch.tensor([ids]), "position_ids": torch.arange(T, T + n).unsqueeze(0),
+              evaluate._cache_kw(model): evaluate.make_cache(model, leaves), "use_cache": True}
+    if "cache_position" in evaluate.forward_params(model):
+        kwargs["cache_position"] = torch.arange(T, T + n)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    out = np.zeros((L, 2, C))
+    with torch.enable_grad():
+        logp = torch.log_softmax(model(**kwargs).logits[0].float(), dim=-1)
+        gen = torch.Generator().manual_seed(seed)
+        probs = logp.detach().exp()
+        for i in range(samples):
+            y = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+            grads = torch.autograd.grad(logp[torch.arange(n), y].sum(), flat, retain_graph=i + 1 < samples)
+            for l in range(L):
+                for kv in range(2):
+                    g = grads[2 * l + kv][:, :, sink:].double()  # [1, H, T, D]
+                    out[l, kv] += g.pow(2).sum(dim=(0, 2)).reshape(-1).numpy()
+    return out / (samples * n)
+
+
+def gm(x, axis=None, keepdims=False):
+    return np.exp(np.log(x).mean(axis, keepdims=keepdims))
+
+
+def channel_factors(FA: np.ndarray, gamma: float) -> np.ndarray:
+    """a [L, 2, C]: (FA / its geometric mean over each plane's channels)^(gamma / 2), clipped to
+    [1/CLIP, CLIP], with a geometric mean of 1 per plane."""
+    a = np.clip((FA / gm(FA, 2, True)) ** (gamma / 2), 1 / CLIP, CLIP)
+    return a / gm(a, 2, True)
+
+
+def measure(scales, gammas, log) -> list[dict]:
+    model, tok = capture.load_model(capture.find_default_model())
+    refs = rope_gain.references(model, tok, [1024, 4096], preset_targets.CONTINUATION, preset_targets.texts())
+    F = {}
+    for (name, ctx), ref in refs.items():
+        if ctx == 1024:
+            t0 = time.perf_counter()
+            F[name] = np.maximum(channel_fisher(ref), 1e-30)
+            log(f"# Fisher information of {name} ({time.perf_counter() - t0:.0f} s)")
+    base = QUALITY_PRESETS["balanced"]
+    rows = []
+    for (name, ctx), ref in refs.items():
+        L, _, T, C = ref.cache.shape
+        x = ref.cache.float()
+        lm = preset_targets.lmcache_scores(ref, ref.cache.reshape(L, 2, T, ref.num_kv_heads, ref.head_dim))
+        others = [o for o in F if o != name]
+        FA = sum(F[o] / gm(F[o]) for o in others) / len(others)
+        plane_s = FA.mean(2)
+        body = x[:, :, 1:]
+        rms = (body - body.mean(2, keepdim=True)).pow(2).mean(dim=(2, 3)).sqrt().double().numpy()
+        for variant in ["plane"] + [f"channel{g:g}" for g in gammas]:
+            a = np.ones((L, 2, C)) if variant == "plane" else channel_factors(FA, float(variant[7:]))
+            at = torch.from_numpy(a).float()[:, :, None, :]
+            xs = x * at
+            bs = xs[:, :, 1:]
+            rms_s = (bs - bs.mean(2, keepdim=True)).pow(2).mean(dim=(2, 3)).sqrt().double().numpy()
+            for sc in scales:
+                rel = allocate(np.full((L, 2), sc * base.key_step[0]), rms, plane_s)
+                rel_s = rel * rms / rms_s
+                cfg = replace(base, key_step=tuple(rel_s[:, 0]), value_step=tuple(rel_s[:, 1]), allocation="none")
+                blob = cg.encode(xs.reshape(L, 2, T, ref.num_kv_heads, ref.head_dim), quantization=cfg,
+                                 chunk_tokens=CT, device="cpu")
+                dec = evaluate.tensors_to_internal(cg.decode(blob, device="cpu")).float() / at
+                s = evaluate.score(ref, dec.to(ref.cache.dtype))
+                row = dict(text=name, context=ctx, schedule=variant, step_scale=sc,
+                           bits_per_value=8 * len(blob) / ref.cache.numel(), kl=s["kl_mean"],
+                           top1=s["top1_agreement"], **lm)
+                rows.append(row)
+                log(f"# {name} {ctx} {variant} x{sc:g}: {row['bits_per_value']:.3f} bits "
+                    f"({row['bits_per_value'] / lm['lmcache_bits_per_value']:.3f} of LMCache) KL {row['kl']:.2e} "
+                    f"({row['kl'] / lm['lmcache_kl']:.2f} of LMCache) top1 {row['top1']:.3f}")
+    return rows
+
+
+def main() -> int:
+    import recent_tiers
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scales", default="2,2.5,3")
+    ap.add_argument("--gammas", default="1,0.5")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", type=pathlib.Path)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    rows = measure([float(x) for x in args.scales.split(",")], [float(x) for x in args.gammas.split(",")], log)
+    info = rope_gain.run_info("channel_steps.py")
+    if args.json:
+        args.json.write_text(json.dumps(dict(info=info, rows=rows), indent=1) + "\n")
+    print(f"Generated by `{info['command']}` at commit {info['commit']}, {info['date']}.\n")
+    print("Against the per-plane steps at the same step scale (bits within +0.3-1.6%):\n")
+    print("| variant | scale | KL / per-plane KL: geometric mean | range | bits / per-plane bits |")
+    print("|---|---:|---:|---|---|")
+    by = {(r["text"], r["context"], r["schedule"], r["step_scale"]): r for r in rows}
+    for v in dict.fromkeys(r["schedule"] for r in rows):
+        if v == "plane":
+            continue
+        for sc in dict.fromkeys(r["step_scale"] for r in rows):
+            pairs = [(by[k[:2] + (v, sc)], r) for k, r in by.items() if k[2] == "plane" and k[3] == sc]
+            ks = [a["kl"] / b["kl"] for a, b in pairs]
+            bs = [a["bits_per_value"] / b["bits_per_value"] for a, b in pairs]
+            print(f"| {v} | {sc:g} | {gm(np.array(ks)):.2f} | {min(ks):.2f}-{max(ks):.2f} | {min(bs):.3f}-{max(bs):.3f} |")
+    print()
+    recent_tiers.report(rows, 0.7, reference="plane")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
