@@ -21,6 +21,7 @@ The caches are scripts/preset_targets.py's 13 (SmolLM2-135M-Instruct, 1024 and 4
 
     python scripts/channel_steps.py --scales 2,2.5,3 --gammas 1,0.5 --json docs/results/DATE_channel_steps.json
     python scripts/recent_tiers.py --report docs/results/DATE_channel_steps.json   # the same tables
+    python scripts/channel_steps.py --spread    # the Fisher information's spread inside the planes
 """
 
 from __future__ import annotations
@@ -97,6 +98,19 @@ def channel_factors(FA: np.ndarray, gamma: float) -> np.ndarray:
     return a / gm(a, 2, True)
 
 
+def spread(log) -> None:
+    """Per text (1024-token caches): the median over the planes of the largest / smallest
+    channel's Fisher information, for keys and values apart."""
+    model, tok = capture.load_model(capture.find_default_model())
+    refs = rope_gain.references(model, tok, [1024], preset_targets.CONTINUATION, preset_targets.texts())
+    print("| text | keys: median max / min F in a plane | values |")
+    print("|---|---:|---:|")
+    for (name, _), ref in refs.items():
+        F = np.maximum(channel_fisher(ref), 1e-30)
+        r = F.max(axis=2) / F.min(axis=2)
+        print(f"| {name} | {np.median(r[:, 0]):.0f}x | {np.median(r[:, 1]):.0f}x |", flush=True)
+
+
 def measure(scales, gammas, log) -> list[dict]:
     model, tok = capture.load_model(capture.find_default_model())
     refs = rope_gain.references(model, tok, [1024, 4096], preset_targets.CONTINUATION, preset_targets.texts())
@@ -149,8 +163,12 @@ def main() -> int:
     ap.add_argument("--gammas", default="1,0.5")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=pathlib.Path)
+    ap.add_argument("--spread", action="store_true", help="only the Fisher information's spread inside the planes")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.spread:
+        spread(print)
+        return 0
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     rows = measure([float(x) for x in args.scales.split(",")], [float(x) for x in args.gammas.split(",")], log)
     info = rope_gain.run_info("channel_steps.py")
