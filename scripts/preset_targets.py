@@ -330,6 +330,13 @@ def lmcache_flatness(rows: list[dict]) -> None:
               f"| {_log_sd(ratio):.2f} | {corr:.2f} |")
 
 
+def meets_bar(rows: list[dict]) -> bool:
+    """The issue's bar, on every one of ``rows`` (rows with LMCache's columns): KL <= LMCache's KL,
+    >= 10x smaller than bf16 (<= 1.6 bits a value) and <= 0.35x LMCache's size."""
+    return all(r["kl"] <= r["lmcache_kl"] and r["bits_per_value"] <= 1.6
+               and r["bits_per_value"] <= 0.35 * r["lmcache_bits_per_value"] for r in rows)
+
+
 def choose_against_lmcache(rows: list[dict], factor: float) -> None:
     """The rule fixed before the held-out texts' rows are read: among the (quality, variant,
     scale) tables, those whose page caches all have KL <= factor x LMCache's KL on the same
@@ -370,9 +377,7 @@ def choose_against_lmcache(rows: list[dict], factor: float) -> None:
                   f"{sum(x <= factor for x in ratio)} at or below {factor:g}x; "
                   f"{16 / max(r['bits_per_value'] for r in held):.2f}-{16 / min(r['bits_per_value'] for r in held):.2f}x "
                   f"smaller than bf16; size / LMCache {min(size):.3f}-{max(size):.3f}.")
-    bar = [k for k, rs in tables.items() if all(r["kl"] <= r["lmcache_kl"] and r["bits_per_value"] <= 1.6
-                                                and r["bits_per_value"] <= 0.35 * r["lmcache_bits_per_value"]
-                                                for r in rs)]
+    bar = [k for k, rs in tables.items() if meets_bar(rs)]
     print(f"\nTables meeting KL <= LMCache's, >= 10x smaller than bf16 and <= 0.35x LMCache's size, each on every "
           f"one of the caches: {', '.join(f'{q} {v} x{sc:g}' for q, v, sc in bar) or 'none'}.")
 

@@ -204,9 +204,7 @@ def report(rows: list[dict], factor: float, reference: str = "64:2") -> None:
             print(f"| {r['text']} | {r['context']} | {'page' if preset_targets._is_page(r) else 'held-out'} | "
                   f"{r['bits_per_value']:.3f} | {r['bits_per_value'] / r['lmcache_bits_per_value']:.3f} | {r['kl']:.2e} | "
                   f"{r['kl'] / r['lmcache_kl']:.2f} | {r['top1']:.3f} |")
-    bar = [k for k, rs in tables.items() if all(r["kl"] <= r["lmcache_kl"] and r["bits_per_value"] <= 1.6
-                                                and r["bits_per_value"] <= 0.35 * r["lmcache_bits_per_value"]
-                                                for r in rs)]
+    bar = [k for k, rs in tables.items() if preset_targets.meets_bar(rs)]
     print(f"\nKL against {reference} at the same bits on the same cache (log KL interpolated over each "
           "schedule's step scales):\n")
     print("| schedule | points | geometric mean | range |")
