@@ -23,3 +23,18 @@ def test_channel_factors(cs):
     ratio = a.max(axis=2) / a.min(axis=2)
     assert np.all(ratio <= cs.CLIP ** 2 * (1 + 1e-12))
     assert np.allclose(cs.channel_factors(F, 0.0), 1.0)
+
+
+def test_component_fisher_and_unscaling(cs):
+    rng = np.random.default_rng(7)
+    D = 6
+    R, _ = np.linalg.qr(rng.normal(size=(2, D, D)))
+    g = rng.normal(size=(2, 50, D))
+    G = np.einsum("btc,btd->bcd", g, g)
+    want = ((g @ R) ** 2).sum(axis=1)  # each component's summed squared gradient
+    assert np.allclose(cs.component_fisher(R, G), want)
+    a = np.exp(rng.uniform(-2, 0, (2, D)))
+    P = R * a[:, None, :]  # components scaled: y' = x P
+    x = rng.normal(size=(2, 9, D))
+    decoded = np.einsum("btd,bcd->btc", x @ P, P)  # what a decoder rotating back by P^T gives
+    assert np.allclose(np.einsum("btc,bce->bte", decoded, cs.unscale_matrix(P)), x)
