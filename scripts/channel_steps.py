@@ -59,16 +59,16 @@ CLIP = 8.0
 LEVEL_REACH = 100.0
 
 
-def channel_fisher(ref, samples: int = 8, sink: int = 1, seed: int = 0) -> np.ndarray:
-    """float64 [L, 2, C]: each channel's mean diagonal Fisher information of the next-token
-    log-likelihood over ref's continuation (tune.fisher_traces' estimate, summed over the tokens
-    from ``sink`` on instead of over the channels)."""
+def sampled_gradients(ref, samples: int, seed: int = 0):
+    """Yield, for each of ``samples`` continuations drawn from the model's own next-token
+    distributions over ref's continuation (tune.fisher_traces' Hutchinson-style estimate), the
+    gradient of their summed log-likelihood with respect to the cache: float32 [L, 2, T, C] in
+    the cache's layout (keys as the model holds them, with their RoPE).  One forward pass."""
     model = ref.model
     dtype = next(model.parameters()).dtype
-    data = ref.cache
-    L, _, T, C = data.shape
+    L, _, T, C = ref.cache.shape
     leaves = [(k.requires_grad_(True), v.requires_grad_(True))
-              for k, v in evaluate.layers_from_internal(data, ref.num_kv_heads, ref.head_dim, dtype)]
+              for k, v in evaluate.layers_from_internal(ref.cache, ref.num_kv_heads, ref.head_dim, dtype)]
     flat = [t for kv in leaves for t in kv]
     ids = ref.continuation_ids[:-1]
     n = len(ids)
@@ -76,21 +76,33 @@ def channel_fisher(ref, samples: int = 8, sink: int = 1, seed: int = 0) -> np.nd
               evaluate._cache_kw(model): evaluate.make_cache(model, leaves), "use_cache": True}
     if "cache_position" in evaluate.forward_params(model):
         kwargs["cache_position"] = torch.arange(T, T + n)
-    for p in model.parameters():
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
         p.requires_grad_(False)
-    out = np.zeros((L, 2, C))
-    with torch.enable_grad():
-        logp = torch.log_softmax(model(**kwargs).logits[0].float(), dim=-1)
-        gen = torch.Generator().manual_seed(seed)
-        probs = logp.detach().exp()
-        for i in range(samples):
-            y = torch.multinomial(probs, 1, generator=gen).squeeze(1)
-            grads = torch.autograd.grad(logp[torch.arange(n), y].sum(), flat, retain_graph=i + 1 < samples)
-            for l in range(L):
-                for kv in range(2):
-                    g = grads[2 * l + kv][:, :, sink:].double()  # [1, H, T, D]
-                    out[l, kv] += g.pow(2).sum(dim=(0, 2)).reshape(-1).numpy()
-    return out / (samples * n)
+    try:
+        with torch.enable_grad():
+            logp = torch.log_softmax(model(**kwargs).logits[0].float(), dim=-1)
+            gen = torch.Generator().manual_seed(seed)
+            probs = logp.detach().exp()
+            for i in range(samples):
+                y = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+                grads = torch.autograd.grad(logp[torch.arange(n), y].sum(), flat, retain_graph=i + 1 < samples)
+                g = torch.stack([torch.stack([grads[2 * l], grads[2 * l + 1]]) for l in range(L)])  # [L, 2, 1, H, T, D]
+                yield g[:, :, 0].permute(0, 1, 3, 2, 4).reshape(L, 2, T, C).float()
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
+def channel_fisher(ref, samples: int = 8, sink: int = 1, seed: int = 0) -> np.ndarray:
+    """float64 [L, 2, C]: each channel's mean diagonal Fisher information of the next-token
+    log-likelihood over ref's continuation (tune.fisher_traces' estimate, summed over the tokens
+    from ``sink`` on instead of over the channels)."""
+    L, _, T, C = ref.cache.shape
+    out = torch.zeros(L, 2, C, dtype=torch.float64)
+    for g in sampled_gradients(ref, samples, seed):
+        out += g[:, :, sink:].double().pow(2).sum(dim=2)
+    return (out / (samples * (len(ref.continuation_ids) - 1))).numpy()
 
 
 def gradient_moments(ref, rope, heads: int, samples: int = 8, sink: int = 1, seed: int = 0) -> np.ndarray:
@@ -101,35 +113,13 @@ def gradient_moments(ref, rope, heads: int, samples: int = 8, sink: int = 1, see
     rotation R's components then have the Fisher information diag(R^T G R)."""
     from cachegen_cli.methods import rope as rope_methods
 
-    model = ref.model
-    dtype = next(model.parameters()).dtype
-    data = ref.cache
-    L, _, T, C = data.shape
+    L, _, T, C = ref.cache.shape
     D = C // heads
-    leaves = [(k.requires_grad_(True), v.requires_grad_(True))
-              for k, v in evaluate.layers_from_internal(data, ref.num_kv_heads, ref.head_dim, dtype)]
-    flat = [t for kv in leaves for t in kv]
-    ids = ref.continuation_ids[:-1]
-    n = len(ids)
-    kwargs = {"input_ids": torch.tensor([ids]), "position_ids": torch.arange(T, T + n).unsqueeze(0),
-              evaluate._cache_kw(model): evaluate.make_cache(model, leaves), "use_cache": True}
-    if "cache_position" in evaluate.forward_params(model):
-        kwargs["cache_position"] = torch.arange(T, T + n)
-    for p in model.parameters():
-        p.requires_grad_(False)
     out = torch.zeros(L, 2, heads, D, D, dtype=torch.float64)
-    with torch.enable_grad():
-        logp = torch.log_softmax(model(**kwargs).logits[0].float(), dim=-1)
-        gen = torch.Generator().manual_seed(seed)
-        probs = logp.detach().exp()
-        for i in range(samples):
-            y = torch.multinomial(probs, 1, generator=gen).squeeze(1)
-            grads = torch.autograd.grad(logp[torch.arange(n), y].sum(), flat, retain_graph=i + 1 < samples)
-            g = torch.stack([torch.stack([grads[2 * l], grads[2 * l + 1]]) for l in range(L)])  # [L, 2, 1, H, T, D]
-            g = g[:, :, 0].permute(0, 1, 3, 2, 4).reshape(L, 2, T, C)
-            g = rope_methods.unturn(g, rope, sink).double()[:, :, sink:].reshape(L, 2, T - sink, heads, D)
-            out += torch.einsum("lkthc,lkthd->lkhcd", g, g)
-    return (out / (samples * n)).numpy()
+    for g in sampled_gradients(ref, samples, seed):
+        g = rope_methods.unturn(g, rope, sink).double()[:, :, sink:].reshape(L, 2, T - sink, heads, D)
+        out += torch.einsum("lkthc,lkthd->lkhcd", g, g)
+    return (out / (samples * (len(ref.continuation_ids) - 1))).numpy()
 
 
 def component_fisher(R: np.ndarray, G: np.ndarray) -> np.ndarray:
@@ -168,6 +158,17 @@ def spread(log) -> None:
         print(f"| {name} | {np.median(r[:, 0]):.0f}x | {np.median(r[:, 1]):.0f}x |", flush=True)
 
 
+def _row(ref, name, ctx, variant, scale, decoded, bits, lm, log) -> dict:
+    """One result row (the decoded cache scored against ref's continuation), logged."""
+    s = evaluate.score(ref, decoded.to(ref.cache.dtype))
+    row = dict(text=name, context=ctx, schedule=variant, step_scale=scale, bits_per_value=bits / ref.cache.numel(),
+               kl=s["kl_mean"], top1=s["top1_agreement"], **lm)
+    log(f"# {name} {ctx} {variant} x{scale:g}: {row['bits_per_value']:.3f} bits "
+        f"({row['bits_per_value'] / lm['lmcache_bits_per_value']:.3f} of LMCache) KL {row['kl']:.2e} "
+        f"({row['kl'] / lm['lmcache_kl']:.2f} of LMCache) top1 {row['top1']:.3f}")
+    return row
+
+
 def measure(scales, gammas, log) -> list[dict]:
     model, tok = capture.load_model(capture.find_default_model())
     refs = rope_gain.references(model, tok, [1024, 4096], preset_targets.CONTINUATION, preset_targets.texts())
@@ -201,14 +202,7 @@ def measure(scales, gammas, log) -> list[dict]:
                 blob = cg.encode(xs.reshape(L, 2, T, ref.num_kv_heads, ref.head_dim), quantization=cfg,
                                  chunk_tokens=CT, device="cpu")
                 dec = evaluate.tensors_to_internal(cg.decode(blob, device="cpu")).float() / at
-                s = evaluate.score(ref, dec.to(ref.cache.dtype))
-                row = dict(text=name, context=ctx, schedule=variant, step_scale=sc,
-                           bits_per_value=8 * len(blob) / ref.cache.numel(), kl=s["kl_mean"],
-                           top1=s["top1_agreement"], **lm)
-                rows.append(row)
-                log(f"# {name} {ctx} {variant} x{sc:g}: {row['bits_per_value']:.3f} bits "
-                    f"({row['bits_per_value'] / lm['lmcache_bits_per_value']:.3f} of LMCache) KL {row['kl']:.2e} "
-                    f"({row['kl'] / lm['lmcache_kl']:.2f} of LMCache) top1 {row['top1']:.3f}")
+                rows.append(_row(ref, name, ctx, variant, sc, dec, 8 * len(blob), lm, log))
     return rows
 
 
@@ -291,14 +285,7 @@ def measure_calibrated(scales, gammas, log) -> list[dict]:
                     turned = free.contiguous().numpy()
                     rope_kernels.turn_keys(turned, rope.inv_freq, rope, 0, sink, True)
                     dec = torch.from_numpy(turned)
-                s = evaluate.score(ref, dec.to(ref.cache.dtype))
-                row = dict(text=name, context=ctx, schedule=variant, step_scale=sc,
-                           bits_per_value=(8 * len(blob) - sink_extra) / ref.cache.numel(), kl=s["kl_mean"],
-                           top1=s["top1_agreement"], **lm)
-                rows.append(row)
-                log(f"# {name} {ctx} {variant} x{sc:g}: {row['bits_per_value']:.3f} bits "
-                    f"({row['bits_per_value'] / lm['lmcache_bits_per_value']:.3f} of LMCache) KL {row['kl']:.2e} "
-                    f"({row['kl'] / lm['lmcache_kl']:.2f} of LMCache) top1 {row['top1']:.3f}")
+                rows.append(_row(ref, name, ctx, variant, sc, dec, 8 * len(blob) - sink_extra, lm, log))
     return rows
 
 

@@ -185,7 +185,7 @@ def report(rows: list[dict], factor: float, reference: str = "64:2") -> None:
     print("|---|---:|---:|---:|---:|---:|---|")
     eligible = []
     for (sched, sc), rs in tables.items():
-        page = [r for r in rs if preset_targets._is_page(r)]
+        page = [r for r in rs if preset_targets._is_page(r)] or rs  # no page cache scored: the rule on all
         bits = sum(r["bits_per_value"] for r in page) / len(page)
         worst = max(r["kl"] / r["lmcache_kl"] for r in page)
         ok = worst <= factor
