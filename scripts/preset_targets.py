@@ -337,6 +337,17 @@ def meets_bar(rows: list[dict]) -> bool:
                and r["bits_per_value"] <= 0.35 * r["lmcache_bits_per_value"] for r in rows)
 
 
+def page_standing(rows: list[dict], all_without_page: bool = False) -> tuple[int, float, float] | None:
+    """(page caches, their mean bits/value, their largest KL / LMCache's KL) of one table's rows:
+    what the rule fixed before the held-out rows are read looks at; without a page cache None, or
+    with ``all_without_page`` the same of every row."""
+    page = [r for r in rows if _is_page(r)] or (list(rows) if all_without_page else [])
+    if not page:
+        return None
+    return (len(page), sum(r["bits_per_value"] for r in page) / len(page),
+            max(r["kl"] / r["lmcache_kl"] for r in page))
+
+
 def choose_against_lmcache(rows: list[dict], factor: float) -> None:
     """The rule fixed before the held-out texts' rows are read: among the (quality, variant,
     scale) tables, those whose page caches all have KL <= factor x LMCache's KL on the same
@@ -348,14 +359,13 @@ def choose_against_lmcache(rows: list[dict], factor: float) -> None:
     print("|---|---|---:|---:|---:|---:|---|")
     eligible = []
     for (q, v, sc), rs in tables.items():
-        page = [r for r in rs if _is_page(r)]
-        if not page:
+        standing = page_standing(rs)
+        if standing is None:
             continue
-        bits = sum(r["bits_per_value"] for r in page) / len(page)
-        worst = max(r["kl"] / r["lmcache_kl"] for r in page)
+        n, bits, worst = standing
         if worst <= factor:
             eligible.append((bits, (q, v, sc)))
-        print(f"| {q} | {v} | {sc:g} | {len(page)} | {bits:.3f} | {worst:.2f} | {'yes' if worst <= factor else 'no'} |")
+        print(f"| {q} | {v} | {sc:g} | {n} | {bits:.3f} | {worst:.2f} | {'yes' if worst <= factor else 'no'} |")
     if not eligible:
         print("\nNo table meets the rule.")
     else:

@@ -185,9 +185,7 @@ def report(rows: list[dict], factor: float, reference: str = "64:2") -> None:
     print("|---|---:|---:|---:|---:|---:|---|")
     eligible = []
     for (sched, sc), rs in tables.items():
-        page = [r for r in rs if preset_targets._is_page(r)] or rs  # no page cache scored: the rule on all
-        bits = sum(r["bits_per_value"] for r in page) / len(page)
-        worst = max(r["kl"] / r["lmcache_kl"] for r in page)
+        _, bits, worst = preset_targets.page_standing(rs, all_without_page=True)
         ok = worst <= factor
         if ok:
             eligible.append((bits, (sched, sc)))

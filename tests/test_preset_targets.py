@@ -125,3 +125,13 @@ def test_flatness_table_states_the_log_spreads(pt, capsys):
     out = capsys.readouterr().out
     assert f"| small | cal+sens | 1 | 4.00x | 1.00x | {math.log(4) / 2:.2f} | 0.00 | 1.00 |" in out
     assert "LMCache's KL itself: spread 4.00x" in out
+
+
+def test_page_standing(pt):
+    rows = [dict(text="page a", bits_per_value=2.0, kl=0.02, lmcache_kl=0.05),
+            dict(text="held", bits_per_value=1.0, kl=0.09, lmcache_kl=0.1),
+            dict(text="page b", bits_per_value=1.0, kl=0.03, lmcache_kl=0.05)]
+    assert pt.page_standing(rows) == (2, 1.5, pytest.approx(0.6))
+    held = rows[1:2]
+    assert pt.page_standing(held) is None
+    assert pt.page_standing(held, all_without_page=True) == (1, 1.0, pytest.approx(0.9))

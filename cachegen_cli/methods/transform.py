@@ -182,11 +182,10 @@ def rotated_step_params(sums: np.ndarray, sumsq: np.ndarray, n: int, rint: np.nd
     offsets and steps on every golden file and sample cache tried): sums / sumsq [L, 2, C] of
     the unrotated inputs (keys without their RoPE when it is removed) over n tokens, rint the
     encoder's blocks (fixed_rotation.fixed_matrix(rot, False), float64 [L, 2, H, D, D]).  The
-    offsets are the bfloat16 of the
-    rotated means (cpu_transform.input_means32 through fixed_rotation.offset_sums); the RMS
-    is the plane's, around them (cpu_transform.rotated_offsets_rms).  ``rms_sums`` (keys coded
-    without RoPE): the key planes' RMS from the keys as they are, as step_params (their value
-    entries are not read)."""
+    offsets are the bfloat16 of the rotated means (cpu_transform.input_means32 through
+    fixed_rotation.offset_sums); the RMS is the plane's, around them
+    (cpu_transform.rotated_offsets_rms).  ``rms_sums`` (keys coded without RoPE): the key planes'
+    RMS from the keys as they are, as step_params (their value entries are not read)."""
     L, _, C = sums.shape
     means = np.empty((L, 2, C), np.float32)
     k2.input_means32(np.ascontiguousarray(sums, np.float64), int(n), means)
